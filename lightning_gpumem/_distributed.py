@@ -1,0 +1,41 @@
+"""Cross-rank reductions through ``trainer.strategy``: no ``torch.distributed`` calls scattered in callbacks.
+
+Every function here is a collective: all ranks must call it at the same point with the same number of values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import lightning.pytorch as pl
+import torch
+
+
+def gather_values(trainer: pl.Trainer, values: Sequence[float | None]) -> list[list[float | None]]:
+    """Gather ``values`` from every rank: ``result[rank][i]`` is rank ``rank``'s ``values[i]``.
+
+    ``None`` travels as NaN and comes back as ``None``. With one process, nothing is communicated.
+    """
+    if trainer.world_size <= 1:
+        return [list(values)]
+    local = torch.tensor(
+        [math.nan if v is None else float(v) for v in values],
+        dtype=torch.float64,
+        device=trainer.strategy.root_device,
+    )
+    gathered = trainer.strategy.all_gather(local)
+    rows = gathered.reshape(trainer.world_size, len(values)).cpu().tolist()
+    return [[None if math.isnan(v) else v for v in row] for row in rows]
+
+
+def max_min(rows: list[list[float | None]], column: int) -> tuple[float | None, float | None]:
+    """Largest and smallest value of ``column`` over ranks, ignoring ranks where it is ``None``.
+
+    >>> max_min([[1.0, None], [3.0, None]], 0), max_min([[1.0, None], [3.0, None]], 1)
+    ((3.0, 1.0), (None, None))
+    """
+    present = [row[column] for row in rows if row[column] is not None]
+    if not present:
+        return None, None
+    return max(present), min(present)  # type: ignore[type-var]

@@ -1,0 +1,45 @@
+"""Lightning glue for logging: which step to log at, writing to every logger, the progress bar.
+
+Lightning exposes no public way to ask "will this training batch be logged, and at which step?". Its own
+``_LoggerConnector.should_update_logs`` and loggers use ``fit_loop.epoch_loop._batches_that_stepped``; to make our
+curves line up with the user's loss curves we read the same counter. That private access lives here only
+(``batches_that_stepped``), falls back to ``trainer.global_step`` if Lightning renames it, and
+``tests/unit/test_lightning_internals.py`` fails loudly when that happens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import lightning.pytorch as pl
+
+
+def batches_that_stepped(trainer: pl.Trainer) -> int:
+    """Step number Lightning's loggers use for the current training batch."""
+    # Private: Lightning's `_TrainingEpochLoop._batches_that_stepped` (see the module docstring).
+    value = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", None)
+    return int(value) if isinstance(value, int) else int(trainer.global_step)
+
+
+def is_logging_step(trainer: pl.Trainer, every_n_steps: int) -> bool:
+    """Whether the training batch about to run (or running) is a logging step, as Lightning decides it."""
+    if every_n_steps <= 0:
+        return False
+    return (batches_that_stepped(trainer) + 1) % every_n_steps == 0 or trainer.should_stop
+
+
+def log_to_loggers(trainer: pl.Trainer, metrics: Mapping[str, float], step: int) -> None:
+    """Send ``metrics`` to every logger in ``trainer.loggers`` (loggers write on global rank zero only)."""
+    if not metrics:
+        return
+    for logger in trainer.loggers:
+        logger.log_metrics(dict(metrics), step=step)
+
+
+def show_in_progress_bar(trainer: pl.Trainer, key: str, text: str) -> None:
+    """Show ``key=text`` in the progress bar until it is replaced.
+
+    ``trainer.progress_bar_metrics`` returns the dictionary the progress bars read on refresh; writing to it costs
+    nothing per batch (``self.log`` would build a tensor and a result entry on every call, and cannot show text).
+    """
+    trainer.progress_bar_metrics[key] = text

@@ -1,0 +1,401 @@
+"""MemoryMonitor: per-batch peak memory, allocator, NVML and host memory, logged to every Lightning logger.
+
+Why peaks are read only on logging steps: resetting and reading the allocator's counters costs tens of
+microseconds, so on the other steps the callback does nothing but an integer check. The peak window is reset at
+the start of each logging batch, so the logged peak is that batch's own (forward, backward and optimizer step);
+whatever happened since the previous reset (the batches that were not logged) is folded into the running
+maximum first, so the fit-end summary still covers every batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.callbacks.callback import Callback
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from typing_extensions import override
+
+from lightning_gpumem._distributed import gather_values, max_min
+from lightning_gpumem._logging import batches_that_stepped, is_logging_step, log_to_loggers, show_in_progress_bar
+from lightning_gpumem._summary import RunMemory, format_summary
+from lightning_gpumem._units import GIB, to_gib
+from lightning_gpumem.probe import MemoryProbe, MemorySample
+
+_KEY_PREFIX = {"train": "train", "validate": "val", "test": "test", "predict": "predict"}
+# Per-rank values gathered on logging steps and logged as `<key>_max` / `<key>_min` under DDP/FSDP.
+_REDUCED = ("peak_allocated_bytes", "peak_reserved_bytes", "nvml_process_bytes", "host_rss_bytes")
+
+
+class MemoryMonitor(Callback):
+    r"""Log the memory of every training batch, validation/test/predict loop, NVML and the host.
+
+    On each logging step (every ``log_every_n_steps`` training batches, Lightning's setting by default) the peak
+    counters are reset at batch start and read at batch end, so ``*_peak_*`` is the peak of that batch alone.
+    Validation, test and predict report the peak over the whole loop when it ends. Under DDP/FSDP every rank
+    measures and the peaks are also logged as cross-rank ``_max``/``_min``. At fit end a summary table with advice
+    is printed on rank zero. On a machine without an accelerator only host memory is logged.
+
+    **Logged metrics** (GiB unless stated; ``<stage>`` is ``train`` on logging steps, ``val``/``test``/``predict``
+    at the end of those loops):
+
+    ==========================================  ============================================================
+    Key                                         Meaning
+    ==========================================  ============================================================
+    ``gpumem/<stage>_peak_allocated_gib``       peak memory held by tensors in the batch (or loop)
+    ``gpumem/<stage>_peak_reserved_gib``        peak memory held by the caching allocator in it
+    ``gpumem/<stage>_allocated_gib``            memory held by tensors at its end
+    ``gpumem/<stage>_reserved_gib``             memory held by the caching allocator at its end
+    ``gpumem/inactive_split_gib``               cached memory in split blocks (fragmentation)
+    ``gpumem/alloc_retries``                    count of cudaMalloc retries after a cache flush, cumulative
+    ``gpumem/ooms``                             count of out-of-memory errors raised, cumulative
+    ``gpumem/nvml_used_gib``                    device memory used by all processes (``nvidia-smi``)
+    ``gpumem/nvml_total_gib``                   device memory (MIG instance under MIG)
+    ``gpumem/nvml_process_gib``                 device memory NVML attributes to this process
+    ``gpumem/non_torch_gib``                    ``nvml_process`` minus reserved: CUDA context, NCCL, cuBLAS
+    ``gpumem/gpu_util_pct``                     GPU utilisation in percent (NVML)
+    ``gpumem/host_rss_gib``                     host resident memory of this process
+    ``gpumem/host_available_gib``               host memory available
+    ``gpumem/train_peak_allocated_gib_max``     (DDP/FSDP) the same over ranks, also ``_min``; likewise for
+                                                ``train_peak_reserved``, ``nvml_process``, ``host_rss``
+    ``gpumem/allocator/<stat>``                 (``verbose=True``) every allocator statistic, raw value
+    ==========================================  ============================================================
+
+    Un-suffixed keys are rank zero's values. The device-wide keys (allocator counters, NVML, host) are logged
+    with the training keys, and at the end of a stand-alone ``validate``/``test``/``predict`` run. The progress bar
+    shows the last logged batch's peak against the device: ``mem=12.3/139.8 GiB``.
+
+    Args:
+        log_every_n_steps: log every this many training batches; ``None`` uses ``Trainer(log_every_n_steps=...)``.
+        verbose: also log the allocator's full statistics dictionary (~120 keys) on each logging step.
+        nvml: read NVML (``nvidia-smi``'s numbers, this process's use, utilisation) on logging steps.
+        host: read host memory (``psutil``) on logging steps.
+        progress_bar: show the last logged peak in the progress bar as ``mem``.
+        summary: print a summary table with advice on rank zero at fit end.
+
+    Raises:
+        ValueError: if ``log_every_n_steps`` is not a positive integer or ``None``.
+        TypeError: if a flag is not a ``bool``.
+
+    Example::
+
+        from lightning import Trainer
+        from lightning_gpumem import MemoryMonitor
+
+        trainer = Trainer(callbacks=[MemoryMonitor()], log_every_n_steps=10)
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        verbose: bool = False,
+        nvml: bool = True,
+        host: bool = True,
+        progress_bar: bool = True,
+        summary: bool = True,
+    ) -> None:
+        if log_every_n_steps is not None and (
+            isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
+        ):
+            raise ValueError(
+                f"`MemoryMonitor(log_every_n_steps={log_every_n_steps!r})` is not valid."
+                " Expected a positive integer, or None to use the Trainer's `log_every_n_steps`."
+            )
+        for name, value in (
+            ("verbose", verbose),
+            ("nvml", nvml),
+            ("host", host),
+            ("progress_bar", progress_bar),
+            ("summary", summary),
+        ):
+            if not isinstance(value, bool):
+                raise TypeError(f"`MemoryMonitor({name}={value!r})` is not valid. Expected True or False.")
+        self._log_every_n_steps = log_every_n_steps
+        self._verbose = verbose
+        self._nvml = nvml
+        self._host = host
+        self._progress_bar = progress_bar
+        self._summary = summary
+
+        self._probe: MemoryProbe | None = None
+        self._every_n = 0
+        self._logging_batch = False
+        self._train_active = False
+        self._announced = False
+        self._total_bytes: int | None = None
+        self._peaks: dict[str, tuple[int | None, int | None]] = {}  # stage: (allocated, reserved), bytes
+        self._maxima: dict[str, int | None] = {"non_torch_bytes": None, "host_rss_bytes": None}
+        self._last_sample: MemorySample | None = None
+        self.summary_text: str | None = None
+        """The fit-end summary as printed (on rank zero), ``None`` before the end of a fit."""
+
+    @property
+    def peaks(self) -> dict[str, tuple[int | None, int | None]]:
+        """Running maxima per stage (``"train"``, ``"validate"``, ...): ``(peak allocated, peak reserved)`` bytes."""
+        return dict(self._peaks)
+
+    @property
+    def last_sample(self) -> MemorySample | None:
+        """The most recent sample this rank logged."""
+        return self._last_sample
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        device = trainer.strategy.root_device
+        if self._probe is None or self._probe.device != device:
+            self._probe = self._make_probe(device)
+            self._total_bytes = self._probe.total_bytes()
+        self._every_n = self._log_every_n_steps or trainer.log_every_n_steps
+        if self._announced:
+            return
+        self._announced = True
+        if not self._probe.has_allocator:
+            rank_zero_info(f"MemoryMonitor: no accelerator memory to read on `{device}`; logging host memory only.")
+        if not trainer.loggers:
+            rank_zero_warn(
+                "MemoryMonitor: the Trainer has no logger (`logger=False`); memory is shown in the progress bar"
+                " and the fit-end summary only."
+            )
+
+    def _make_probe(self, device: torch.device) -> MemoryProbe:
+        """Create the probe for ``device`` (tests override this to inject a fake sample source)."""
+        return MemoryProbe(device, nvml=self._nvml, host=self._host)
+
+    # ------------------------------------------------------------------ training
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._train_active = True
+        self._require_probe().reset_peaks()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._logging_batch = is_logging_step(trainer, self._every_n)
+        if self._logging_batch:
+            self._fold_window("train")  # the batches since the last reset, not logged but part of the maximum
+            self._require_probe().reset_peaks()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._logging_batch:
+            return
+        self._logging_batch = False
+        self._measure_and_log(trainer, "train", device_wide=True)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._fold_window("train")
+        self._train_active = False
+
+    # ------------------------------------------------------------------ evaluation loops
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start_loop()
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end_loop(trainer, "validate")
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start_loop()
+
+    @override
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end_loop(trainer, "test")
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start_loop()
+
+    @override
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end_loop(trainer, "predict")
+
+    def _start_loop(self) -> None:
+        if self._train_active:
+            self._fold_window("train")
+        self._require_probe().reset_peaks()
+
+    def _end_loop(self, trainer: pl.Trainer, stage: str) -> None:
+        probe = self._require_probe()
+        if trainer.sanity_checking:
+            probe.reset_peaks()
+            return
+        # Device-wide keys go with the training keys during fit; a stand-alone evaluation logs them here.
+        self._measure_and_log(trainer, stage, device_wide=trainer.state.fn != "fit")
+        probe.reset_peaks()
+
+    # ------------------------------------------------------------------ summary and state
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        run = self._gather_run(trainer)  # collective: every rank calls it
+        if not self._summary or not trainer.is_global_zero:
+            return
+        self.summary_text = format_summary(run)
+        rank_zero_info(self.summary_text)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "peaks": {stage: list(values) for stage, values in self._peaks.items()},
+            "maxima": dict(self._maxima),
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for stage, (allocated, reserved) in state_dict.get("peaks", {}).items():
+            self._update_peak(stage, allocated, reserved)
+        for key, value in state_dict.get("maxima", {}).items():
+            self._update_max(key, value)
+
+    # ------------------------------------------------------------------ helpers
+    def _require_probe(self) -> MemoryProbe:
+        if self._probe is None:
+            raise RuntimeError("MemoryMonitor was used before `setup`; add it to `Trainer(callbacks=[...])`.")
+        return self._probe
+
+    def _fold_window(self, stage: str) -> None:
+        """Add the peaks since the last reset to ``stage``'s running maximum."""
+        probe = self._require_probe()
+        if probe.has_allocator:
+            self._update_peak(stage, *probe.read_peaks())
+
+    def _update_peak(self, stage: str, allocated: int | None, reserved: int | None) -> None:
+        old_allocated, old_reserved = self._peaks.get(stage, (None, None))
+        self._peaks[stage] = (_max(old_allocated, allocated), _max(old_reserved, reserved))
+
+    def _update_max(self, key: str, value: int | None) -> None:
+        self._maxima[key] = _max(self._maxima.get(key), value)
+
+    def _measure_and_log(self, trainer: pl.Trainer, stage: str, device_wide: bool) -> None:
+        probe = self._require_probe()
+        sample = probe.read(nvml=self._nvml, host=self._host)
+        self._last_sample = sample
+        if probe.has_allocator:
+            self._update_peak(stage, sample.peak_allocated_bytes, sample.peak_reserved_bytes)
+        self._update_max("non_torch_bytes", sample.non_torch_bytes)
+        self._update_max("host_rss_bytes", sample.host_rss_bytes)
+
+        prefix = _KEY_PREFIX[stage]
+        metrics = _stage_metrics(prefix, sample) if probe.has_allocator else {}
+        if device_wide:
+            metrics.update(_device_wide_metrics(sample))
+            if self._verbose:
+                metrics.update({f"gpumem/allocator/{k}": float(v) for k, v in probe.allocator_stats().items()})
+        if trainer.world_size > 1:  # collective: every rank reaches this point on the same steps
+            rows = gather_values(trainer, [getattr(sample, name) for name in _REDUCED])
+            for column, name in enumerate(_REDUCED):
+                key = _reduced_key(prefix, name)
+                if key is None or (name.startswith("peak") and not probe.has_allocator):
+                    continue
+                high, low = max_min(rows, column)
+                if high is not None and low is not None:
+                    metrics[f"{key}_max"] = high / GIB
+                    metrics[f"{key}_min"] = low / GIB
+        if trainer.is_global_zero:
+            log_to_loggers(trainer, metrics, step=batches_that_stepped(trainer))
+            if self._progress_bar and stage == "train":
+                show_in_progress_bar(trainer, "mem", self._progress_text(sample))
+
+    def _progress_text(self, sample: MemorySample) -> str:
+        if sample.peak_allocated_bytes is None:
+            return f"rss {sample.host_rss_bytes / GIB:.1f} GiB" if sample.host_rss_bytes is not None else "n/a"
+        total = sample.nvml_total_bytes or self._total_bytes
+        shown = f"{sample.peak_allocated_bytes / GIB:.1f}"
+        return f"{shown}/{total / GIB:.1f} GiB" if total else f"{shown} GiB"
+
+    def _gather_run(self, trainer: pl.Trainer) -> RunMemory:
+        probe = self._require_probe()
+        stages = list(_KEY_PREFIX)
+        last = self._last_sample or MemorySample()
+        values: list[float | None] = []
+        for stage in stages:
+            values.extend(self._peaks.get(stage, (None, None)))
+        values += [
+            self._maxima.get("non_torch_bytes"),
+            self._maxima.get("host_rss_bytes"),
+            last.alloc_retries,
+            last.num_ooms,
+            last.inactive_split_bytes,
+            last.reserved_bytes,
+        ]
+        rows = gather_values(trainer, values)
+
+        def high(column: int) -> int | None:
+            value = max_min(rows, column)[0]
+            return None if value is None else int(value)
+
+        peaks = {
+            stage: (high(2 * i), high(2 * i + 1))
+            for i, stage in enumerate(stages)
+            if self._peaks.get(stage) is not None
+        }
+        n = 2 * len(stages)
+        return RunMemory(
+            device_name=probe.device_name if probe.device.type == "cpu" else f"{probe.device_name} ({probe.device})",
+            total_bytes=last.nvml_total_bytes or self._total_bytes,
+            stage_peaks=peaks,
+            max_non_torch_bytes=high(n),
+            max_host_rss_bytes=high(n + 1),
+            alloc_retries=high(n + 2),
+            num_ooms=high(n + 3),
+            max_inactive_split_bytes=high(n + 4),
+            max_reserved_bytes=high(n + 5),
+            world_size=trainer.world_size,
+        )
+
+
+def _max(a: int | None, b: int | None) -> int | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return max(a, b)
+
+
+def _stage_metrics(prefix: str, sample: MemorySample) -> dict[str, float]:
+    pairs = {
+        f"gpumem/{prefix}_peak_allocated_gib": sample.peak_allocated_bytes,
+        f"gpumem/{prefix}_peak_reserved_gib": sample.peak_reserved_bytes,
+        f"gpumem/{prefix}_allocated_gib": sample.allocated_bytes,
+        f"gpumem/{prefix}_reserved_gib": sample.reserved_bytes,
+    }
+    return {key: value / GIB for key, value in pairs.items() if value is not None}
+
+
+def _device_wide_metrics(sample: MemorySample) -> dict[str, float]:
+    gib = {
+        "gpumem/inactive_split_gib": to_gib(sample.inactive_split_bytes),
+        "gpumem/nvml_used_gib": to_gib(sample.nvml_used_bytes),
+        "gpumem/nvml_total_gib": to_gib(sample.nvml_total_bytes),
+        "gpumem/nvml_process_gib": to_gib(sample.nvml_process_bytes),
+        "gpumem/non_torch_gib": to_gib(sample.non_torch_bytes),
+        "gpumem/host_rss_gib": to_gib(sample.host_rss_bytes),
+        "gpumem/host_available_gib": to_gib(sample.host_available_bytes),
+    }
+    counts = {
+        "gpumem/alloc_retries": sample.alloc_retries,
+        "gpumem/ooms": sample.num_ooms,
+        "gpumem/gpu_util_pct": sample.gpu_util_pct,
+    }
+    merged = {**gib, **counts}
+    return {key: float(value) for key, value in merged.items() if value is not None}
+
+
+def _reduced_key(prefix: str, name: str) -> str | None:
+    if name == "peak_allocated_bytes":
+        return f"gpumem/{prefix}_peak_allocated_gib"
+    if name == "peak_reserved_bytes":
+        return f"gpumem/{prefix}_peak_reserved_gib"
+    if name == "nvml_process_bytes":
+        return "gpumem/nvml_process_gib"
+    if name == "host_rss_bytes":
+        return "gpumem/host_rss_gib"
+    return None

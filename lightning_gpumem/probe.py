@@ -1,0 +1,224 @@
+"""The one reader of the hardware: allocator counters, NVML and host memory, as a :class:`MemorySample`.
+
+Everything else in the package receives samples and never touches ``torch.cuda``, ``torch.accelerator``, NVML or
+``psutil`` itself, so the callbacks can be tested on CPU with a fake probe and a new backend is a matter of this
+module.
+
+Why the CUDA path reads ``torch.cuda.memory_stats_as_nested_dict``: ``torch.cuda.memory_stats`` and
+``torch.accelerator.memory_stats`` build the same C++ statistics and then flatten and sort ~120 keys in Python,
+which costs several times more than the nested read (``benchmarks/monitor_overhead.py`` measures all three).
+Other accelerators (XPU, MPS, ...) go through ``torch.accelerator`` where the installed torch has it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+from lightning_gpumem._nvml import NvmlDevice, NvmlReading
+
+try:
+    import psutil
+except ImportError:  # pragma: no cover - psutil is a declared dependency
+    psutil = None
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    """One reading of device and host memory. Sizes are in bytes; a field is ``None`` where its source is absent.
+
+    Attributes:
+        allocated_bytes: memory held by live tensors (caching allocator).
+        reserved_bytes: memory the caching allocator holds from the driver (allocated + cached).
+        peak_allocated_bytes: highest ``allocated_bytes`` since the last :meth:`MemoryProbe.reset_peaks`.
+        peak_reserved_bytes: highest ``reserved_bytes`` since the last reset.
+        alloc_retries: cumulative count of failed driver allocations that flushed the cache and retried.
+        num_ooms: cumulative count of out-of-memory errors raised by the allocator.
+        inactive_split_bytes: cached memory in split blocks that cannot serve large requests (fragmentation).
+        nvml_used_bytes: device memory used by all processes, as ``nvidia-smi`` shows it.
+        nvml_total_bytes: device memory (of the MIG instance, under MIG).
+        nvml_process_bytes: device memory NVML attributes to this process (CUDA context included).
+        gpu_util_pct: GPU utilisation in percent, NVML's last sample period.
+        host_rss_bytes: resident memory of this process on the host.
+        host_available_bytes: host memory available to new allocations.
+    """
+
+    allocated_bytes: int | None = None
+    reserved_bytes: int | None = None
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    alloc_retries: int | None = None
+    num_ooms: int | None = None
+    inactive_split_bytes: int | None = None
+    nvml_used_bytes: int | None = None
+    nvml_total_bytes: int | None = None
+    nvml_process_bytes: int | None = None
+    gpu_util_pct: float | None = None
+    host_rss_bytes: int | None = None
+    host_available_bytes: int | None = None
+
+    @property
+    def non_torch_bytes(self) -> int | None:
+        """Device memory of this process outside PyTorch's allocator (CUDA context, NCCL, cuBLAS), in bytes.
+
+        NVML's per-process use minus the allocator's reserved memory, floored at zero; ``None`` if either is absent.
+
+        >>> MemorySample(reserved_bytes=6, nvml_process_bytes=10).non_torch_bytes
+        4
+        """
+        if self.nvml_process_bytes is None or self.reserved_bytes is None:
+            return None
+        return max(self.nvml_process_bytes - self.reserved_bytes, 0)
+
+    def as_dict(self) -> dict[str, float | None]:
+        """All fields and ``non_torch_bytes`` as a plain dictionary."""
+        out: dict[str, float | None] = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["non_torch_bytes"] = self.non_torch_bytes
+        return out
+
+
+class MemoryProbe:
+    """Reads a :class:`MemorySample` for one device.
+
+    Args:
+        device: the device to watch; ``cpu`` gives host fields only.
+        nvml: read NVML (CUDA only). Off or failing, the NVML fields are ``None``.
+        host: read host memory with ``psutil``.
+
+    Example:
+        >>> probe = MemoryProbe(torch.device("cpu"))
+        >>> probe.has_allocator, probe.read().host_rss_bytes > 0
+        (False, True)
+    """
+
+    def __init__(self, device: torch.device, *, nvml: bool = True, host: bool = True) -> None:
+        self.device = device
+        self.has_allocator = _has_allocator_stats(device)
+        self._accelerator_api = device.type != "cuda" and _accelerator_memory_api() is not None
+        self._nvml: NvmlDevice | None = None
+        if nvml and device.type == "cuda":
+            uuid = getattr(torch.cuda.get_device_properties(_index(device)), "uuid", None)
+            self._nvml = NvmlDevice.open(str(uuid)) if uuid is not None else None
+        self._process = psutil.Process() if host and psutil is not None else None
+        self._stats_failed = False
+
+    @property
+    def device_name(self) -> str:
+        """Human-readable device name (``"NVIDIA H200"``, ``"cpu"``)."""
+        if self.device.type == "cuda":
+            return torch.cuda.get_device_name(_index(self.device))
+        return self.device.type
+
+    def total_bytes(self) -> int | None:
+        """Memory of the device in bytes (the MIG instance's under MIG), ``None`` on CPU."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.get_device_properties(_index(self.device)).total_memory)
+        if self._accelerator_api:
+            try:
+                return int(torch.accelerator.get_memory_info(_index(self.device))[1])
+            except Exception:
+                return None
+        return None
+
+    def reset_peaks(self) -> None:
+        """Start a new peak window: ``peak_*`` of later samples cover only what happens from now on."""
+        if not self.has_allocator:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self._accelerator_api:
+            torch.accelerator.reset_peak_memory_stats(_index(self.device))
+
+    def read_peaks(self) -> tuple[int | None, int | None]:
+        """Peak allocated and peak reserved bytes since the last reset (cheaper than :meth:`read`)."""
+        stats = self._stats()
+        return _stat(stats, "allocated_bytes.all.peak"), _stat(stats, "reserved_bytes.all.peak")
+
+    def read(self, *, nvml: bool = True, host: bool = True) -> MemorySample:
+        """Read everything this probe can see."""
+        stats = self._stats()
+        reading = self._nvml.read() if nvml and self._nvml is not None else NvmlReading()
+        rss = available = None
+        if host and self._process is not None:
+            rss = int(self._process.memory_info().rss)
+            available = int(psutil.virtual_memory().available)
+        return MemorySample(
+            allocated_bytes=_stat(stats, "allocated_bytes.all.current"),
+            reserved_bytes=_stat(stats, "reserved_bytes.all.current"),
+            peak_allocated_bytes=_stat(stats, "allocated_bytes.all.peak"),
+            peak_reserved_bytes=_stat(stats, "reserved_bytes.all.peak"),
+            alloc_retries=_stat(stats, "num_alloc_retries"),
+            num_ooms=_stat(stats, "num_ooms"),
+            inactive_split_bytes=_stat(stats, "inactive_split_bytes.all.current"),
+            nvml_used_bytes=reading.used_bytes,
+            nvml_total_bytes=reading.total_bytes,
+            nvml_process_bytes=reading.process_bytes,
+            gpu_util_pct=reading.gpu_util_pct,
+            host_rss_bytes=rss,
+            host_available_bytes=available,
+        )
+
+    def allocator_stats(self) -> dict[str, int]:
+        """The allocator's full statistics, flattened (``"allocated_bytes.all.peak"``: value); empty on CPU."""
+        if not self.has_allocator:
+            return {}
+        flat: dict[str, int] = {}
+        _flatten("", self._stats(), flat)
+        return flat
+
+    def _stats(self) -> Mapping[str, Any]:
+        if not self.has_allocator or self._stats_failed:
+            return {}
+        try:
+            if self.device.type == "cuda":
+                return torch.cuda.memory_stats_as_nested_dict(self.device)
+            return torch.accelerator.memory_stats(_index(self.device))
+        except Exception as err:  # e.g. a backend whose allocator keeps no statistics
+            self._stats_failed = True
+            rank_zero_warn(f"lightning_gpumem: allocator statistics unavailable on {self.device} ({err!r}).")
+            return {}
+
+
+def _index(device: torch.device) -> int:
+    if device.index is not None:
+        return device.index
+    if device.type == "cuda":
+        return torch.cuda.current_device()
+    return torch.accelerator.current_device_index()
+
+
+def _accelerator_memory_api() -> Any:
+    accelerator = getattr(torch, "accelerator", None)
+    return accelerator if accelerator is not None and hasattr(accelerator, "memory_stats") else None
+
+
+def _has_allocator_stats(device: torch.device) -> bool:
+    if device.type == "cpu":
+        return False
+    if device.type == "cuda":
+        return torch.cuda.is_available()
+    return _accelerator_memory_api() is not None
+
+
+def _stat(stats: Mapping[str, Any], key: str) -> int | None:
+    """Read ``"a.b.c"`` from flat (``torch.accelerator``) or nested (``torch.cuda``) statistics."""
+    if key in stats:
+        return int(stats[key])
+    node: Any = stats
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return int(node)
+
+
+def _flatten(prefix: str, node: Any, out: dict[str, int]) -> None:
+    if isinstance(node, Mapping):
+        for key, value in node.items():
+            _flatten(f"{prefix}.{key}" if prefix else str(key), value, out)
+    else:
+        out[prefix] = int(node)
