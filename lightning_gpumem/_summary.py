@@ -64,9 +64,7 @@ def advice(run: RunMemory) -> list[str]:
                 " precision='bf16-mixed' or activation checkpointing."
             )
         elif share < LARGE_HEADROOM_FRACTION:
-            lines.append(
-                f"peak reserved is only {share:.0%} of the device: a larger batch size would likely fit."
-            )
+            lines.append(f"peak reserved is only {share:.0%} of the device: a larger batch size would likely fit.")
     return lines
 
 

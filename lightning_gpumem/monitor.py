@@ -148,7 +148,7 @@ class MemoryMonitor(Callback):
         if self._probe is None or self._probe.device != device:
             self._probe = self._make_probe(device)
             self._total_bytes = self._probe.total_bytes()
-        self._every_n = self._log_every_n_steps or trainer.log_every_n_steps
+        self._every_n = self._log_every_n_steps or trainer.log_every_n_steps  # type: ignore[attr-defined]
         if self._announced:
             return
         self._announced = True

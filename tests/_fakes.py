@@ -1,0 +1,121 @@
+"""A fake memory source and helpers shared by the tests: allocator logic tested on CPU with known numbers."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from lightning_gpumem import MemoryMonitor
+from lightning_gpumem._units import GIB, MIB
+from lightning_gpumem.probe import MemorySample
+
+
+class FakeProbe:
+    """Mimics the caching allocator's counters: allocations move `allocated`, peaks follow until reset."""
+
+    device_name = "FakeGPU"
+
+    def __init__(self, base: int = GIB, total: int = 24 * GIB, retries: int = 0, inactive_split: int = 0) -> None:
+        self.device = torch.device("cpu")
+        self.has_allocator = True
+        self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = base
+        self.total = total
+        self.retries = retries
+        self.inactive_split = inactive_split
+        self.resets = 0
+        self.reads = 0
+
+    def total_bytes(self) -> int:
+        return self.total
+
+    def allocate(self, n: int) -> None:
+        self.allocated += n
+        self.reserved = max(self.reserved, self.allocated)
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+
+    def free(self, n: int) -> None:
+        self.allocated -= n
+
+    def spike(self, n: int) -> None:
+        self.allocate(n)
+        self.free(n)
+
+    def reset_peaks(self) -> None:
+        self.resets += 1
+        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
+
+    def read_peaks(self) -> tuple[int, int]:
+        return self.peak_allocated, self.peak_reserved
+
+    def read(self, *, nvml: bool = True, host: bool = True) -> MemorySample:
+        self.reads += 1
+        return MemorySample(
+            allocated_bytes=self.allocated,
+            reserved_bytes=self.reserved,
+            peak_allocated_bytes=self.peak_allocated,
+            peak_reserved_bytes=self.peak_reserved,
+            alloc_retries=self.retries,
+            num_ooms=0,
+            inactive_split_bytes=self.inactive_split,
+            nvml_used_bytes=self.reserved + 500 * MIB if nvml else None,
+            nvml_total_bytes=self.total if nvml else None,
+            nvml_process_bytes=self.reserved + 300 * MIB if nvml else None,
+            gpu_util_pct=50.0 if nvml else None,
+            host_rss_bytes=2 * GIB if host else None,
+            host_available_bytes=20 * GIB if host else None,
+        )
+
+    def allocator_stats(self) -> dict[str, int]:
+        return {"allocated_bytes.all.current": self.allocated, "num_alloc_retries": self.retries}
+
+
+class FakeMonitor(MemoryMonitor):
+    """MemoryMonitor reading a FakeProbe instead of the hardware."""
+
+    def __init__(self, probe: FakeProbe, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.fake = probe
+
+    def _make_probe(self, device: torch.device) -> FakeProbe:  # type: ignore[override]
+        return self.fake
+
+
+class SpikeModel(BoringModel):
+    """BoringModel whose steps make the fake allocator spike: `train_spikes[global_step]` bytes, etc."""
+
+    def __init__(self, probe: FakeProbe, train_spikes: dict[int, int] | None = None, val_spike: int = 0) -> None:
+        super().__init__()
+        self.fake = probe
+        self.train_spikes = train_spikes or {}
+        self.val_spike = val_spike
+
+    def training_step(self, batch, batch_idx):
+        self.fake.spike(self.train_spikes.get(self.global_step, 0))
+        out = super().training_step(batch, batch_idx)
+        self.log("loss", out["loss"])
+        return out
+
+    def validation_step(self, batch, batch_idx):
+        self.fake.spike(self.val_spike)
+        return super().validation_step(batch, batch_idx)
+
+    def test_step(self, batch, batch_idx):
+        self.fake.spike(self.val_spike)
+        return super().test_step(batch, batch_idx)
+
+
+def read_csv_metrics(log_dir: str | Path) -> list[dict[str, str]]:
+    """Rows of the newest CSVLogger metrics.csv under log_dir."""
+    paths = sorted(Path(log_dir).rglob("metrics.csv"))
+    assert paths, f"no metrics.csv under {log_dir}"
+    with open(paths[-1]) as f:
+        return list(csv.DictReader(f))
+
+
+def column(rows: list[dict[str, str]], key: str) -> dict[int, float]:
+    """`{step: value}` for the rows where `key` has a value."""
+    return {int(r["step"]): float(r[key]) for r in rows if r.get(key) not in (None, "")}

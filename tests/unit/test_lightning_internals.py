@@ -1,0 +1,37 @@
+"""Breaks loudly when a Lightning upgrade changes the internals `_logging.py` relies on."""
+
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from lightning_gpumem._logging import batches_that_stepped, is_logging_step
+
+
+def test_batches_that_stepped_is_the_step_lightning_logs_at(tmp_path):
+    seen = []
+
+    class Spy(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            # the private counter must exist: the fallback (global_step) is only a safety net
+            assert isinstance(trainer.fit_loop.epoch_loop._batches_that_stepped, int)
+            seen.append((batches_that_stepped(trainer), is_logging_step(trainer, 2)))
+
+    trainer = Trainer(
+        max_steps=4,
+        callbacks=[Spy()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        accumulate_grad_batches=1,
+    )
+    trainer.fit(BoringModel())
+    assert [step for step, _ in seen] == [0, 1, 2, 3]
+    assert [flag for _, flag in seen[:3]] == [False, True, False]
+
+
+def test_progress_bar_metrics_is_a_persistent_dict(tmp_path):
+    trainer = Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_model_summary=False)
+    trainer.fit(BoringModel())
+    trainer.progress_bar_metrics["mem"] = "1.0/2.0 GiB"
+    assert trainer.progress_bar_metrics["mem"] == "1.0/2.0 GiB"

@@ -1,0 +1,164 @@
+"""MemoryMonitor's logic with a fake allocator under a real CPU Trainer: every number is known in advance."""
+
+from __future__ import annotations
+
+import pytest
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_gpumem import MemoryMonitor
+from lightning_gpumem._units import GIB
+from tests._fakes import FakeMonitor, FakeProbe, SpikeModel, column, read_csv_metrics
+
+
+def _trainer(tmp_path, monitor, **kwargs) -> Trainer:
+    defaults = dict(
+        max_epochs=1,
+        limit_train_batches=8,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        logger=CSVLogger(tmp_path),
+        callbacks=[monitor],
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        log_every_n_steps=1,
+    )
+    defaults.update(kwargs)
+    return Trainer(**defaults)
+
+
+@pytest.mark.parametrize("value", [0, -3, 1.5, True, "10"])
+def test_log_every_n_steps_is_validated(value):
+    with pytest.raises(ValueError, match=r"MemoryMonitor\(log_every_n_steps=.*Expected a positive integer"):
+        MemoryMonitor(log_every_n_steps=value)
+
+
+@pytest.mark.parametrize("name", ["verbose", "nvml", "host", "progress_bar", "summary"])
+def test_flags_must_be_bool(name):
+    with pytest.raises(TypeError, match=rf"MemoryMonitor\({name}='yes'\).*Expected True or False"):
+        MemoryMonitor(**{name: "yes"})
+
+
+def test_peak_is_reset_every_batch(tmp_path):
+    probe = FakeProbe(base=GIB)
+    model = SpikeModel(probe, train_spikes={3: GIB})
+    _trainer(tmp_path, FakeMonitor(probe)).fit(model)
+    peaks = column(read_csv_metrics(tmp_path), "gpumem/train_peak_allocated_gib")
+    assert sorted(peaks) == list(range(8))
+    assert peaks[3] == pytest.approx(2.0)
+    assert peaks[2] == pytest.approx(1.0)
+    assert peaks[4] == pytest.approx(1.0)  # without the reset, batch 4 would still show the spike
+
+
+def test_unlogged_batches_still_count_in_the_running_maximum(tmp_path):
+    probe = FakeProbe(base=GIB)
+    model = SpikeModel(probe, train_spikes={2: 3 * GIB})
+    monitor = FakeMonitor(probe, log_every_n_steps=4)
+    _trainer(tmp_path, monitor, limit_val_batches=0).fit(model)
+    rows = read_csv_metrics(tmp_path)
+    peaks = column(rows, "gpumem/train_peak_allocated_gib")
+    assert sorted(peaks) == [3, 7]  # Lightning's own rule: (step + 1) % n == 0
+    assert max(peaks.values()) == pytest.approx(1.0)
+    assert monitor.peaks["train"][0] == 4 * GIB  # the spike of unlogged batch 2 is in the maximum
+    assert probe.reads == 2  # nothing read on the other six batches
+
+
+def test_steps_line_up_with_lightning_metrics(tmp_path):
+    probe = FakeProbe()
+    _trainer(tmp_path, FakeMonitor(probe), log_every_n_steps=3, limit_val_batches=0).fit(SpikeModel(probe))
+    rows = read_csv_metrics(tmp_path)
+    assert sorted(column(rows, "gpumem/train_peak_allocated_gib")) == sorted(column(rows, "loss")) == [2, 5]
+
+
+def test_validation_reports_the_loop_peak_and_skips_sanity_check(tmp_path):
+    probe = FakeProbe(base=GIB)
+    monitor = FakeMonitor(probe)
+    trainer = _trainer(tmp_path, monitor, max_epochs=2, limit_train_batches=3, num_sanity_val_steps=2)
+    trainer.fit(SpikeModel(probe, val_spike=2 * GIB))
+    rows = read_csv_metrics(tmp_path)
+    val = column(rows, "gpumem/val_peak_allocated_gib")
+    assert list(val.values()) == pytest.approx([3.0, 3.0])  # one value per epoch, sanity check not logged
+    assert max(column(rows, "gpumem/train_peak_allocated_gib").values()) == pytest.approx(1.0)
+    assert monitor.peaks["validate"][0] == 3 * GIB
+
+
+def test_device_wide_metrics_and_progress_bar(tmp_path):
+    probe = FakeProbe(base=2 * GIB, total=16 * GIB)
+    monitor = FakeMonitor(probe, verbose=True)
+    trainer = _trainer(tmp_path, monitor, limit_val_batches=0)
+    trainer.fit(SpikeModel(probe))
+    rows = read_csv_metrics(tmp_path)
+    last = next(r for r in reversed(rows) if r.get("gpumem/nvml_total_gib"))
+    assert float(last["gpumem/nvml_total_gib"]) == pytest.approx(16.0)
+    assert float(last["gpumem/non_torch_gib"]) == pytest.approx(300 / 1024)
+    assert float(last["gpumem/host_rss_gib"]) == pytest.approx(2.0)
+    assert float(last["gpumem/gpu_util_pct"]) == pytest.approx(50.0)
+    assert float(last["gpumem/allocator/allocated_bytes.all.current"]) == 2 * GIB
+    assert trainer.progress_bar_metrics["mem"] == "2.0/16.0 GiB"
+
+
+def test_nvml_and_host_can_be_switched_off(tmp_path):
+    probe = FakeProbe()
+    _trainer(tmp_path, FakeMonitor(probe, nvml=False, host=False), limit_val_batches=0).fit(SpikeModel(probe))
+    keys = {k for row in read_csv_metrics(tmp_path) for k, v in row.items() if v}
+    assert "gpumem/train_peak_allocated_gib" in keys
+    assert not {k for k in keys if "nvml" in k or "host" in k or "util" in k}
+
+
+def test_test_loop_logs_its_peak_and_device_wide_keys(tmp_path):
+    probe = FakeProbe(base=GIB)
+    trainer = _trainer(tmp_path, FakeMonitor(probe))
+    trainer.test(SpikeModel(probe, val_spike=GIB), verbose=False)
+    rows = read_csv_metrics(tmp_path)
+    assert list(column(rows, "gpumem/test_peak_allocated_gib").values()) == pytest.approx([2.0])
+    assert column(rows, "gpumem/nvml_used_gib")
+
+
+def test_summary_gives_advice_only_with_evidence(tmp_path):
+    probe = FakeProbe(base=14 * GIB, total=24 * GIB)  # 58% of the device, no retries: nothing to advise
+    monitor = FakeMonitor(probe)
+    _trainer(tmp_path, monitor).fit(SpikeModel(probe))
+    assert monitor.summary_text is not None
+    assert "train" in monitor.summary_text
+    assert "14.00 GiB" in monitor.summary_text
+    assert "advice" not in monitor.summary_text
+
+    probe = FakeProbe(base=23 * GIB, total=24 * GIB, retries=7)
+    monitor = FakeMonitor(probe)
+    _trainer(tmp_path, monitor).fit(SpikeModel(probe))
+    assert "7 allocator retries" in monitor.summary_text
+    assert "expandable_segments:True" in monitor.summary_text
+    assert "96% of the device" in monitor.summary_text
+
+
+def test_summary_can_be_switched_off(tmp_path):
+    probe = FakeProbe()
+    monitor = FakeMonitor(probe, summary=False)
+    _trainer(tmp_path, monitor).fit(SpikeModel(probe))
+    assert monitor.summary_text is None
+
+
+def test_no_logger_warns_once_and_still_measures(tmp_path):
+    probe = FakeProbe(base=GIB)
+    monitor = FakeMonitor(probe)
+    with pytest.warns(UserWarning, match="no logger") as record:
+        _trainer(tmp_path, monitor, logger=False).fit(SpikeModel(probe, train_spikes={1: GIB}))
+    assert sum("no logger" in str(w.message) for w in record) == 1
+    assert monitor.peaks["train"][0] == 2 * GIB
+
+
+def test_running_maxima_survive_a_checkpoint_resume(tmp_path):
+    probe = FakeProbe(base=GIB)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    trainer = _trainer(tmp_path, None, callbacks=[FakeMonitor(probe), ckpt], enable_checkpointing=True)
+    trainer.fit(SpikeModel(probe, train_spikes={2: 5 * GIB}))
+
+    fresh_probe = FakeProbe(base=GIB)
+    resumed = FakeMonitor(fresh_probe)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    trainer = _trainer(tmp_path, None, max_epochs=2, callbacks=[resumed, ckpt], enable_checkpointing=True)
+    trainer.fit(SpikeModel(fresh_probe), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert resumed.peaks["train"][0] == 6 * GIB  # from the first run; the resumed epoch peaked at 1 GiB
+    assert "6.00 GiB" in resumed.summary_text
