@@ -1,9 +1,10 @@
 """Lightning glue for logging: which step to log at, writing to every logger, the progress bar.
 
 Lightning exposes no public way to ask "will this training batch be logged, and at which step?". Its own
-``_LoggerConnector.should_update_logs`` and loggers use ``fit_loop.epoch_loop._batches_that_stepped``; to make our
-curves line up with the user's loss curves we read the same counter. That private access lives here only
-(``batches_that_stepped``), falls back to ``trainer.global_step`` if Lightning renames it, and
+``_LoggerConnector.should_update_logs`` and loggers use ``fit_loop.epoch_loop._batches_that_stepped``, and skip
+the micro-batches that only accumulate gradients (``fit_loop._should_accumulate()``); to make our curves line up
+with the user's loss curves we use the same two. That private access lives here only (``batches_that_stepped``,
+``is_accumulating``), falls back to public values if Lightning renames them, and
 ``tests/unit/test_lightning_internals.py`` fails loudly when that happens.
 """
 
@@ -28,6 +29,15 @@ def is_logging_step(trainer: pl.Trainer, every_n_steps: int) -> bool:
     return (batches_that_stepped(trainer) + 1) % every_n_steps == 0 or trainer.should_stop
 
 
+def is_accumulating(trainer: pl.Trainer) -> bool:
+    """Whether the current training batch only accumulates gradients (no optimizer step, not logged by Lightning)."""
+    # Private: Lightning's `_FitLoop._should_accumulate()` (see the module docstring).
+    should_accumulate = getattr(trainer.fit_loop, "_should_accumulate", None)
+    if should_accumulate is None or not trainer.lightning_module.automatic_optimization:
+        return False
+    return bool(should_accumulate())
+
+
 def log_to_loggers(trainer: pl.Trainer, metrics: Mapping[str, float], step: int) -> None:
     """Send ``metrics`` to every logger in ``trainer.loggers`` (loggers write on global rank zero only)."""
     if not metrics:
@@ -39,7 +49,10 @@ def log_to_loggers(trainer: pl.Trainer, metrics: Mapping[str, float], step: int)
 def show_in_progress_bar(trainer: pl.Trainer, key: str, text: str) -> None:
     """Show ``key=text`` in the progress bar until it is replaced.
 
-    ``trainer.progress_bar_metrics`` returns the dictionary the progress bars read on refresh; writing to it costs
-    nothing per batch (``self.log`` would build a tensor and a result entry on every call, and cannot show text).
+    ``trainer.progress_bar_metrics`` returns the dictionary the progress bars read on refresh (``self.log`` cannot
+    show text). Reading it converts the values logged with ``prog_bar=True`` to floats, as every progress-bar
+    refresh does anyway, so it is skipped when there is no progress bar.
     """
+    if trainer.progress_bar_callback is None:
+        return
     trainer.progress_bar_metrics[key] = text  # type: ignore[assignment]  # the bars show str values too

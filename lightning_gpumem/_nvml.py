@@ -4,7 +4,7 @@ The device is found by its UUID, never by index: CUDA device ``i`` is not NVML d
 ``CUDA_VISIBLE_DEVICES`` reordering, and a MIG instance has an NVML handle of its own (``MIG-...`` UUID) whose
 memory is the instance's, not the whole card's. Every failure (library missing, driver too old, no permission,
 process list hidden inside a container) turns the affected fields into ``None`` and is reported with one warning
-per device, never an exception: monitoring must not stop a training run.
+per failing part, after which that part is not asked again; never an exception: monitoring must not stop a training run.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class NvmlDevice:
         self._handle = handle
         self.uuid = uuid
         self._pid = os.getpid()
-        self._warned: set[str] = set()
+        self._failed: set[str] = set()  # parts that failed for good: not asked again
 
     @classmethod
     def open(cls, torch_uuid: str) -> NvmlDevice | None:
@@ -77,19 +77,22 @@ class NvmlDevice:
     def read(self) -> NvmlReading:
         """Read memory, this process's memory and utilisation; unavailable parts are ``None``."""
         used = total = process = util = None
-        try:
-            info = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
-            used, total = int(info.used), int(info.total)
-        except Exception as err:
-            self._warn_once("memory", f"NVML memory info failed ({err!r}); nvml_used/nvml_total are off.")
-        try:
-            process = self._process_bytes()
-        except Exception as err:
-            self._warn_once("process", f"NVML process list failed ({err!r}); nvml_process/non_torch are off.")
-        try:
-            util = float(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
-        except Exception as err:  # not supported on MIG instances
-            self._warn_once("util", f"NVML utilisation is not available ({err!r}); gpu_util_pct is off.")
+        if "memory" not in self._failed:
+            try:
+                info = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
+                used, total = int(info.used), int(info.total)
+            except Exception as err:
+                self._fail("memory", f"NVML memory info failed ({err!r}); nvml_used/nvml_total are off.")
+        if "process" not in self._failed:
+            try:
+                process = self._process_bytes()
+            except Exception as err:
+                self._fail("process", f"NVML process list failed ({err!r}); nvml_process/non_torch are off.")
+        if "util" not in self._failed:
+            try:
+                util = float(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
+            except Exception as err:  # not supported on MIG instances
+                self._fail("util", f"NVML utilisation is not available ({err!r}); gpu_util_pct is off.")
         return NvmlReading(used_bytes=used, total_bytes=total, process_bytes=process, gpu_util_pct=util)
 
     def _process_bytes(self) -> int | None:
@@ -98,14 +101,13 @@ class NvmlDevice:
             if proc.pid == self._pid and proc.usedGpuMemory is not None:
                 return int(proc.usedGpuMemory)
         # Inside a container NVML reports host PIDs, which do not match ours.
-        self._warn_once(
-            "pid",
+        self._fail(
+            "process",
             f"NVML lists {len(processes)} process(es) on {self.uuid} but not this one (pid {self._pid}; a container's"
             " PID namespace hides it); nvml_process/non_torch are off.",
         )
         return None
 
-    def _warn_once(self, kind: str, message: str) -> None:
-        if kind not in self._warned:
-            self._warned.add(kind)
-            rank_zero_warn(f"lightning_gpumem: {message}")
+    def _fail(self, part: str, message: str) -> None:
+        self._failed.add(part)
+        rank_zero_warn(f"lightning_gpumem: {message}")

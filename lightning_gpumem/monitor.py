@@ -1,10 +1,11 @@
 """MemoryMonitor: per-batch peak memory, allocator, NVML and host memory, logged to every Lightning logger.
 
 Why peaks are read only on logging steps: resetting and reading the allocator's counters costs tens of
-microseconds, so on the other steps the callback does nothing but an integer check. The peak window is reset at
-the start of each logging batch, so the logged peak is that batch's own (forward, backward and optimizer step);
-whatever happened since the previous reset (the batches that were not logged) is folded into the running
-maximum first, so the fit-end summary still covers every batch.
+microseconds, so on the other steps the callback does nothing but an integer check. The peak window opens
+(counters reset) at the start of each logged optimizer step and closes at its end, so the logged peak is that
+step's own: forward, backward and optimizer step, over all its micro-batches under gradient accumulation.
+Whatever happened since the previous reset (the batches that were not logged) is folded into the running
+maximum before the reset, so the fit-end summary still covers every batch.
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_gpumem._distributed import gather_values, max_min
-from lightning_gpumem._logging import batches_that_stepped, is_logging_step, log_to_loggers, show_in_progress_bar
+from lightning_gpumem._logging import (
+    batches_that_stepped,
+    is_accumulating,
+    is_logging_step,
+    log_to_loggers,
+    show_in_progress_bar,
+)
 from lightning_gpumem._summary import RunMemory, format_summary
 from lightning_gpumem._units import GIB, to_gib
 from lightning_gpumem.probe import MemoryProbe, MemorySample
@@ -121,7 +128,8 @@ class MemoryMonitor(Callback):
 
         self._probe: MemoryProbe | None = None
         self._every_n = 0
-        self._logging_batch = False
+        self._window_open = False  # the peak counters were reset for a logged optimizer step still running
+        self._just_closed = False  # the previous batch closed a window: nothing unlogged to fold since
         self._train_active = False
         self._announced = False
         self._total_bytes: int | None = None
@@ -174,24 +182,29 @@ class MemoryMonitor(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._logging_batch = is_logging_step(trainer, self._every_n)
-        if self._logging_batch:
+        if self._window_open or not is_logging_step(trainer, self._every_n):
+            self._just_closed = False
+            return
+        if not self._just_closed:
             self._fold_window("train")  # the batches since the last reset, not logged but part of the maximum
-            self._require_probe().reset_peaks()
+        self._require_probe().reset_peaks()
+        self._window_open = True
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
     ) -> None:
-        if not self._logging_batch:
+        if not self._window_open or is_accumulating(trainer):
             return
-        self._logging_batch = False
+        self._window_open = False
+        self._just_closed = True
         self._measure_and_log(trainer, "train", device_wide=True)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._fold_window("train")
         self._train_active = False
+        self._window_open = self._just_closed = False
 
     # ------------------------------------------------------------------ evaluation loops
     @override
@@ -222,6 +235,7 @@ class MemoryMonitor(Callback):
         if self._train_active:
             self._fold_window("train")
         self._require_probe().reset_peaks()
+        self._just_closed = False  # the next training window must not skip its fold
 
     def _end_loop(self, trainer: pl.Trainer, stage: str) -> None:
         probe = self._require_probe()

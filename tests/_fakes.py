@@ -87,14 +87,21 @@ class FakeMonitor(MemoryMonitor):
 class SpikeModel(BoringModel):
     """BoringModel whose steps make the fake allocator spike: `train_spikes[global_step]` bytes, etc."""
 
-    def __init__(self, probe: FakeProbe, train_spikes: dict[int, int] | None = None, val_spike: int = 0) -> None:
+    def __init__(
+        self,
+        probe: FakeProbe,
+        train_spikes: dict[int, int] | None = None,
+        val_spike: int = 0,
+        by_batch_idx: bool = False,
+    ) -> None:
         super().__init__()
         self.fake = probe
         self.train_spikes = train_spikes or {}
         self.val_spike = val_spike
+        self.by_batch_idx = by_batch_idx  # key `train_spikes` by batch_idx instead of global_step
 
     def training_step(self, batch, batch_idx):
-        self.fake.spike(self.train_spikes.get(self.global_step, 0))
+        self.fake.spike(self.train_spikes.get(batch_idx if self.by_batch_idx else self.global_step, 0))
         out = super().training_step(batch, batch_idx)
         self.log("loss", out["loss"])
         return out

@@ -31,7 +31,6 @@ def test_cpu_run_logs_host_memory_to_tensorboard_and_csv(tmp_path):
         logger=[TensorBoardLogger(tmp_path / "tb"), CSVLogger(tmp_path / "csv")],
         callbacks=[monitor],
         enable_checkpointing=False,
-        enable_progress_bar=False,
     )
     trainer.fit(BoringModel())
 

@@ -3,7 +3,7 @@
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from lightning_gpumem._logging import batches_that_stepped, is_logging_step
+from lightning_gpumem._logging import batches_that_stepped, is_accumulating, is_logging_step
 
 
 def test_batches_that_stepped_is_the_step_lightning_logs_at(tmp_path):
@@ -35,3 +35,27 @@ def test_progress_bar_metrics_is_a_persistent_dict(tmp_path):
     trainer.fit(BoringModel())
     trainer.progress_bar_metrics["mem"] = "1.0/2.0 GiB"
     assert trainer.progress_bar_metrics["mem"] == "1.0/2.0 GiB"
+
+
+def test_is_accumulating_matches_lightning_optimizer_steps():
+    seen = []
+
+    class Spy(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            assert callable(trainer.fit_loop._should_accumulate)  # private: see _logging.py
+            seen.append(is_accumulating(trainer))
+
+    trainer = Trainer(
+        max_epochs=1,
+        limit_train_batches=5,
+        limit_val_batches=0,
+        accumulate_grad_batches=2,
+        callbacks=[Spy()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(BoringModel())
+    assert seen == [True, False, True, False, False]  # Lightning steps on the final batch
+    assert trainer.global_step == 3

@@ -65,6 +65,26 @@ def test_unlogged_batches_still_count_in_the_running_maximum(tmp_path):
     assert probe.reads == 2  # nothing read on the other six batches
 
 
+def test_gradient_accumulation_logs_once_per_optimizer_step_with_its_whole_peak(tmp_path):
+    probe = FakeProbe(base=GIB)
+    model = SpikeModel(probe, train_spikes={2: GIB}, by_batch_idx=True)  # first micro-batch of step 1
+    monitor = FakeMonitor(probe)
+    _trainer(tmp_path, monitor, accumulate_grad_batches=2, limit_val_batches=0).fit(model)
+    rows = read_csv_metrics(tmp_path)
+    peaks = column(rows, "gpumem/train_peak_allocated_gib")
+    assert sorted(peaks) == sorted(column(rows, "loss")) == [0, 1, 2, 3]
+    assert sum(1 for r in rows if r.get("gpumem/train_peak_allocated_gib")) == 4
+    assert peaks == pytest.approx({0: 1.0, 1: 2.0, 2: 1.0, 3: 1.0})
+    assert probe.resets == 1 + 4  # train start, then one window per optimizer step (not per micro-batch)
+
+
+def test_progress_bar_is_left_alone_without_a_progress_bar(tmp_path):
+    probe = FakeProbe()
+    trainer = _trainer(tmp_path, FakeMonitor(probe), limit_val_batches=0)
+    trainer.fit(SpikeModel(probe))
+    assert "mem" not in trainer.progress_bar_metrics
+
+
 def test_steps_line_up_with_lightning_metrics(tmp_path):
     probe = FakeProbe()
     _trainer(tmp_path, FakeMonitor(probe), log_every_n_steps=3, limit_val_batches=0).fit(SpikeModel(probe))
@@ -87,7 +107,7 @@ def test_validation_reports_the_loop_peak_and_skips_sanity_check(tmp_path):
 def test_device_wide_metrics_and_progress_bar(tmp_path):
     probe = FakeProbe(base=2 * GIB, total=16 * GIB)
     monitor = FakeMonitor(probe, verbose=True)
-    trainer = _trainer(tmp_path, monitor, limit_val_batches=0)
+    trainer = _trainer(tmp_path, monitor, limit_val_batches=0, enable_progress_bar=True)
     trainer.fit(SpikeModel(probe))
     rows = read_csv_metrics(tmp_path)
     last = next(r for r in reversed(rows) if r.get("gpumem/nvml_total_gib"))
