@@ -144,8 +144,12 @@ class MemoryProbe:
         reading = self._nvml.read() if nvml and self._nvml is not None else NvmlReading()
         rss = available = None
         if host and self._process is not None:
-            rss = int(self._process.memory_info().rss)
-            available = int(psutil.virtual_memory().available)
+            try:
+                rss = int(self._process.memory_info().rss)
+                available = int(psutil.virtual_memory().available)
+            except Exception as err:  # psutil.AccessDenied in some sandboxes
+                self._process = None
+                rank_zero_warn(f"lightning_gpumem: host memory unavailable ({err!r}); host_* metrics are off.")
         return MemorySample(
             allocated_bytes=_stat(stats, "allocated_bytes.all.current"),
             reserved_bytes=_stat(stats, "reserved_bytes.all.current"),

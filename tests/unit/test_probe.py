@@ -139,3 +139,19 @@ def test_hidden_pid_and_unsupported_util_warn_once_each(monkeypatch):
     assert len(messages) == 2, messages
     assert any("not this one" in m for m in messages)
     assert any("NOT_SUPPORTED" in m for m in messages)
+
+
+def test_host_reading_failure_warns_once_and_turns_host_fields_off(monkeypatch):
+    probe = MemoryProbe(torch.device("cpu"))
+
+    def denied():
+        raise PermissionError("/proc/self/statm")
+
+    monkeypatch.setattr(probe._process, "memory_info", denied)
+    with pytest.warns(UserWarning, match="host memory unavailable"):
+        first = probe.read()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = probe.read()
+    assert first.host_rss_bytes is None
+    assert second.host_rss_bytes is None
