@@ -1,0 +1,169 @@
+"""The batch-size search as a pure function of ``run_trial(batch_size) -> Trial``: no Trainer, no CUDA.
+
+Why it is guided by memory and not only by pass/fail: peak memory is close to affine in the batch size
+(weights, gradients and optimizer state do not grow with it; activations grow linearly). Two measured peaks give
+the line, the line gives the largest size under the limit, and one more trial above it confirms the bracket.
+Bisection (what Lightning's ``BatchSizeFinder`` does) needs about ``2 * log2(B)`` trials, several of them OOMs;
+this needs about four on an affine curve, and falls back to doubling and bisection where peaks are not measured
+(CPU) or not affine (steps, noise).
+
+A size is *accepted* when its trial ran without OOM and, if a limit is given, its measured peak is at most the
+limit. The result is always a size that was actually run and accepted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+StopReason = Literal["bracketed", "predicted", "upper_bound", "max_trials", "nothing_fits"]
+
+
+@dataclass(frozen=True)
+class Trial:
+    """Outcome of running a few real steps at one batch size.
+
+    Attributes:
+        batch_size: the size tried.
+        fits: the steps ran without an out-of-memory error.
+        peak_bytes: peak memory measured during the trial, in bytes (``None`` where not measurable).
+        seconds: wall time of the trial.
+    """
+
+    batch_size: int
+    fits: bool
+    peak_bytes: int | None = None
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The chosen size (``None`` if even 1 does not fit), every trial in order, and why the search stopped."""
+
+    batch_size: int | None
+    trials: tuple[Trial, ...]
+    reason: StopReason
+
+    @property
+    def num_ooms(self) -> int:
+        """Trials that ended in an out-of-memory error."""
+        return sum(not t.fits for t in self.trials)
+
+
+def search_batch_size(
+    run_trial: Callable[[int], Trial],
+    *,
+    init_val: int = 2,
+    upper: int,
+    limit_bytes: int | None = None,
+    max_trials: int = 25,
+) -> SearchResult:
+    """Find the largest accepted batch size in ``[1, upper]``.
+
+    Args:
+        run_trial: runs a trial at a batch size and reports it; called at most once per size.
+        init_val: first size tried (clamped to ``upper``).
+        upper: largest size that may be tried (``max_val``, or the dataset size).
+        limit_bytes: peaks above this are rejected like OOMs; ``None`` accepts any size that runs.
+        max_trials: stop after this many trials with the best size found.
+
+    Returns:
+        The largest accepted size and the trials.
+
+    Example:
+        >>> def run(bs):  # 1 GiB fixed + 0.5 GiB per sample, 24 GiB card
+        ...     peak = 2**30 + bs * 2**29
+        ...     return Trial(bs, fits=peak <= 24 * 2**30, peak_bytes=peak)
+        >>> result = search_batch_size(run, upper=4096, limit_bytes=int(0.95 * 24 * 2**30))
+        >>> result.batch_size, len(result.trials), result.num_ooms
+        (43, 3, 0)
+    """
+    if upper < 1:
+        raise ValueError(f"`upper={upper}` must be at least 1.")
+    trials: dict[int, Trial] = {}
+
+    def accepted(trial: Trial) -> bool:
+        return trial.fits and (limit_bytes is None or trial.peak_bytes is None or trial.peak_bytes <= limit_bytes)
+
+    def run(batch_size: int) -> Trial:
+        trial = run_trial(batch_size)
+        trials[batch_size] = trial
+        return trial
+
+    def result(best: int | None, reason: StopReason) -> SearchResult:
+        return SearchResult(best, tuple(trials.values()), reason)
+
+    # 1. Find one accepted size, going down from init_val.
+    size = max(1, min(init_val, upper))
+    lo: int | None = None  # largest accepted size
+    hi: int | None = None  # smallest rejected size
+    while lo is None:
+        trial = run(size)
+        if accepted(trial):
+            lo = size
+            break
+        hi = size
+        if size == 1:
+            return result(None, "nothing_fits")
+        if len(trials) >= max_trials:
+            return result(None, "max_trials")
+        guess = _predict(trials.values(), limit_bytes, below=size)
+        size = guess if guess is not None and 1 <= guess < size else max(1, size // 2)
+
+    # 2. Move up: predicted jumps where peaks allow, doubling/bisection where they do not.
+    while True:
+        top = upper if hi is None else hi - 1
+        if lo >= top:
+            return result(lo, "bracketed" if hi is not None else "upper_bound")
+        if len(trials) >= max_trials:
+            return result(lo, "max_trials")
+        slope = _slope(trials.values())
+        lo_peak = trials[lo].peak_bytes
+        if hi is None and limit_bytes is not None and slope and lo_peak is not None and lo_peak + slope > limit_bytes:
+            return result(lo, "predicted")  # one more sample would cross the limit
+        guess = _predict(trials.values(), limit_bytes, below=top + 1)
+        if guess is None:
+            guess = lo * 2 if hi is None else (lo + hi) // 2
+        size = min(max(guess, lo + 1), top)
+        if accepted(run(size)):
+            lo = size
+        else:
+            hi = size
+
+
+def _measured(trials: object) -> list[tuple[int, int]]:
+    return sorted((t.batch_size, t.peak_bytes) for t in trials if t.fits and t.peak_bytes is not None)  # type: ignore[attr-defined]
+
+
+def _slope(trials: object) -> float | None:
+    """Bytes per sample from the two largest measured sizes; ``None`` with fewer than two or a flat line."""
+    points = _measured(trials)
+    if len(points) < 2:
+        return None
+    (b1, p1), (b2, p2) = points[-2], points[-1]
+    slope = (p2 - p1) / (b2 - b1)
+    return slope if slope > 0 else None
+
+
+def _predict(trials: object, limit_bytes: int | None, below: int) -> int | None:
+    """Largest size predicted to stay under the limit, or ``None`` without enough evidence.
+
+    With two measured points, the line through the two largest; with one, a line through the origin, which
+    overestimates the slope (the fixed part of the memory is counted as per-sample) and so undershoots safely.
+    """
+    if limit_bytes is None:
+        return None
+    points = _measured(trials)
+    if not points:
+        return None
+    slope = _slope(trials)
+    b2, p2 = points[-1]
+    if slope is None:
+        if len(points) >= 2 or p2 <= 0:
+            return None
+        guess = math.floor(limit_bytes * b2 / p2)
+    else:
+        guess = b2 + math.floor((limit_bytes - p2) / slope)
+    return min(guess, below - 1) if guess >= 1 else None

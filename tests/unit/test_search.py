@@ -1,0 +1,143 @@
+"""The pure batch-size search on synthetic memory curves: every answer is known exactly."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from lightning_gpumem.tuning.search import Trial, search_batch_size
+
+GIB = 2**30
+CARD = 24 * GIB
+
+
+def curve(fixed: float, per_sample: float, card: int = CARD, noise: float = 0.0, step: int = 0, seed: int = 0):
+    """A run_trial whose peak is `fixed + per_sample * bs` (+ noise, rounded up to `step`); OOM above `card`."""
+    rng = random.Random(seed)
+    calls = []
+
+    def run(bs: int) -> Trial:
+        calls.append(bs)
+        peak = fixed + per_sample * bs + rng.uniform(-noise, noise)
+        if step:
+            peak = math.ceil(peak / step) * step
+        peak = int(peak)
+        return Trial(bs, fits=peak <= card, peak_bytes=peak if peak <= card else None)
+
+    run.calls = calls  # type: ignore[attr-defined]
+    return run
+
+
+def true_max(run, limit: int, upper: int) -> int:
+    """Brute force over a fresh copy of the curve."""
+    best = 0
+    for bs in range(1, upper + 1):
+        t = run(bs)
+        if t.fits and t.peak_bytes <= limit:
+            best = bs
+    return best
+
+
+@pytest.mark.parametrize(
+    ("fixed", "per_sample"),
+    [(3.2 * GIB, 0.5 * GIB), (1 * GIB, 0.01 * GIB), (20 * GIB, 0.3 * GIB), (0.1 * GIB, 3 * GIB)],
+)
+def test_affine_curve_is_solved_exactly_in_few_trials(fixed, per_sample):
+    limit = int(0.95 * CARD)
+    run = curve(fixed, per_sample)
+    result = search_batch_size(run, init_val=2, upper=100_000, limit_bytes=limit)
+    assert result.batch_size == true_max(curve(fixed, per_sample), limit, 3000)
+    assert len(result.trials) <= 5
+    assert result.num_ooms <= 1
+    assert len(set(run.calls)) == len(run.calls)  # never the same size twice
+
+
+def test_result_is_always_a_size_that_was_run_and_accepted():
+    limit = int(0.95 * CARD)
+    for seed in range(20):
+        run = curve(2 * GIB, 0.37 * GIB, noise=0.05 * GIB, seed=seed)
+        result = search_batch_size(run, upper=10_000, limit_bytes=limit)
+        (chosen,) = [t for t in result.trials if t.batch_size == result.batch_size]
+        assert chosen.fits
+        assert chosen.peak_bytes <= limit
+
+
+def test_noisy_curve_lands_within_one_or_two_of_the_best():
+    limit = int(0.95 * CARD)
+    for seed in range(20):
+        result = search_batch_size(
+            curve(2 * GIB, 0.37 * GIB, noise=0.05 * GIB, seed=seed), upper=10_000, limit_bytes=limit
+        )
+        best = true_max(curve(2 * GIB, 0.37 * GIB, noise=0.05 * GIB, seed=seed), limit, 200)
+        assert best - 2 <= result.batch_size <= best + 1  # noise: a neighbour may measure under the limit
+        assert len(result.trials) <= 8
+
+
+def test_step_shaped_curve_is_bracketed():
+    limit = int(0.95 * CARD)
+    run = curve(1 * GIB, 0.21 * GIB, step=2 * GIB)  # allocator rounding into 2 GiB steps
+    result = search_batch_size(run, upper=10_000, limit_bytes=limit)
+    assert result.batch_size == true_max(curve(1 * GIB, 0.21 * GIB, step=2 * GIB), limit, 300)
+    assert len(result.trials) <= 10
+
+
+def test_always_fail_reports_nothing_fits():
+    run = curve(30 * GIB, GIB)  # weights alone exceed the card
+    result = search_batch_size(run, init_val=16, upper=1000, limit_bytes=CARD)
+    assert result.batch_size is None
+    assert result.reason == "nothing_fits"
+    assert run.calls[-1] == 1
+    assert all(not t.fits for t in result.trials)
+
+
+def test_never_fail_without_peaks_doubles_to_the_upper_bound():
+    calls = []
+
+    def run(bs):
+        calls.append(bs)
+        return Trial(bs, fits=True)  # CPU: no peak, no OOM
+
+    result = search_batch_size(run, init_val=2, upper=100)
+    assert result.batch_size == 100
+    assert result.reason == "upper_bound"
+    assert calls == [2, 4, 8, 16, 32, 64, 100]
+
+
+def test_dataset_smaller_than_init_val_is_clamped():
+    result = search_batch_size(curve(GIB, 0.01 * GIB), init_val=64, upper=10, limit_bytes=CARD)
+    assert result.batch_size == 10
+    assert result.reason == "upper_bound"
+    assert [t.batch_size for t in result.trials] == [10]
+
+
+def test_pass_fail_only_bisects_to_the_exact_boundary():
+    def run(bs):
+        return Trial(bs, fits=bs <= 53)
+
+    result = search_batch_size(run, init_val=2, upper=10_000)
+    assert result.batch_size == 53
+    assert result.reason == "bracketed"
+
+
+def test_oom_at_init_val_goes_down_guided_by_the_limit():
+    run = curve(2 * GIB, 1 * GIB)
+    result = search_batch_size(run, init_val=256, upper=10_000, limit_bytes=int(0.95 * CARD))
+    assert result.batch_size == true_max(curve(2 * GIB, 1 * GIB), int(0.95 * CARD), 100)
+    assert run.calls[0] == 256
+
+
+def test_max_trials_returns_the_best_so_far():
+    def run(bs):
+        return Trial(bs, fits=bs <= 1000)
+
+    result = search_batch_size(run, init_val=1, upper=10**6, max_trials=4)
+    assert result.reason == "max_trials"
+    assert result.batch_size == 8
+    assert len(result.trials) == 4
+
+
+def test_upper_must_be_positive():
+    with pytest.raises(ValueError, match="upper=0"):
+        search_batch_size(lambda bs: Trial(bs, True), upper=0)
