@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 GIB = 1024**3  # bytes in a GiB
 MIB = 1024**2  # bytes in a MiB
 
@@ -14,3 +16,66 @@ def to_gib(num_bytes: float | None) -> float | None:
 def format_gib(num_bytes: float | None, digits: int = 1) -> str:
     """Format bytes as ``"12.3 GiB"``, or ``"n/a"`` for ``None``."""
     return "n/a" if num_bytes is None else f"{num_bytes / GIB:.{digits}f} GiB"
+
+
+_SIZE_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_budget(value: int | float | str, total_bytes: int | None, owner: str, arg: str = "budget") -> int:
+    """Turn a memory budget into bytes.
+
+    Args:
+        value: bytes (``int``), a fraction of the device in (0, 1] (``float``), or a size string such as
+            ``"24GiB"``, ``"16GB"`` or ``"512 MiB"``.
+        total_bytes: the device's memory, needed for fractions.
+        owner: the class taking the budget, for error messages (``"BatchSizeTuner"``).
+        arg: the argument's name, for error messages.
+
+    Raises:
+        TypeError: for other types (``bool`` included).
+        ValueError: for sizes that are not positive, fractions outside (0, 1], unknown units, or a fraction
+            without a known device size.
+
+    Example:
+        >>> parse_budget("24GiB", None, "X"), parse_budget("16GB", None, "X")
+        (25769803776, 16000000000)
+        >>> parse_budget(0.5, 80 * GIB, "X") == 40 * GIB
+        True
+    """
+    name = f"{owner}({arg}"
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(
+            f"`{name}={value!r})` is not valid. Expected bytes (int), a fraction of device memory in (0, 1]"
+            " (float) or a size string such as '24GiB'."
+        )
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"`{name}={value!r})` is not valid. Expected a positive number of bytes.")
+        return value
+    if isinstance(value, float):
+        if not 0.0 < value <= 1.0:
+            raise ValueError(
+                f"`{name}={value!r})` is not valid. A float is a fraction of device memory and must be in (0, 1]."
+            )
+        if total_bytes is None:
+            raise ValueError(f"`{name}={value!r})` is a fraction of device memory, but no device memory is known here.")
+        return int(value * total_bytes)
+    match = _SIZE_PATTERN.match(value)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _SIZE_UNITS or float(match.group(1)) <= 0:
+        raise ValueError(
+            f"`{name}={value!r})` is not valid. Expected a positive size with a unit, such as '24GiB', '16GB' or"
+            f" '512MiB' (units: {', '.join(k.upper().replace('I', 'i') for k in _SIZE_UNITS)})."
+        )
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])

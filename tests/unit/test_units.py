@@ -1,0 +1,44 @@
+import pytest
+
+from lightning_gpumem._units import GIB, format_gib, parse_budget, to_gib
+
+
+def test_conversions():
+    assert to_gib(3 * GIB) == 3.0
+    assert to_gib(None) is None
+    assert format_gib(1.5 * GIB) == "1.5 GiB"
+    assert format_gib(None) == "n/a"
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(1024, 1024), ("24GiB", 24 * GIB), ("16 GB", 16 * 10**9), ("512mib", 512 * 2**20), ("1.5GiB", 3 * GIB // 2)],
+)
+def test_parse_budget_sizes(value, expected):
+    assert parse_budget(value, None, "X") == expected
+
+
+def test_parse_budget_fraction_needs_the_device_size():
+    assert parse_budget(0.25, 80 * GIB, "budget") == 20 * GIB
+    with pytest.raises(ValueError, match="no device memory is known"):
+        parse_budget(0.25, None, "X")
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        (0, ValueError, "positive number of bytes"),
+        (-5, ValueError, "positive number of bytes"),
+        (1.5, ValueError, r"must be in \(0, 1\]"),
+        (0.0, ValueError, r"must be in \(0, 1\]"),
+        ("24 parsecs", ValueError, "Expected a positive size with a unit"),
+        ("GiB", ValueError, "Expected a positive size with a unit"),
+        ("0GiB", ValueError, "Expected a positive size with a unit"),
+        (True, TypeError, "Expected bytes"),
+        ([24], TypeError, "Expected bytes"),
+    ],
+)
+def test_parse_budget_rejects_bad_values_naming_them(value, error, match):
+    with pytest.raises(error, match=match) as info:
+        parse_budget(value, 80 * GIB, "Tuner")
+    assert "Tuner" in str(info.value)
