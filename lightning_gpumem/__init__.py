@@ -2,7 +2,8 @@
 
 from lightning_gpumem.monitor import MemoryMonitor
 from lightning_gpumem.probe import MemoryProbe, MemorySample
+from lightning_gpumem.tuning.tuner import BatchSizeTuner
 
 __version__ = "0.1.0"
 
-__all__ = ["MemoryMonitor", "MemoryProbe", "MemorySample", "__version__"]
+__all__ = ["BatchSizeTuner", "MemoryMonitor", "MemoryProbe", "MemorySample", "__version__"]

@@ -98,7 +98,7 @@ class MemoryProbe:
     def __init__(self, device: torch.device, *, nvml: bool = True, host: bool = True) -> None:
         self.device = device
         self.has_allocator = _has_allocator_stats(device)
-        self._accelerator_api = device.type != "cuda" and _accelerator_memory_api() is not None
+        self._accelerator_api = self.has_allocator and device.type != "cuda"
         self._nvml: NvmlDevice | None = None
         if nvml and device.type == "cuda":
             uuid = getattr(torch.cuda.get_device_properties(_index(device)), "uuid", None)
@@ -123,6 +123,32 @@ class MemoryProbe:
             except Exception:
                 return None
         return None
+
+    def usable_bytes(self) -> int | None:
+        """Device memory this process's allocator can hold in all, in bytes: what it reserves plus what is free."""
+        if self.device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return int(free) + int(torch.cuda.memory_reserved(self.device))
+
+    def set_memory_fraction(self, fraction: float) -> float:
+        """Cap this process's allocator at ``fraction`` of the device; returns the previous cap (1.0 if unknown).
+
+        Allocations past the cap raise ``torch.OutOfMemoryError`` as on a smaller card. CUDA only.
+        """
+        if self.device.type != "cuda":
+            raise RuntimeError(f"A memory cap needs a CUDA device, not `{self.device}`.")
+        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        previous = float(getter(self.device)) if getter is not None else 1.0
+        torch.cuda.set_per_process_memory_fraction(fraction, self.device)
+        return previous
+
+    def release_cache(self) -> None:
+        """Return cached, unused blocks to the driver (``empty_cache``)."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        elif self._accelerator_api:
+            torch.accelerator.empty_cache()
 
     def reset_peaks(self) -> None:
         """Start a new peak window: ``peak_*`` of later samples cover only what happens from now on."""
@@ -205,7 +231,8 @@ def _has_allocator_stats(device: torch.device) -> bool:
         return False
     if device.type == "cuda":
         return torch.cuda.is_available()
-    return _accelerator_memory_api() is not None
+    accelerator = _accelerator_memory_api()
+    return accelerator is not None and accelerator.is_available()
 
 
 def _stat(stats: Mapping[str, Any], key: str) -> int | None:

@@ -31,6 +31,12 @@ class FakeProbe:
     def total_bytes(self) -> int:
         return self.total
 
+    def usable_bytes(self) -> int:
+        return self.total
+
+    def release_cache(self) -> None:
+        self.reserved = self.allocated
+
     def allocate(self, n: int) -> None:
         self.allocated += n
         self.reserved = max(self.reserved, self.allocated)

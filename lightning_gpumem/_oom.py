@@ -1,0 +1,38 @@
+"""Recognising an out-of-memory error: by exception type first, by message for backends without a type."""
+
+from __future__ import annotations
+
+import torch
+
+# Messages of OOMs raised as plain RuntimeError (older torch, cuBLAS/cuDNN workspaces, MPS, XPU, ROCm, host).
+_OOM_MESSAGES = (
+    "out of memory",  # CUDA, HIP, XPU: "CUDA out of memory", "HIP out of memory", "CUDA error: out of memory"
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input.",
+    "MPS backend out of memory",
+    "DefaultCPUAllocator: can't allocate memory",
+)
+
+
+def _oom_types() -> tuple[type[BaseException], ...]:
+    candidates = (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None))
+    return tuple(t for t in candidates if isinstance(t, type))
+
+
+def is_oom_error(error: BaseException) -> bool:
+    """Whether ``error`` is an out-of-memory error of any backend.
+
+    >>> is_oom_error(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    True
+    >>> is_oom_error(RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"))
+    True
+    >>> is_oom_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    False
+    """
+    if isinstance(error, _oom_types()):
+        return True
+    if isinstance(error, RuntimeError):
+        message = str(error)
+        return any(text in message for text in _OOM_MESSAGES)
+    return False

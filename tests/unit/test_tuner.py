@@ -1,0 +1,291 @@
+"""BatchSizeTuner under a real CPU Trainer: simulated OOMs (exception types torch raises) and a fake allocator."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningDataModule, Trainer, seed_everything
+from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+from torch.utils.data import DataLoader
+
+from lightning_gpumem import BatchSizeTuner
+from lightning_gpumem._units import GIB, MIB
+from tests._fakes import FakeProbe
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:`weights_only` was not set"),
+    pytest.mark.filterwarnings("ignore:BatchSizeTuner. stopped at the upper bound"),
+]
+
+
+class OOMModel(BoringModel):
+    """Raises the OOM torch raises once a batch is larger than `train_limit` (`val_limit` in validation)."""
+
+    def __init__(self, batch_size: int = 2, train_limit: int = 10**9, val_limit: int = 10**9, n: int = 640) -> None:
+        super().__init__()
+        self.batch_size, self.train_limit, self.val_limit = batch_size, train_limit, val_limit
+        self.train_data, self.val_data = RandomDataset(32, n), RandomDataset(32, 64)  # drawn once, not per reload
+
+    def training_step(self, batch, batch_idx):
+        if batch.shape[0] > self.train_limit:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        if batch.shape[0] > self.val_limit:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated, validation)")
+        return super().validation_step(batch, batch_idx)
+
+    def train_dataloader(self):
+        return DataLoader(self.train_data, batch_size=self.batch_size, shuffle=True)
+
+    def val_dataloader(self):
+        return DataLoader(self.val_data, batch_size=self.batch_size)
+
+
+class FakeTuner(BatchSizeTuner):
+    def __init__(self, probe: FakeProbe, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.fake = probe
+
+    def _make_probe(self, device):
+        return self.fake
+
+
+class MemoryModel(OOMModel):
+    """Drives a fake allocator: `per_sample` bytes per sample on top of the fake's base."""
+
+    def __init__(self, probe: FakeProbe, per_sample: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.fake, self.per_sample = probe, per_sample
+
+    def training_step(self, batch, batch_idx):
+        need = batch.shape[0] * self.per_sample
+        if self.fake.allocated + need > self.fake.total:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake allocator)")
+        self.fake.spike(need)
+        return super().training_step(batch, batch_idx)
+
+
+def _trainer(tuner, **kwargs) -> Trainer:
+    defaults = dict(
+        max_epochs=1,
+        callbacks=[tuner],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    defaults.update(kwargs)
+    return Trainer(**defaults)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"headroom": 1.0}, r"headroom=1.0.*\[0, 1\)"),
+        ({"headroom": -0.1}, r"headroom=-0.1"),
+        ({"init_val": 0}, r"init_val=0.*>= 1"),
+        ({"steps_per_trial": 0}, r"steps_per_trial=0"),
+        ({"max_val": 1, "init_val": 2}, r"max_val=1.*>= init_val"),
+        ({"budget": "24 parsecs"}, r"budget='24 parsecs'"),
+        ({"budget": 2.0}, r"budget=2.0.*\(0, 1\]"),
+        ({"batch_arg_name": ""}, r"batch_arg_name=''"),
+    ],
+)
+def test_bad_arguments_name_themselves(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        BatchSizeTuner(**kwargs)
+
+
+def test_missing_batch_attribute_is_named():
+    model = OOMModel()
+    with pytest.raises(AttributeError, match=r"batch_arg_name='bs'.*attribute `bs`"):
+        _trainer(BatchSizeTuner(batch_arg_name="bs")).fit(model)
+
+
+def test_finds_the_exact_oom_boundary_and_fits_with_it():
+    model = OOMModel(train_limit=41)
+    tuner = BatchSizeTuner()
+    trainer = _trainer(tuner)
+    trainer.fit(model)
+    assert tuner.optimal_batch_size == model.batch_size == 41
+    assert tuner.result.reason == "bracketed"
+    assert any(not t.fits for t in tuner.trials)
+    assert all(t.fits for t in tuner.trials if t.batch_size <= 41)
+    assert trainer.global_step == -(-640 // 41)  # the real fit ran one epoch at 41
+
+
+def test_validation_is_part_of_every_trial():
+    model = OOMModel(train_limit=50, val_limit=20)
+    tuner = BatchSizeTuner()
+    _trainer(tuner).fit(model)
+    assert tuner.optimal_batch_size == 20
+    model = OOMModel(train_limit=50, val_limit=20)
+    tuner = BatchSizeTuner(include_validation=False)
+    _trainer(tuner, limit_val_batches=0).fit(model)
+    assert tuner.optimal_batch_size == 50
+
+
+def test_memory_guided_search_respects_budget_and_headroom():
+    probe = FakeProbe(base=2 * GIB, total=80 * GIB)
+    model = MemoryModel(probe, per_sample=300 * MIB, n=100_000)
+    tuner = FakeTuner(probe, budget="24GiB", headroom=0.1, include_validation=False)
+    _trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
+    limit = 0.9 * 24 * GIB
+    best = int((limit - 2 * GIB) // (300 * MIB))
+    assert tuner.optimal_batch_size == best
+    assert tuner.budget_bytes == 24 * GIB
+    assert len(tuner.trials) <= 5
+    chosen = next(t for t in tuner.trials if t.batch_size == best)
+    assert chosen.peak_bytes <= limit
+
+
+def test_no_oom_on_cpu_stops_at_the_dataset_size_with_a_warning():
+    model = OOMModel(n=48)
+    tuner = BatchSizeTuner()
+    with pytest.warns(UserWarning, match="upper bound 48"):
+        _trainer(tuner).fit(model)
+    assert tuner.optimal_batch_size == 48
+    assert tuner.result.reason == "upper_bound"
+
+
+def test_max_val_is_never_exceeded_and_was_run():
+    model = OOMModel()
+    tuner = BatchSizeTuner(max_val=100)
+    _trainer(tuner).fit(model)
+    assert tuner.optimal_batch_size == 100
+    assert max(t.batch_size for t in tuner.trials) == 100
+
+
+def test_nothing_fits_raises_and_restores_the_batch_size():
+    model = OOMModel(batch_size=8, train_limit=0)
+    with pytest.raises(RuntimeError, match="even batch_size=1 does not fit"):
+        _trainer(BatchSizeTuner()).fit(model)
+    assert model.batch_size == 8
+
+
+def test_user_errors_are_not_swallowed():
+    class Broken(OOMModel):
+        def training_step(self, batch, batch_idx):
+            if batch.shape[0] > 4:
+                raise ValueError("shape mismatch in user code")
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(ValueError, match="shape mismatch in user code"):
+        _trainer(BatchSizeTuner()).fit(Broken())
+
+
+def test_no_trace_left_weights_equal_a_run_with_the_size_set_by_hand():
+    seed_everything(7)
+    tuned = OOMModel(train_limit=24)
+    trainer = _trainer(BatchSizeTuner())
+    trainer.fit(tuned)
+    assert tuned.batch_size == 24
+
+    seed_everything(7)
+    by_hand = OOMModel(batch_size=24, train_limit=24)
+    reference = _trainer(None, callbacks=[])
+    reference.fit(by_hand)
+
+    assert trainer.global_step == reference.global_step
+    assert trainer.current_epoch == reference.current_epoch
+    for (name, a), (_, b) in zip(tuned.state_dict().items(), by_hand.state_dict().items()):
+        assert torch.equal(a, b), name
+    opt_a, opt_b = trainer.optimizers[0].state_dict(), reference.optimizers[0].state_dict()
+    assert opt_a["param_groups"] == opt_b["param_groups"]
+    assert (
+        trainer.lr_scheduler_configs[0].scheduler.state_dict()
+        == reference.lr_scheduler_configs[0].scheduler.state_dict()
+    )
+
+
+def test_rng_and_callback_state_are_restored():
+    class Recorder(Callback):
+        def __init__(self):
+            self.fit_starts = 0
+            self.batches = 0
+
+        def on_fit_start(self, trainer, pl_module):
+            self.fit_starts += 1
+            self.rng_at_start = torch.get_rng_state().clone()
+
+        def on_train_batch_end(self, *args):
+            self.batches += 1
+
+        def state_dict(self):
+            return {"batches": self.batches}
+
+    class RngProbe(Callback):
+        def on_fit_start(self, trainer, pl_module):
+            self.rng = torch.get_rng_state().clone()
+
+    before = RngProbe()
+    after = RngProbe()
+    recorder = Recorder()
+    model = OOMModel(train_limit=16)
+    trainer = _trainer(None, callbacks=[before, BatchSizeTuner(), after, recorder], max_steps=3)
+    trainer.fit(model)
+    assert torch.equal(before.rng, after.rng)  # trials drew random numbers; none of it shows
+    assert recorder.fit_starts == 1
+    assert recorder.batches == 3  # trial batches never reached the user's callbacks
+
+
+def test_keep_effective_batch_adjusts_accumulation():
+    model = OOMModel(batch_size=4, train_limit=16)
+    tuner = BatchSizeTuner(keep_effective_batch=True)
+    trainer = _trainer(tuner, accumulate_grad_batches=8)
+    trainer.fit(model)
+    assert model.batch_size == 16
+    assert trainer.accumulate_grad_batches == 2  # 16 x 2 == 4 x 8
+
+
+def test_writes_to_the_datamodule_like_lightning():
+    class DM(LightningDataModule):
+        def __init__(self):
+            super().__init__()
+            self.save_hyperparameters({"batch_size": 2})
+
+        def train_dataloader(self):
+            return DataLoader(RandomDataset(32, 640), batch_size=self.hparams.batch_size)
+
+    class Plain(BoringModel):
+        def training_step(self, batch, batch_idx):
+            if batch.shape[0] > 30:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+            return super().training_step(batch, batch_idx)
+
+    dm = DM()
+    tuner = BatchSizeTuner(include_validation=False)
+    _trainer(tuner, limit_val_batches=0).fit(Plain(), datamodule=dm)
+    assert dm.hparams.batch_size == 30
+
+
+def test_mid_training_scale_counts_trial_steps_from_the_current_step():
+    class RetuneAtEpoch1(BatchSizeTuner):
+        def on_fit_start(self, trainer, pl_module):
+            return
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            if trainer.current_epoch == 1:
+                self.step_before = trainer.global_step
+                self.scale(trainer, pl_module)
+                self.step_after = trainer.global_step
+
+    class Sizes(Callback):
+        sizes: list = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.sizes.append((trainer.current_epoch, batch.shape[0]))
+
+    model = OOMModel(batch_size=16, train_limit=32, n=640)
+    tuner = RetuneAtEpoch1()
+    sizes = Sizes()
+    trainer = _trainer(None, callbacks=[tuner, sizes], max_epochs=2, max_steps=42)  # absolute: 40 done, 2 left
+    trainer.fit(model)
+    assert tuner.optimal_batch_size == 32
+    assert tuner.step_before == tuner.step_after == 40
+    assert trainer.global_step == 42
+    assert len(tuner.trials) >= 3  # trials ran although only 2 steps were left before max_steps
+    assert sizes.sizes[:40] == [(0, 16)] * 40  # trial batches never reach the user's callbacks
+    assert sizes.sizes[40:] == [(1, 32), (1, 32)]  # the new size applies from the epoch it was tuned in
