@@ -273,7 +273,8 @@ def test_mid_training_scale_counts_trial_steps_from_the_current_step():
                 self.step_after = trainer.global_step
 
     class Sizes(Callback):
-        sizes: list = []
+        def __init__(self):
+            self.sizes = []
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self.sizes.append((trainer.current_epoch, batch.shape[0]))
