@@ -125,7 +125,8 @@ class TrainerSnapshot:
 
     def __init__(self, trainer: pl.Trainer) -> None:
         self.trainer = trainer
-        self.ckpt_path = os.path.join(trainer.default_root_dir, f".gpumem_tuner_{uuid.uuid4().hex}.ckpt")
+        path = os.path.join(trainer.default_root_dir, f".gpumem_tuner_{uuid.uuid4().hex}.ckpt")
+        self.ckpt_path: str = trainer.strategy.broadcast(path)  # one file: rank zero writes, every rank reads
         trainer.save_checkpoint(self.ckpt_path)
         self.rng = capture_rng()
         self.loggers = trainer.loggers
@@ -165,6 +166,7 @@ class TrainerSnapshot:
         try:
             trainer._checkpoint_connector.restore(self.ckpt_path)  # private: what Lightning's finder calls
         finally:
+            trainer.strategy.barrier("gpumem_tuner_restored")  # every rank has read it before rank zero deletes it
             trainer.strategy.remove_checkpoint(self.ckpt_path)
         trainer.fit_loop.load_state_dict(deepcopy(self.loop_state))
         _set_loop_flags(self.loop_flags)  # `load_state_dict` marked the loops as restarting from a checkpoint

@@ -48,3 +48,19 @@ def test_every_rank_measured_and_only_rank_zero_summarises(ddp_run):
     assert "max over 2 ranks" in rank0["summary"]
     assert "2.00 GiB" in rank0["summary"]  # the summary takes the maximum over ranks
     assert len(list(ddp_run.rglob("metrics.csv"))) == 1  # one writer
+
+
+def test_tuner_agrees_across_ranks_when_only_one_rank_runs_out_of_memory(tmp_path):
+    script = Path(__file__).with_name("ddp_tuner_script.py")
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rank0 = json.loads((tmp_path / "tuner_rank0.json").read_text())
+    rank1 = json.loads((tmp_path / "tuner_rank1.json").read_text())
+    assert rank0["batch_size"] == rank1["batch_size"] == 24  # the smaller rank's limit
+    assert rank0["trials"] == rank1["trials"]  # every rank ran the same trials with the same verdicts
+    assert [24, True] in rank0["trials"]
+    assert any(size > 24 and not fits for size, fits in rank0["trials"])  # failed on rank 1 only, agreed on both
+    assert rank0["global_step"] == rank1["global_step"] == 3
+    assert not list(tmp_path.glob(".gpumem_tuner_*.ckpt"))  # the snapshot checkpoint is removed
