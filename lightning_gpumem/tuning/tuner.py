@@ -272,6 +272,10 @@ class BatchSizeTuner(Callback):
     def _upper_bound(self, trainer: pl.Trainer, probe: MemoryProbe) -> int:
         size = _loops.train_dataset_size(trainer)
         candidates = [v for v in (self.max_val, size) if v is not None]
+        interval = trainer.val_check_interval
+        if size is not None and isinstance(interval, int) and trainer.check_val_every_n_epoch is not None:
+            # Lightning refuses a `val_check_interval` larger than the number of batches per epoch.
+            candidates.append(max(1, size // interval))
         if not candidates:
             candidates = [CPU_MAX_VAL]
         return max(1, min(candidates))

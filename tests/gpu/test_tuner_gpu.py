@@ -1,0 +1,125 @@
+"""BatchSizeTuner on a real GPU (`pytest -m gpu`): budget enforced, real OOMs, memory released, fit fits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_gpumem import BatchSizeTuner
+from lightning_gpumem._units import GIB
+
+pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:`weights_only` was not set")]
+
+
+class WideMLP(LightningModule):
+    """~38M parameters (AdamW: ~0.6 GiB fixed) and ~0.1 MiB of activations per sample."""
+
+    def __init__(self, batch_size: int = 2) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.net = nn.Sequential(
+            nn.Linear(1024, 4096),
+            nn.GELU(),
+            nn.Linear(4096, 4096),
+            nn.GELU(),
+            nn.Linear(4096, 4096),
+            nn.GELU(),
+            nn.Linear(4096, 10),
+        )
+        generator = torch.Generator().manual_seed(0)
+        self.data = TensorDataset(torch.randn(32768, 1024, generator=generator), torch.randint(0, 10, (32768,)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    def train_dataloader(self):
+        return DataLoader(self.data, batch_size=self.batch_size, shuffle=True)
+
+    def val_dataloader(self):
+        return DataLoader(self.data, batch_size=self.batch_size)
+
+
+class Capture(Callback):
+    """Allocated memory and the allocator cap when fit starts (placed before and after the tuner)."""
+
+    def on_fit_start(self, trainer, pl_module):
+        torch.cuda.synchronize()
+        self.allocated = torch.cuda.memory_allocated()
+
+
+class CapDuringFit(Callback):
+    """Holds the real fit to the same budget, so an over-large size would OOM here."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+
+    def on_train_start(self, trainer, pl_module):
+        torch.cuda.set_per_process_memory_fraction(self.budget / torch.cuda.get_device_properties(0).total_memory)
+
+    def on_train_end(self, trainer, pl_module):
+        torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def _fit(tuner: BatchSizeTuner, model: LightningModule, budget: int, **kwargs) -> tuple[Trainer, Capture, Capture]:
+    before, after = Capture(), Capture()
+    trainer = Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_steps=5,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[before, tuner, after, CapDuringFit(budget)],
+        **kwargs,
+    )
+    trainer.fit(model)
+    return trainer, before, after
+
+
+def test_budget_is_met_in_few_trials_and_the_fit_fits():
+    budget = 2 * GIB
+    tuner = BatchSizeTuner(budget="2GiB", headroom=0.05)
+    model = WideMLP()
+    trainer, before, after = _fit(tuner, model, budget)
+    limit = 0.95 * budget
+    chosen = next(t for t in tuner.trials if t.batch_size == tuner.optimal_batch_size)
+    assert model.batch_size == tuner.optimal_batch_size > 64
+    assert chosen.fits
+    assert chosen.peak_bytes <= limit
+    larger = [t for t in tuner.trials if t.batch_size > chosen.batch_size]
+    if tuner.result.reason == "bracketed":  # a larger size was run and rejected
+        assert all(not t.fits or t.peak_bytes > limit for t in larger)
+    else:  # one more sample was predicted to cross the limit
+        assert tuner.result.reason == "predicted"
+    assert len(tuner.trials) <= 6
+    assert after.allocated == before.allocated  # nothing left behind by the trials
+    assert trainer.global_step == 5  # the real fit ran under the same 2 GiB cap without OOM
+    big = torch.empty(3 * GIB, dtype=torch.uint8, device="cuda")  # the cap was lifted afterwards
+    del big
+    print(
+        f"\n2 GiB budget: batch_size={tuner.optimal_batch_size}, peak {chosen.peak_bytes / GIB:.3f} GiB,"
+        f" trials {[(t.batch_size, t.fits, round((t.peak_bytes or 0) / GIB, 3)) for t in tuner.trials]}"
+    )
+
+
+def test_real_out_of_memory_errors_are_caught_and_released():
+    budget = GIB
+    tuner = BatchSizeTuner(budget=budget, init_val=8192, headroom=0.0)
+    model = WideMLP()
+    _, before, after = _fit(tuner, model, budget)
+    assert not tuner.trials[0].fits  # 8192 samples do not fit in 1 GiB: a real torch.OutOfMemoryError
+    assert tuner.optimal_batch_size < 8192
+    assert after.allocated == before.allocated
