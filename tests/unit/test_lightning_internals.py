@@ -59,3 +59,24 @@ def test_is_accumulating_matches_lightning_optimizer_steps():
     trainer.fit(BoringModel())
     assert seen == [True, False, True, False, False]  # Lightning steps on the final batch
     assert trainer.global_step == 3
+
+
+def test_private_loop_attributes_the_tuner_uses_exist():
+    """`lightning_gpumem/tuning/_loops.py` relies on these; a Lightning upgrade that renames one fails here."""
+    import lightning.pytorch as pl
+
+    from lightning_gpumem.tuning import _loops
+
+    trainer = Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.fit(BoringModel())
+    fit_loop = trainer.fit_loop
+    assert hasattr(fit_loop, "_combined_loader")
+    assert hasattr(fit_loop.epoch_loop.val_loop, "_combined_loader")
+    assert callable(trainer._checkpoint_connector.restore)
+    assert isinstance(fit_loop, pl.loops.loop._Loop)
+    flags = _loops._loop_flags(fit_loop)
+    assert {fit_loop, fit_loop.epoch_loop, fit_loop.epoch_loop.val_loop} <= set(flags)
+    assert all(len(v) == 3 and all(isinstance(b, bool) for b in v) for v in flags.values())
+    assert _loops.dataloaders_loaded(trainer)
+    _loops.unload_dataloaders(trainer)
+    assert not _loops.dataloaders_loaded(trainer)

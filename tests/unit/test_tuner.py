@@ -290,3 +290,20 @@ def test_mid_training_scale_counts_trial_steps_from_the_current_step():
     assert len(tuner.trials) >= 3  # trials ran although only 2 steps were left before max_steps
     assert sizes.sizes[:40] == [(0, 16)] * 40  # trial batches never reach the user's callbacks
     assert sizes.sizes[40:] == [(1, 32), (1, 32)]  # the new size applies from the epoch it was tuned in
+
+
+def test_budget_larger_than_the_device_is_refused_at_fit_start():
+    probe = FakeProbe(base=GIB, total=16 * GIB)
+    tuner = FakeTuner(probe, budget="24GiB")
+    with pytest.raises(ValueError, match=r"budget='24GiB'.*24.0 GiB, larger than the device's 16.0 GiB"):
+        _trainer(tuner).fit(MemoryModel(probe, per_sample=MIB))
+
+
+def test_trials_are_logged_to_the_loggers(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from tests._fakes import column, read_csv_metrics
+
+    model = OOMModel(train_limit=21)
+    _trainer(BatchSizeTuner(), logger=CSVLogger(tmp_path), max_steps=2).fit(model)
+    assert list(column(read_csv_metrics(tmp_path), "gpumem/batch_size").values()) == [21.0]

@@ -1,0 +1,226 @@
+"""Workloads of ``benchmarks/tuner.py``: models, synthetic data, loss and optimizer, in plain PyTorch.
+
+Plain PyTorch on purpose: the true-maximum probe processes import only this module (no Lightning, which takes
+seconds to import), and the Lightning processes wrap the very same model, data, loss and optimizer, so both kinds of
+process train the same thing.
+
+Workloads (``--quick`` swaps in tiny versions for a CPU smoke run):
+
+* ``gpt``: a GPT-style decoder (pre-norm blocks, causal ``F.scaled_dot_product_attention``, GELU MLP, tied
+  embedding and output head). Full size: d_model 1024, 16 layers, 16 heads, vocabulary 32768, sequence 512, about
+  235M parameters. Data: random int64 tokens generated once into a ``TensorDataset`` (inputs and shifted targets come
+  from one row of ``seq_len + 1`` tokens).
+* ``resnet``: torchvision's ResNet-50, 1000 classes, random 224x224 images generated per item from a seeded generator
+  (no giant tensor in host memory). ``--quick``: a tiny CNN on 32x32 images, 10 classes.
+
+Both train with AdamW. In ``--quick`` mode every workload has a *simulated* out-of-memory threshold: a step at a batch
+size above it raises ``torch.cuda.OutOfMemoryError`` (a CPU never runs out of memory, so without it no search would
+ever stop before its upper bound).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+SIMULATED_OOM_MESSAGE = "CUDA out of memory. Tried to allocate 1.00 GiB (simulated by benchmarks/tuner.py --quick)"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Everything that defines one workload; ``kind`` is ``"gpt"``, ``"resnet"`` or ``"cnn"``."""
+
+    name: str
+    kind: str
+    num_samples: int
+    search_upper: int  # largest batch size the true-maximum search tries
+    num_workers: int = 0  # DataLoader workers of the Lightning runs
+    simulated_oom_above: int | None = None  # --quick: batch sizes above this raise an OOM
+    # GPT
+    vocab: int = 0
+    seq_len: int = 0
+    d_model: int = 0
+    layers: int = 0
+    heads: int = 0
+    # images
+    image_size: int = 0
+    num_classes: int = 0
+
+
+def workload(name: str, quick: bool) -> Workload:
+    """The workload called ``name`` (``gpt`` or ``resnet``), full size or tiny (``quick``)."""
+    if name == "gpt":
+        if quick:
+            return Workload(
+                "gpt", "gpt", 4096, 2048, simulated_oom_above=37, vocab=256, seq_len=32, d_model=64, layers=2, heads=4
+            )
+        # 16384 samples: 50 steps at any plausible size stay inside one epoch; 16384 x 513 int64 is 67 MB.
+        return Workload("gpt", "gpt", 16384, 2048, vocab=32768, seq_len=512, d_model=1024, layers=16, heads=16)
+    if name == "resnet":
+        if quick:
+            return Workload("resnet", "cnn", 4096, 1024, simulated_oom_above=53, image_size=32, num_classes=10)
+        workers = max(0, min(6, (os.cpu_count() or 2) // 2))  # 1 ms per generated image: keep the GPU fed
+        return Workload("resnet", "resnet", 65536, 1024, num_workers=workers, image_size=224, num_classes=1000)
+    raise ValueError(f"Unknown workload {name!r}; expected 'gpt' or 'resnet'.")
+
+
+# ---------------------------------------------------------------------------------------------------- models
+class Block(nn.Module):
+    """Pre-norm decoder block: causal self-attention and a 4x GELU MLP, each with a residual."""
+
+    def __init__(self, d_model: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.out = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """Token and position embeddings, ``layers`` blocks, final norm, output head tied to the token embedding."""
+
+    def __init__(self, vocab: int, seq_len: int, d_model: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(seq_len, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+        self.head.weight = self.tok.weight
+        nn.init.normal_(self.tok.weight, std=0.02)
+        nn.init.normal_(self.pos.weight, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def tiny_cnn(num_classes: int) -> nn.Module:
+    """Two conv layers, global pooling, a linear classifier (the ``--quick`` stand-in for ResNet-50)."""
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, num_classes),
+    )
+
+
+def build_model(w: Workload) -> nn.Module:
+    """A freshly initialised model of ``w`` on the CPU (seed it first for identical weights)."""
+    if w.kind == "gpt":
+        return GPT(w.vocab, w.seq_len, w.d_model, w.layers, w.heads)
+    if w.kind == "resnet":
+        import torchvision  # only the full-size image workload needs it
+
+        return torchvision.models.resnet50(weights=None, num_classes=w.num_classes)
+    return tiny_cnn(w.num_classes)
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW with the library's default implementation choice (``foreach`` on CUDA)."""
+    return torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+
+
+# ---------------------------------------------------------------------------------------------------- data
+class RandomImages(Dataset):
+    """``length`` random images and labels, each generated on access from a generator seeded by its index."""
+
+    def __init__(self, length: int, size: int, num_classes: int, seed: int = 0) -> None:
+        self.length = length
+        self.size = size
+        self.num_classes = num_classes
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        image = torch.randn(3, self.size, self.size, generator=generator)
+        label = int(torch.randint(self.num_classes, (1,), generator=generator))
+        return image, label
+
+
+def build_dataset(w: Workload) -> Dataset:
+    """The synthetic training (and validation) set of ``w``."""
+    if w.kind == "gpt":
+        generator = torch.Generator().manual_seed(0)
+        return TensorDataset(torch.randint(w.vocab, (w.num_samples, w.seq_len + 1), generator=generator))
+    return RandomImages(w.num_samples, w.image_size, w.num_classes)
+
+
+def first_batch(w: Workload, dataset: Dataset, batch_size: int) -> list[torch.Tensor]:
+    """The first ``batch_size`` items collated as a DataLoader would (a list of tensors)."""
+    items = [dataset[i] for i in range(batch_size)]
+    return torch.utils.data.default_collate(items)
+
+
+def batch_length(batch: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> int:
+    """Samples in a batch."""
+    return int(batch[0].shape[0])
+
+
+def compute_loss(w: Workload, model: nn.Module, batch: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Next-token cross-entropy (GPT) or classification cross-entropy (images); raises a simulated OOM in --quick."""
+    check_simulated_oom(w, batch_length(batch))
+    if w.kind == "gpt":
+        tokens = batch[0]
+        logits = model(tokens[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    images, labels = batch
+    return F.cross_entropy(model(images), labels)
+
+
+def check_simulated_oom(w: Workload, batch_size: int) -> None:
+    """Raise the simulated OOM of ``--quick`` when ``batch_size`` is above the workload's threshold."""
+    if w.simulated_oom_above is not None and batch_size > w.simulated_oom_above:
+        raise torch.cuda.OutOfMemoryError(SIMULATED_OOM_MESSAGE)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def describe(w: Workload) -> str:
+    """One line describing the workload."""
+    if w.kind == "gpt":
+        return (
+            f"GPT d_model={w.d_model} layers={w.layers} heads={w.heads} vocab={w.vocab} seq={w.seq_len},"
+            f" {w.num_samples} random-token samples"
+        )
+    model = "ResNet-50" if w.kind == "resnet" else "tiny CNN"
+    return f"{model} {w.image_size}x{w.image_size}, {w.num_classes} classes, {w.num_samples} random images"
+
+
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for positive integers."""
+    return -(-a // b)
+
+
+def round_up(value: float) -> int:
+    """Smallest integer not below ``value``."""
+    return math.ceil(value)
