@@ -20,7 +20,6 @@ ever stop before its upper bound).
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -200,6 +199,28 @@ def check_simulated_oom(w: Workload, batch_size: int) -> None:
         raise torch.cuda.OutOfMemoryError(SIMULATED_OOM_MESSAGE)
 
 
+# The messages of lightning_gpumem/_oom.py: OOMs raised as plain RuntimeError (cuBLAS/cuDNN workspaces and others).
+_OOM_MESSAGES = (
+    "out of memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input.",
+    "DefaultCPUAllocator: can't allocate memory",
+)
+
+
+def is_oom(error: BaseException) -> bool:
+    """Whether ``error`` is an out-of-memory error (real or simulated), as ``lightning_gpumem`` recognises them.
+
+    A copy of ``lightning_gpumem._oom.is_oom_error``: importing that module imports the package and with it
+    Lightning, which the probe workers avoid.
+    """
+    oom_types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), torch.cuda.OutOfMemoryError) if t)
+    if isinstance(error, oom_types):
+        return True
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in _OOM_MESSAGES)
+
+
 def count_parameters(model: nn.Module) -> int:
     """Distinct parameters (tied weights counted once)."""
     return sum(p.numel() for p in model.parameters())
@@ -214,13 +235,3 @@ def describe(w: Workload) -> str:
         )
     model = "ResNet-50" if w.kind == "resnet" else "tiny CNN"
     return f"{model} {w.image_size}x{w.image_size}, {w.num_classes} classes, {w.num_samples} random images"
-
-
-def ceil_div(a: int, b: int) -> int:
-    """``ceil(a / b)`` for positive integers."""
-    return -(-a // b)
-
-
-def round_up(value: float) -> int:
-    """Smallest integer not below ``value``."""
-    return math.ceil(value)

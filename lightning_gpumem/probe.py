@@ -132,9 +132,10 @@ class MemoryProbe:
         return int(free) + int(torch.cuda.memory_reserved(self.device))
 
     def set_memory_fraction(self, fraction: float) -> float:
-        """Cap this process's allocator at ``fraction`` of the device; returns the previous cap (1.0 if unknown).
+        """Cap this process's allocator at ``fraction`` of the device; returns the previous cap.
 
-        Allocations past the cap raise ``torch.OutOfMemoryError`` as on a smaller card. CUDA only.
+        Allocations past the cap raise ``torch.OutOfMemoryError`` as on a smaller card. CUDA only. Torch before 2.6
+        cannot report the previous cap; 1.0 (no cap) is returned then.
         """
         if self.device.type != "cuda":
             raise RuntimeError(f"A memory cap needs a CUDA device, not `{self.device}`.")

@@ -199,6 +199,8 @@ def run_trial_loop(trainer: pl.Trainer) -> None:
 
 def run_validation(trainer: pl.Trainer) -> None:
     """Run the fit's validation loop now (one batch, as the trial set ``limit_val_batches``)."""
+    # What Lightning's loop does before validating: free the gradients (`on_validation_model_zero_grad`).
+    trainer.lightning_module.on_validation_model_zero_grad()
     trainer.validating = True
     try:
         trainer.fit_loop.epoch_loop.val_loop.run()  # private attribute of the epoch loop

@@ -282,9 +282,10 @@ class BatchSizeTuner(Callback):
 
     def _run_trial(self, trainer: pl.Trainer, snapshot: _loops.TrainerSnapshot, probe: MemoryProbe, size: int) -> Trial:
         _loops.set_batch_size(trainer, self.batch_arg_name, size)
-        _loops.reload_dataloaders(trainer)
+        # Limits first: the reload fixes how many validation batches the loop will run.
         snapshot.prepare_trial(_TrialCallback(self.steps_per_trial, self.include_validation), self.include_validation)
-        _release(probe)
+        _loops.reload_dataloaders(trainer)
+        probe.release_cache()  # the peak reserved of this trial must not include the last one's cache
         probe.reset_peaks()
         start = time.perf_counter()
         fits = True
@@ -305,7 +306,9 @@ class BatchSizeTuner(Callback):
             _zero_grad(trainer)
         seconds = time.perf_counter() - start
         _, peak_reserved = probe.read_peaks()
-        _release(probe)
+        if not fits:
+            gc.collect()  # an OOM's traceback frames hold tensors in reference cycles
+        probe.release_cache()
         if trainer.world_size > 1:  # all ranks measured the same sizes: agree on the largest peak
             high, _ = max_min(gather_values(trainer, [peak_reserved]), 0)
             peak_reserved = None if high is None else int(high)

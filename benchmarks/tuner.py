@@ -1,0 +1,807 @@
+"""Batch-size finders under a memory budget: ``BatchSizeTuner`` next to Lightning's ``BatchSizeFinder``.
+
+Run it from the repository root on one CUDA GPU (about 5-8 minutes on an H200; ``--time-limit`` bounds it)::
+
+    PYTHONPATH=. python3 benchmarks/tuner.py --json tuner.json          # gpt and resnet, 24 GiB budget
+    PYTHONPATH=. python3 benchmarks/tuner.py --models gpt --budget-gib 40
+    PYTHONPATH=. python3 benchmarks/tuner.py --quick                     # CPU smoke run of the whole pipeline
+
+Workloads (``benchmarks/_tuner_models.py``): a GPT-style decoder of about 235M parameters (d_model 1024, 16 layers,
+vocabulary 32768, sequence 512) on random tokens, and torchvision's ResNet-50 on random 224x224 images; both
+``bf16-mixed`` with AdamW. For each workload and a budget ``B`` (``--budget-gib``, default 24 GiB):
+
+1. **Finders.** Each finder runs in a fresh subprocess whose allocator is capped at ``B`` with
+   ``torch.cuda.set_per_process_memory_fraction(B / total)`` before anything is allocated, so the GPU behaves like a
+   ``B`` card: Lightning's ``BatchSizeFinder(mode="binsearch")`` and ``BatchSizeFinder(mode="power")`` with their
+   defaults, and ``lightning_gpumem.BatchSizeTuner(budget=B)`` with its defaults (``headroom=0.05``). The process
+   runs ``Trainer.fit`` with the finder as its only callback: the finder searches in ``on_fit_start`` (*search s*
+   is the wall time of that hook, CUDA synchronised), then the same fit continues at the size found for 50 training
+   steps and a validation pass of 5 batches at step 50 (``val_check_interval=50, check_val_every_n_epoch=None,
+   limit_val_batches=5``); an OOM there is caught and reported. Trials and OOMs are counted inside the
+   LightningModule, because both finders replace the Trainer's callbacks while they search: ``on_train_start``
+   opens a trial (every trial is one run of the fit loop), a training step counts when its ``optimizer_step``
+   returns (that hook wraps forward, backward and the optimizer step), and an out-of-memory error raised through
+   ``optimizer_step`` or ``validation_step`` marks the trial as an OOM before it is re-raised to the finder. For the
+   tuner the table shows its own ``tuner.trials`` and ``tuner.result.num_ooms``; the module's count is kept in the
+   JSON as a cross-check.
+2. **True maximum.** The largest batch size ``N`` for which ``--steps`` (3) training steps and one validation step
+   run without OOM in a fresh process capped at ``B``, while ``N + 1`` does not. Each candidate is a subprocess
+   (``--probe-worker``) in plain PyTorch, which starts faster than Lightning and does what Lightning's loop does
+   with the same model, data, loss and optimizer: the batch moved to the GPU per step; forward under
+   ``torch.autocast(bfloat16)``; ``zero_grad(set_to_none=True)`` after the forward and before ``backward`` (the
+   order of Lightning's closure, so the previous gradients are alive during the forward); ``optimizer.step()``;
+   then, like Lightning's ``on_validation_model_zero_grad``, gradients released, ``model.eval()`` and one
+   validation batch under ``torch.inference_mode()`` and autocast. It prints one JSON line: ok, OOM, peak reserved
+   and allocated bytes. Up to ``--parallel`` candidates run at once on the one GPU (each capped at ``B``; fewer are
+   used if ``parallel * (B + 1 GiB)`` would not fit the card). The search is k-ary over a bracket ``(lo, hi)``
+   (largest size that passed, smallest that failed): the first round is centred on the tuner's answer ``g``
+   (``g``, ``g + 1``, the size where the line through the tuner's measured peaks meets ``B``, and a spread above);
+   later rounds put a few candidates next to the size the probes' own peaks predict and split the rest of the
+   bracket evenly (geometrically while it spans more than 4x), until ``hi = lo + 1``. A probe that times out or
+   fails for another reason counts as a failure but marks the result *uncertain*; a size that passed above one
+   that failed is reported as non-monotone.
+3. **Output.** A Markdown table per workload on stdout (finder | batch size | fraction of true max | trials | OOMs |
+   search s | 50-step fit + val) and the line ``true max = N (k candidate processes, s seconds)``; progress lines on
+   stderr; ``--json PATH`` writes every number (rewritten after each workload, so a cut-off run keeps what it had).
+
+Every subprocess runs under a timeout (``--timeout``, default 150 s) and in its own process group, which is killed
+on timeout ("timeout" is reported instead of hanging); no new subprocess starts once ``--time-limit`` (default
+500 s) is nearly spent. ``PYTHONPATH`` of the subprocesses gets the repository root prepended.
+
+``--quick`` runs on the CPU with a tiny GPT (d_model 64, 2 layers, sequence 32, vocabulary 256) and a tiny CNN in
+place of ResNet-50, without a memory cap. A CPU never runs out of memory, so every model raises
+``torch.cuda.OutOfMemoryError`` in its loss above a fixed batch size (37 for the GPT, 53 for the CNN), in the probes
+and in the finders' processes alike, and the whole pipeline, tables included, is exercised. It trains in 32-bit
+(``precision="32-true"``, autocast off in the probes), as bf16 on a CPU is several times slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `_tuner_models` next to this file
+import _tuner_models as M
+
+GIB = 1024**3
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULT_PREFIX = "RESULT "
+FINDERS = ("binsearch", "power", "ours")  # table order
+FINDER_LABELS = {
+    "binsearch": "Lightning `BatchSizeFinder(mode='binsearch')`",
+    "power": "Lightning `BatchSizeFinder(mode='power')`",
+    "ours": "lightning_gpumem `BatchSizeTuner(budget=B)`",
+}
+CONTEXT_BYTES = GIB  # per-process CUDA context and slack, when deciding how many probes fit the card at once
+MIN_START_SECONDS = 20.0  # do not start a subprocess with less time left than this
+
+
+# ---------------------------------------------------------------------------------------------------- workers
+def _setup_device(quick: bool, budget_bytes: int) -> torch.device:
+    """The device of a worker process; on CUDA, cap the allocator at the budget before anything is allocated."""
+    if quick or not torch.cuda.is_available():
+        return torch.device("cpu")
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), 0)
+    return torch.device("cuda", 0)
+
+
+def _autocast(device: torch.device) -> torch.autocast:
+    """Lightning's ``bf16-mixed`` on CUDA; off on the CPU (``--quick`` runs 32-bit: CPU bf16 is slow)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peaks(device: torch.device) -> dict[str, int | None]:
+    if device.type != "cuda":
+        return {"peak_reserved": None, "peak_allocated": None}
+    return {
+        "peak_reserved": torch.cuda.max_memory_reserved(device),
+        "peak_allocated": torch.cuda.max_memory_allocated(device),
+    }
+
+
+def _emit(result: dict[str, Any]) -> None:
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def _describe_error(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"[:600]
+
+
+def probe_worker(args: argparse.Namespace) -> int:
+    """One true-maximum candidate: ``--steps`` training steps and one validation step at ``--batch-size``."""
+    result: dict[str, Any] = {"batch_size": args.batch_size, "ok": False, "oom": False, "error": None}
+    try:
+        device = _setup_device(args.quick, args.budget_bytes)
+        w = M.workload(args.model, args.quick)
+        torch.manual_seed(0)
+        model = M.build_model(w).to(device)
+        optimizer = M.make_optimizer(model)
+        cpu_batch = M.first_batch(w, M.build_dataset(w), args.batch_size)
+        start = time.perf_counter()
+        try:
+            model.train()
+            for _ in range(args.steps):
+                batch = [t.to(device) for t in cpu_batch]
+                with _autocast(device):
+                    loss = M.compute_loss(w, model, batch)
+                optimizer.zero_grad(set_to_none=True)  # after the forward, as in Lightning's closure
+                loss.backward()
+                optimizer.step()
+                del batch, loss
+            optimizer.zero_grad(set_to_none=True)  # Lightning's `on_validation_model_zero_grad`
+            model.eval()
+            with torch.inference_mode(), _autocast(device):
+                batch = [t.to(device) for t in cpu_batch]
+                float(M.compute_loss(w, model, batch))
+                del batch
+            _sync(device)
+            result["ok"] = True
+        except Exception as error:
+            if not M.is_oom(error):
+                raise
+            result["oom"] = True
+        result["seconds"] = time.perf_counter() - start
+        result.update(_peaks(device))
+    except Exception as error:
+        result["error"] = _describe_error(error)
+    _emit(result)
+    return 0
+
+
+class _TimedSearch:
+    """Mixed in before a finder class: times its ``on_fit_start`` (the search) and tells the module when it ends."""
+
+    search_seconds: float | None = None
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        pl_module.phase = "search"
+        start = time.perf_counter()
+        super().on_fit_start(trainer, pl_module)  # type: ignore[misc]
+        _sync(pl_module.device)
+        self.search_seconds = time.perf_counter() - start
+        pl_module.start_fit()
+
+
+def _lightning_classes() -> tuple[type, type, type]:
+    """The LightningModule and the two timed finders; built on demand so that probe workers never import Lightning."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import BatchSizeFinder
+    from torch.utils.data import DataLoader
+
+    from lightning_gpumem import BatchSizeTuner
+
+    class BenchModule(pl.LightningModule):
+        """A workload as a LightningModule that records, per search trial, its batch size, steps and OOMs."""
+
+        def __init__(self, w: M.Workload) -> None:
+            super().__init__()
+            self.w = w
+            self.batch_size = 2
+            self.net = M.build_model(w)
+            self.dataset = M.build_dataset(w)
+            self.phase = "setup"  # "search" during the finder's on_fit_start, then "fit"
+            self.trials: list[dict[str, Any]] = []
+            self.fit_steps = 0
+            self.fit_val_batches = 0
+            self.fit_started_at: float | None = None
+            self.budget_fraction = 1.0  # set by the worker on CUDA
+            self.fraction_after_search: float | None = None  # the allocator cap the finder left behind
+
+        def start_fit(self) -> None:
+            self.phase = "fit"
+            if self.device.type == "cuda":
+                getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+                self.fraction_after_search = None if getter is None else float(getter(self.device))
+                # The fit runs under the budget whatever the finder left: the benchmark's premise is a budget-size card.
+                torch.cuda.set_per_process_memory_fraction(self.budget_fraction, self.device)
+                torch.cuda.reset_peak_memory_stats(self.device)
+            self.fit_started_at = time.perf_counter()
+
+        def _trial(self) -> dict[str, Any]:
+            if not self.trials:  # a step outside a fit-loop run (not expected): give it a trial of its own
+                self.on_train_start()
+            return self.trials[-1]
+
+        def _note(self, error: BaseException) -> None:
+            if self.phase == "search" and M.is_oom(error):
+                self._trial()["oom"] = True
+
+        def on_train_start(self) -> None:
+            if self.phase == "search":  # every trial of both finders is one run of the fit loop
+                self.trials.append(
+                    {"batch_size": self.batch_size, "seen": None, "train_steps": 0, "val_batches": 0, "oom": False}
+                )
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if self.phase == "search":
+                self._trial()["seen"] = M.batch_length(batch)
+            loss = M.compute_loss(self.w, self.net, batch)
+            self.log("train_loss", loss)
+            return loss
+
+        def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+            try:  # the closure inside runs training_step, zero_grad and backward
+                super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+            except Exception as error:
+                self._note(error)
+                raise
+            if self.phase == "search":
+                self._trial()["train_steps"] += 1
+            elif self.phase == "fit":
+                self.fit_steps += 1
+
+        def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            try:
+                loss = M.compute_loss(self.w, self.net, batch)
+            except Exception as error:
+                self._note(error)
+                raise
+            self.log("val_loss", loss)
+            if self.phase == "search":
+                self._trial()["val_batches"] += 1
+            elif self.phase == "fit":
+                self.fit_val_batches += 1
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return M.make_optimizer(self.net)
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(
+                self.dataset, batch_size=self.batch_size, shuffle=True, drop_last=True, num_workers=self.w.num_workers
+            )
+
+        def val_dataloader(self) -> DataLoader:
+            return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.w.num_workers)
+
+    class TimedBatchSizeFinder(_TimedSearch, BatchSizeFinder):
+        """Lightning's finder, timed."""
+
+    class TimedBatchSizeTuner(_TimedSearch, BatchSizeTuner):
+        """lightning_gpumem's tuner, timed."""
+
+    return BenchModule, TimedBatchSizeFinder, TimedBatchSizeTuner
+
+
+def finder_worker(args: argparse.Namespace) -> int:
+    """One finder in a fresh process: search in ``on_fit_start``, then the following fit at the size found."""
+    result: dict[str, Any] = {"finder": args.finder_worker, "model": args.model, "status": "error", "error": None}
+    result.update(fit_steps=args.fit_steps, fit_val_batches=args.fit_val_batches)
+    try:
+        device = _setup_device(args.quick, args.budget_bytes)
+        warnings.filterwarnings("ignore", message=r".*(num_workers|does not have many workers|LightningModule\.log).*")
+        import lightning.pytorch as pl
+
+        module_cls, finder_cls, tuner_cls = _lightning_classes()
+        w = M.workload(args.model, args.quick)
+        pl.seed_everything(0, verbose=False)
+        model = module_cls(w)
+        if device.type == "cuda":
+            model.budget_fraction = min(1.0, args.budget_bytes / torch.cuda.get_device_properties(device).total_memory)
+        result["parameters"] = M.count_parameters(model.net)
+        if args.finder_worker == "ours":
+            callback = tuner_cls(budget=args.budget_bytes)
+        else:
+            callback = finder_cls(mode=args.finder_worker)
+        with tempfile.TemporaryDirectory(prefix="tuner_bench_") as root:
+            trainer = pl.Trainer(
+                accelerator="gpu" if device.type == "cuda" else "cpu",
+                devices=1,
+                precision="bf16-mixed" if device.type == "cuda" else "32-true",
+                max_steps=args.fit_steps,
+                val_check_interval=args.fit_steps,
+                check_val_every_n_epoch=None,
+                limit_val_batches=args.fit_val_batches,
+                num_sanity_val_steps=0,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                callbacks=[callback],
+                default_root_dir=root,
+            )
+            fit_error: BaseException | None = None
+            try:
+                trainer.fit(model)
+            except Exception as error:
+                fit_error = error
+            _collect_finder_result(result, callback, model, device, fit_error)
+    except Exception as error:
+        result["error"] = _describe_error(error)
+    _emit(result)
+    return 0
+
+
+def _collect_finder_result(
+    result: dict[str, Any], callback: Any, model: Any, device: torch.device, error: BaseException | None
+) -> None:
+    searched = callback.search_seconds is not None
+    result["search_seconds"] = callback.search_seconds
+    result["batch_size"] = callback.optimal_batch_size if searched else None
+    result["module_trials"] = model.trials
+    result["num_trials"] = len(model.trials)
+    result["num_ooms"] = sum(t["oom"] for t in model.trials)
+    if device.type == "cuda":
+        result["allocator_num_ooms"] = int(torch.cuda.memory_stats(device).get("num_ooms", 0))
+    if hasattr(callback, "result"):  # ours: its own account of the search
+        tuner_result = callback.result
+        result["tuner_trials"] = [
+            {"batch_size": t.batch_size, "fits": t.fits, "peak_bytes": t.peak_bytes, "seconds": round(t.seconds, 3)}
+            for t in callback.trials
+        ]
+        result["tuner_reason"] = None if tuner_result is None else tuner_result.reason
+        result["tuner_budget_bytes"] = callback.budget_bytes
+        if tuner_result is not None:
+            result["num_trials"] = len(tuner_result.trials)
+            result["num_ooms"] = tuner_result.num_ooms
+    fit: dict[str, Any] = {"steps": model.fit_steps, "val_batches": model.fit_val_batches}
+    if device.type == "cuda":
+        fit["cap_fraction"] = model.budget_fraction
+        fit["cap_fraction_left_by_finder"] = model.fraction_after_search
+    if model.fit_started_at is not None:
+        fit["seconds"] = time.perf_counter() - model.fit_started_at
+        fit.update(_peaks(device))
+    if error is None:
+        result["status"] = "ok"
+    elif not searched:
+        result["status"] = "search_oom" if M.is_oom(error) else "search_error"
+        result["error"] = _describe_error(error)
+    else:
+        result["status"] = "ok"
+        fit["oom"] = M.is_oom(error)
+        fit["error"] = _describe_error(error)
+    result["fit"] = fit if searched else None
+
+
+# ---------------------------------------------------------------------------------------------------- orchestration
+_T0 = time.perf_counter()
+
+
+def _log(message: str) -> None:
+    print(f"[{time.perf_counter() - _T0:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class _Proc:
+    rc: int | None
+    stdout: str
+    stderr: str
+    seconds: float
+    timed_out: bool
+
+    def result(self) -> dict[str, Any] | None:
+        lines = [line for line in self.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+        return json.loads(lines[-1][len(RESULT_PREFIX) :]) if lines else None
+
+    def failure(self) -> str:
+        """Why no result came back, with the end of stderr."""
+        why = "timeout" if self.timed_out else f"exit code {self.rc}, no result"
+        return f"{why}: ...{self.stderr[-800:]}"
+
+
+class Runner:
+    """Starts the worker subprocesses with the right environment, timeouts and time limit."""
+
+    def __init__(self, args: argparse.Namespace, budget_bytes: int) -> None:
+        self.args = args
+        self.budget_bytes = budget_bytes
+        self.deadline = _T0 + args.time_limit
+        self.env = dict(os.environ)
+        self.env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+        self.env["PYTHONIOENCODING"] = "utf-8"  # Lightning prints emoji; a C locale must not break the workers
+        self.log_dir = Path(args.log_dir) if args.log_dir else None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+
+    def remaining(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def argv(self, model: str, *extra: str) -> list[str]:
+        argv = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--model",
+            model,
+            "--budget-bytes",
+            str(self.budget_bytes),
+        ]
+        argv += ["--steps", str(self.args.steps), "--fit-steps", str(self.args.fit_steps)]
+        argv += ["--fit-val-batches", str(self.args.fit_val_batches), *extra]
+        return [*argv, "--quick"] if self.args.quick else argv
+
+    def run(self, argv: list[str], name: str) -> _Proc:
+        timeout = min(self.args.timeout, max(1.0, self.remaining()))
+        start = time.perf_counter()
+        proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            encoding="utf-8",
+            errors="replace",
+            env=self.env,
+            cwd=REPO_ROOT,
+            start_new_session=True,  # its own process group: a timeout kills it and its DataLoader workers
+        )
+        timed_out = False
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+        done = _Proc(proc.returncode, stdout, stderr, time.perf_counter() - start, timed_out)
+        if self.log_dir is not None:
+            text = f"$ {' '.join(argv)}\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
+            (self.log_dir / f"{name}.log").write_text(text, "utf-8")
+        return done
+
+
+# ---------------------------------------------------------------------------------------------------- true maximum
+def _predict_max(points: list[tuple[int, int]], budget_bytes: int) -> int | None:
+    """Largest size whose peak, on the line through the two largest measured sizes, stays within the budget."""
+    by_size = dict(sorted(points))
+    if len(by_size) < 2:
+        return None
+    (b1, p1), (b2, p2) = list(by_size.items())[-2:]
+    slope = (p2 - p1) / (b2 - b1)
+    if slope <= 0:
+        return None
+    guess = b2 + math.floor((budget_bytes - p2) / slope)
+    return guess if guess >= 1 else None
+
+
+def _split(lo: int, hi: int | None, upper: int, n: int) -> list[int]:
+    """``n`` sizes spread over the open bracket ``(lo, hi)`` (``hi=None``: up to and including ``upper``)."""
+    base = max(lo, 1)
+    if hi is None:
+        return [round(base * (upper / base) ** (j / n)) for j in range(1, n + 1)]
+    if hi / base > 4:
+        return [round(base * (hi / base) ** (j / (n + 1))) for j in range(1, n + 1)]
+    return [lo + round(j * (hi - lo) / (n + 1)) for j in range(1, n + 1)]
+
+
+def _candidates(
+    lo: int, hi: int | None, upper: int, k: int, predicted: int | None, guess: int | None = None
+) -> list[int]:
+    """Up to ``k`` untested sizes in the bracket ``(lo, hi)``, in this order of priority.
+
+    ``guess`` and ``guess + 1`` (first round only), sizes next to ``predicted`` (``p``, ``p + 1``, ``p - 1``: the
+    boundary is a pass next to a failure), a spread above ``guess`` (first round), then the bracket split evenly.
+    """
+    top = upper if hi is None else min(upper, hi - 1)
+    if top <= lo:
+        return []
+    if top - lo <= k:
+        return list(range(lo + 1, top + 1))
+    ordered = [] if guess is None else [guess, guess + 1]
+    if predicted is not None:
+        near = min(max(predicted, lo + 1), top)
+        ordered += [near, near + 1, near - 1][: min(3, k) if k <= 2 else min(3, k - 1)]
+    if guess is not None:
+        ordered += [math.ceil(guess * f) for f in (1.1, 1.25, 1.5, 2.0)]
+    picks: list[int] = []
+    extra = 0
+    while len(picks) < k and extra <= 3 * k:
+        for size in ordered:
+            if len(picks) < k and lo < size <= top and size not in picks:
+                picks.append(size)
+        ordered = _split(lo, hi, upper, k - len(picks) + extra)
+        extra += 1
+    return sorted(picks)
+
+
+def _bracket(probes: dict[int, dict[str, Any]]) -> tuple[int, int | None, list[int]]:
+    """Largest passing size below the smallest failing one, that failing size, and passes above it (non-monotone)."""
+    failed = [size for size, p in probes.items() if not p["ok"]]
+    hi = min(failed) if failed else None
+    passed = [size for size, p in probes.items() if p["ok"]]
+    lo = max([size for size in passed if hi is None or size < hi], default=0)
+    above = sorted(size for size in passed if hi is not None and size > hi)
+    return lo, hi, above
+
+
+def find_true_max(
+    runner: Runner, model: str, w: M.Workload, parallel: int, guess: int | None, hints: list[tuple[int, int]]
+) -> dict[str, Any]:
+    """Exact largest batch size that passes the probe, by rounds of up to ``parallel`` concurrent candidates."""
+    start = time.perf_counter()
+    probes: dict[int, dict[str, Any]] = {}
+    rounds = 0
+    status = "exact"
+    while True:
+        lo, hi, _ = _bracket(probes)
+        if hi is not None and hi == lo + 1:
+            break
+        if hi is None and lo >= w.search_upper:
+            status = "upper_bound"
+            break
+        measured = [(s, p["peak_reserved"]) for s, p in probes.items() if p["ok"] and p.get("peak_reserved")]
+        points = measured if len(measured) >= 2 else measured + [h for h in hints if h[0] not in probes]
+        predicted = _predict_max(points, runner.budget_bytes)
+        first_round_guess = guess if not probes else None  # the first round is centred on the tuner's answer
+        sizes = _candidates(lo, hi, w.search_upper, parallel, predicted, first_round_guess)
+        if not sizes:
+            status = "no_candidates"
+            break
+        if runner.remaining() < MIN_START_SECONDS:
+            status = "time_limit"
+            break
+        rounds += 1
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(sizes)) as pool:
+            futures = {
+                size: pool.submit(
+                    runner.run, runner.argv(model, "--probe-worker", "--batch-size", str(size)), f"{model}_probe_{size}"
+                )
+                for size in sizes
+            }
+            for size, future in futures.items():
+                proc = future.result()
+                probe = proc.result()
+                if probe is None or probe.get("error"):
+                    why = proc.failure() if probe is None else probe["error"]
+                    probe = {"batch_size": size, "ok": False, "oom": False, "error": why, "timed_out": proc.timed_out}
+                probe["wall_seconds"] = round(proc.seconds, 2)
+                probes[size] = probe
+        _log(f"{model}: true max round {rounds}: " + ", ".join(_probe_summary(probes[s]) for s in sizes))
+    lo, hi, above = _bracket(probes)
+    return {
+        "true_max": lo if probes and lo > 0 else (0 if hi == 1 else None),
+        "status": status,
+        "uncertain": hi is not None and bool(probes[hi].get("error")),
+        "non_monotone_passes": above,
+        "smallest_failure": hi,
+        "rounds": rounds,
+        "num_candidates": len(probes),
+        "seconds": time.perf_counter() - start,
+        "guess": guess,
+        "probes": [probes[s] for s in sorted(probes)],
+    }
+
+
+def _probe_summary(probe: dict[str, Any]) -> str:
+    size = probe["batch_size"]
+    if probe["ok"]:
+        peak = probe.get("peak_reserved")
+        return f"{size} ok" + (f" ({peak / GIB:.1f} GiB)" if peak else "")
+    if probe.get("oom"):
+        return f"{size} OOM"
+    return f"{size} {'timeout' if probe.get('timed_out') else 'error'}"
+
+
+# ---------------------------------------------------------------------------------------------------- finders
+def run_finder(runner: Runner, model: str, finder: str) -> dict[str, Any]:
+    """One finder's subprocess; returns its result, or a record of why there is none."""
+    if runner.remaining() < MIN_START_SECONDS:
+        return {"finder": finder, "status": "skipped", "error": "time limit"}
+    proc = runner.run(runner.argv(model, "--finder-worker", finder), f"{model}_{finder}")
+    result = proc.result()
+    if result is None:
+        result = {"finder": finder, "status": "timeout" if proc.timed_out else "crashed", "error": proc.failure()}
+    result["wall_seconds"] = round(proc.seconds, 2)
+    _log(f"{model}: {finder}: {_finder_summary(result)} [process {proc.seconds:.1f} s]")
+    return result
+
+
+def _finder_summary(r: dict[str, Any]) -> str:
+    if r.get("status") != "ok":
+        return f"{r.get('status')}: {r.get('error')}"
+    return (
+        f"batch size {r['batch_size']}, {r['num_trials']} trials, {r['num_ooms']} OOM,"
+        f" search {r['search_seconds']:.1f} s, fit {_fit_cell(r)}"
+    )
+
+
+def _fit_cell(r: dict[str, Any]) -> str:
+    fit = r.get("fit")
+    if r.get("status") != "ok" or fit is None:
+        return "-"
+    if fit.get("error"):
+        where = (
+            f"validation batch {fit['val_batches'] + 1}"
+            if fit["steps"] >= r["fit_steps"]
+            else f"step {fit['steps'] + 1}"
+        )
+        return f"**OOM** at {where}" if fit.get("oom") else f"error at {where}"
+    parts = (
+        []
+        if fit["steps"] == r["fit_steps"] and fit["val_batches"] == r["fit_val_batches"]
+        else [f"{fit['steps']} steps, {fit['val_batches']} val batches"]
+    )
+    if fit.get("peak_reserved"):
+        parts.append(f"peak {fit['peak_reserved'] / GIB:.1f} GiB")
+    parts.append(f"{fit['seconds']:.1f} s")
+    return f"ok ({', '.join(parts)})"
+
+
+# ---------------------------------------------------------------------------------------------------- report
+def _table(model: str, w: M.Workload, entry: dict[str, Any], budget_bytes: int, quick: bool) -> str:
+    true = entry.get("true_max") or {}
+    true_max = true.get("true_max")
+    budget = (
+        "no memory cap, simulated OOM above " + str(w.simulated_oom_above)
+        if quick
+        else f"budget {budget_bytes / GIB:.1f} GiB"
+    )
+    params = next((r["parameters"] for r in entry["finders"].values() if r.get("parameters")), None)
+    param_text = ""
+    if params:
+        param_text = f", {params / 1e6:.1f}M parameters" if params >= 1e6 else f", {params:,} parameters"
+    lines = [
+        f"### {model}: {M.describe(w)}{param_text} ({budget})",
+        "",
+        "| finder | batch size | fraction of true max | trials | OOMs | search s | 50-step fit + val |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for finder in FINDERS:
+        r = entry["finders"].get(finder)
+        if r is None:
+            continue
+        if r.get("status") != "ok":
+            cells = [f"{r.get('status')}"] + ["-"] * 5
+        else:
+            size = r["batch_size"]
+            fraction = f"{size / true_max:.2f}" if size and true_max else "-"
+            cells = [
+                str(size),
+                fraction,
+                str(r["num_trials"]),
+                str(r["num_ooms"]),
+                f"{r['search_seconds']:.1f}",
+                _fit_cell(r),
+            ]
+        lines.append(f"| {FINDER_LABELS[finder]} | " + " | ".join(cells) + " |")
+    lines += ["", _true_max_line(true)]
+    return "\n".join(lines)
+
+
+def _true_max_line(true: dict[str, Any]) -> str:
+    if not true:
+        return "true max = not measured"
+    value = true["true_max"]
+    how = f"({true['num_candidates']} candidate processes, {true['seconds']:.1f} seconds)"
+    if true["status"] == "upper_bound":
+        text = f"true max >= {value} (the search's upper bound) {how}"
+    elif true["status"] != "exact":
+        text = (
+            f"true max: not settled ({true['status']}; largest pass {value},"
+            f" smallest failure {true['smallest_failure']}) {how}"
+        )
+    else:
+        text = f"true max = {value} {how}"
+    if true["uncertain"]:
+        text += "; uncertain: a candidate at or above it failed without OOM (error or timeout), counted as a failure"
+    if true["non_monotone_passes"]:
+        text += f"; non-monotone: {true['non_monotone_passes']} passed although {true['smallest_failure']} failed"
+    return text
+
+
+def _versions() -> dict[str, str]:
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for dist in ("lightning", "torchvision", "lightning-gpumem"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = "not installed"
+    return versions
+
+
+def orchestrate(args: argparse.Namespace) -> int:
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    for name in models:
+        M.workload(name, args.quick)  # unknown names fail now
+    budget_bytes = int(args.budget_gib * GIB)
+    if args.quick:
+        device = {"name": "cpu", "total_bytes": None}
+        parallel = max(1, min(args.parallel, os.cpu_count() or 1))
+    elif torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        device = {"name": props.name, "total_bytes": int(props.total_memory)}
+        if budget_bytes > props.total_memory:
+            sys.exit(f"--budget-gib {args.budget_gib} is more than the device's {props.total_memory / GIB:.1f} GiB")
+        parallel = max(1, min(args.parallel, int(props.total_memory // (budget_bytes + CONTEXT_BYTES))))
+    else:
+        sys.exit("No CUDA device: the full benchmark needs one. Use --quick for a CPU smoke run.")
+
+    versions = _versions()
+    print("# Batch-size finders under a memory budget\n")
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+    total = f"{device['total_bytes'] / GIB:.1f} GiB" if device["total_bytes"] else "no memory cap"
+    print(f"device: {device['name']} ({total}); budget {args.budget_gib} GiB per process; {parallel} probes at once")
+    print(
+        f"true max: {args.steps} training steps + 1 validation step; following fit: {args.fit_steps} steps"
+        f" + {args.fit_val_batches} validation batches"
+    )
+    if args.quick:
+        print("quick mode: CPU, tiny models, simulated OOM thresholds, numbers are not meaningful")
+    print(flush=True)
+
+    runner = Runner(args, budget_bytes)
+    report: dict[str, Any] = {
+        "settings": {**vars(args), "budget_bytes": budget_bytes, "parallel_used": parallel},
+        "versions": versions,
+        "device": device,
+        "workloads": {},
+    }
+    for model in models:
+        w = M.workload(model, args.quick)
+        _log(f"{model}: {M.describe(w)}")
+        entry: dict[str, Any] = {"workload": M.describe(w), "finders": {}}
+        report["workloads"][model] = entry
+        ours = run_finder(runner, model, "ours")
+        entry["finders"]["ours"] = ours
+        if ours.get("status") == "ok" and len(ours.get("module_trials", [])) != ours.get("num_trials"):
+            seen = len(ours["module_trials"])
+            _log(f"{model}: note: the module saw {seen} trials, the tuner reports {ours['num_trials']}")
+        guess = ours.get("batch_size") if ours.get("status") == "ok" else None
+        hints = [
+            (t["batch_size"], t["peak_bytes"]) for t in ours.get("tuner_trials", []) if t["fits"] and t["peak_bytes"]
+        ]
+        entry["true_max"] = find_true_max(runner, model, w, parallel, guess, hints)
+        _log(f"{model}: {_true_max_line(entry['true_max'])}")
+        for finder in ("binsearch", "power"):
+            entry["finders"][finder] = run_finder(runner, model, finder)
+        print(_table(model, w, entry, budget_bytes, args.quick) + "\n", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2))
+    _log(f"done in {time.perf_counter() - _T0:.1f} s")
+    return 0
+
+
+def _parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--models", default="gpt,resnet", help="workloads, comma-separated (gpt, resnet)")
+    parser.add_argument("--budget-gib", type=float, default=24.0, help="memory budget per process in GiB")
+    parser.add_argument("--parallel", type=int, default=5, help="true-max candidates run at once")
+    parser.add_argument("--steps", type=int, default=3, help="training steps of a true-max candidate")
+    parser.add_argument("--fit-steps", type=int, default=50, help="training steps of the fit after each search")
+    parser.add_argument("--fit-val-batches", type=int, default=5, help="validation batches of that fit")
+    parser.add_argument("--timeout", type=float, default=150.0, help="seconds before a subprocess is killed")
+    parser.add_argument("--time-limit", type=float, default=500.0, help="no subprocess starts after this (seconds)")
+    parser.add_argument("--json", help="write every number to this file")
+    parser.add_argument("--log-dir", help="write each subprocess's output to a file here")
+    parser.add_argument("--quick", action="store_true", help="CPU smoke run: tiny models, simulated OOMs")
+    # Internal: the worker subprocesses.
+    parser.add_argument("--probe-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--finder-worker", choices=FINDERS, help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--budget-bytes", type=int, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.probe_worker:
+        return probe_worker(args)
+    if args.finder_worker:
+        return finder_worker(args)
+    return orchestrate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
