@@ -10,6 +10,8 @@ maximum before the reset, so the fit-end summary still covers every batch.
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -81,9 +83,13 @@ class MemoryMonitor(Callback):
         host: read host memory (``psutil``) on logging steps.
         progress_bar: show the last logged peak in the progress bar as ``mem``.
         summary: print a summary table with advice on rank zero at fit end.
+        nvml_host_interval_s: read NVML and host memory at most this often, in seconds (``0``: on every logging
+            step). They change slowly and cost tens to hundreds of microseconds each, unlike the allocator's
+            counters, which are read on every logging step; their keys are logged only when read.
 
     Raises:
-        ValueError: if ``log_every_n_steps`` is not a positive integer or ``None``.
+        ValueError: if ``log_every_n_steps`` is not a positive integer or ``None``, or ``nvml_host_interval_s`` is
+            negative.
         TypeError: if a flag is not a ``bool``.
 
     Example::
@@ -102,6 +108,7 @@ class MemoryMonitor(Callback):
         host: bool = True,
         progress_bar: bool = True,
         summary: bool = True,
+        nvml_host_interval_s: float = 1.0,
     ) -> None:
         if log_every_n_steps is not None and (
             isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
@@ -119,12 +126,25 @@ class MemoryMonitor(Callback):
         ):
             if not isinstance(value, bool):
                 raise TypeError(f"`MemoryMonitor({name}={value!r})` is not valid. Expected True or False.")
+        if (
+            isinstance(nvml_host_interval_s, bool)
+            or not isinstance(nvml_host_interval_s, (int, float))
+            or not nvml_host_interval_s >= 0
+        ):
+            raise ValueError(
+                f"`MemoryMonitor(nvml_host_interval_s={nvml_host_interval_s!r})` is not valid."
+                " Expected a number of seconds >= 0."
+            )
         self._log_every_n_steps = log_every_n_steps
         self._verbose = verbose
         self._nvml = nvml
         self._host = host
         self._progress_bar = progress_bar
         self._summary = summary
+        self._slow_interval_s = float(nvml_host_interval_s)
+        self._last_slow_read = -math.inf  # time.monotonic() of the last NVML/host reading
+        self._last_host_rss: int | None = None
+        self._slow_next = True  # under DDP: whether the next logging step reads NVML and host (agreed by ranks)
 
         self._probe: MemoryProbe | None = None
         self._every_n = 0
@@ -290,8 +310,17 @@ class MemoryMonitor(Callback):
 
     def _measure_and_log(self, trainer: pl.Trainer, stage: str, device_wide: bool) -> None:
         probe = self._require_probe()
-        sample = probe.read(nvml=self._nvml, host=self._host)
+        now = time.monotonic()
+        distributed = trainer.world_size > 1
+        # NVML and psutil cost tens to hundreds of µs: read them at most every `nvml_host_interval_s`. Under DDP
+        # rank zero's clock decides for all ranks, one logging step ahead, through the gather below.
+        slow = self._slow_next if distributed else now - self._last_slow_read >= self._slow_interval_s
+        if slow:
+            self._last_slow_read = now
+        sample = probe.read(nvml=self._nvml and slow, host=self._host and slow)
         self._last_sample = sample
+        if sample.host_rss_bytes is not None:
+            self._last_host_rss = sample.host_rss_bytes
         if probe.has_allocator:
             self._update_peak(stage, sample.peak_allocated_bytes, sample.peak_reserved_bytes)
         self._update_max("non_torch_bytes", sample.non_torch_bytes)
@@ -303,8 +332,10 @@ class MemoryMonitor(Callback):
             metrics.update(_device_wide_metrics(sample))
             if self._verbose:
                 metrics.update({f"gpumem/allocator/{k}": float(v) for k, v in probe.allocator_stats().items()})
-        if trainer.world_size > 1:  # collective: every rank reaches this point on the same steps
-            rows = gather_values(trainer, [getattr(sample, name) for name in _REDUCED])
+        if distributed:  # collective: every rank reaches this point on the same steps
+            due = float(time.monotonic() - self._last_slow_read >= self._slow_interval_s)
+            rows = gather_values(trainer, [*(getattr(sample, name) for name in _REDUCED), due])
+            self._slow_next = bool(rows[0][-1])
             for column, name in enumerate(_REDUCED):
                 key = _reduced_key(prefix, name)
                 if key is None or (name.startswith("peak") and not probe.has_allocator):
@@ -320,8 +351,9 @@ class MemoryMonitor(Callback):
 
     def _progress_text(self, sample: MemorySample) -> str:
         if sample.peak_allocated_bytes is None:
-            return f"rss {sample.host_rss_bytes / GIB:.1f} GiB" if sample.host_rss_bytes is not None else "n/a"
-        total = sample.nvml_total_bytes or self._total_bytes
+            rss = self._last_host_rss
+            return f"rss {rss / GIB:.1f} GiB" if rss is not None else "n/a"
+        total = self._total_bytes
         shown = f"{sample.peak_allocated_bytes / GIB:.1f}"
         return f"{shown}/{total / GIB:.1f} GiB" if total else f"{shown} GiB"
 
@@ -354,7 +386,7 @@ class MemoryMonitor(Callback):
         n = 2 * len(stages)
         return RunMemory(
             device_name=probe.device_name if probe.device.type == "cpu" else f"{probe.device_name} ({probe.device})",
-            total_bytes=last.nvml_total_bytes or self._total_bytes,
+            total_bytes=self._total_bytes or last.nvml_total_bytes,
             stage_peaks=peaks,
             max_non_torch_bytes=high(n),
             max_host_rss_bytes=high(n + 1),

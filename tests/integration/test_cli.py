@@ -20,6 +20,7 @@ from lightning_gpumem import MemoryMonitor  # noqa: E402
 
 CONFIG = """
 trainer:
+  accelerator: cpu
   max_steps: 4
   limit_val_batches: 0
   enable_progress_bar: false

@@ -23,8 +23,9 @@ def _scalars(log_dir: Path) -> dict[str, dict[int, float]]:
 
 
 def test_cpu_run_logs_host_memory_to_tensorboard_and_csv(tmp_path):
-    monitor = MemoryMonitor(log_every_n_steps=5)
+    monitor = MemoryMonitor(log_every_n_steps=5, nvml_host_interval_s=0)
     trainer = Trainer(
+        accelerator="cpu",
         max_epochs=2,
         limit_train_batches=10,
         limit_val_batches=2,
@@ -54,6 +55,11 @@ def test_cpu_run_without_logger_or_psutil_reads_never_fails(tmp_path):
     monitor = MemoryMonitor(host=False, nvml=False)
     with pytest.warns(UserWarning, match="no logger"):
         Trainer(
-            max_steps=3, logger=False, callbacks=[monitor], enable_checkpointing=False, enable_progress_bar=False
+            accelerator="cpu",
+            max_steps=3,
+            logger=False,
+            callbacks=[monitor],
+            enable_checkpointing=False,
+            enable_progress_bar=False,
         ).fit(BoringModel())
     assert monitor.peaks == {}

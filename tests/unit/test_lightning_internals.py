@@ -16,6 +16,7 @@ def test_batches_that_stepped_is_the_step_lightning_logs_at(tmp_path):
             seen.append((batches_that_stepped(trainer), is_logging_step(trainer, 2)))
 
     trainer = Trainer(
+        accelerator="cpu",
         max_steps=4,
         callbacks=[Spy()],
         logger=False,
@@ -31,7 +32,9 @@ def test_batches_that_stepped_is_the_step_lightning_logs_at(tmp_path):
 
 
 def test_progress_bar_metrics_is_a_persistent_dict(tmp_path):
-    trainer = Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_model_summary=False)
+    trainer = Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_model_summary=False
+    )
     trainer.fit(BoringModel())
     trainer.progress_bar_metrics["mem"] = "1.0/2.0 GiB"
     assert trainer.progress_bar_metrics["mem"] == "1.0/2.0 GiB"
@@ -46,6 +49,7 @@ def test_is_accumulating_matches_lightning_optimizer_steps():
             seen.append(is_accumulating(trainer))
 
     trainer = Trainer(
+        accelerator="cpu",
         max_epochs=1,
         limit_train_batches=5,
         limit_val_batches=0,
@@ -67,7 +71,9 @@ def test_private_loop_attributes_the_tuner_uses_exist():
 
     from lightning_gpumem.tuning import _loops
 
-    trainer = Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer = Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False
+    )
     trainer.fit(BoringModel())
     fit_loop = trainer.fit_loop
     assert hasattr(fit_loop, "_combined_loader")

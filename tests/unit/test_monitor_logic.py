@@ -14,6 +14,7 @@ from tests._fakes import FakeMonitor, FakeProbe, SpikeModel, column, read_csv_me
 
 def _trainer(tmp_path, monitor, **kwargs) -> Trainer:
     defaults = dict(
+        accelerator="cpu",
         max_epochs=1,
         limit_train_batches=8,
         limit_val_batches=2,
@@ -117,6 +118,23 @@ def test_device_wide_metrics_and_progress_bar(tmp_path):
     assert float(last["gpumem/gpu_util_pct"]) == pytest.approx(50.0)
     assert float(last["gpumem/allocator/allocated_bytes.all.current"]) == 2 * GIB
     assert trainer.progress_bar_metrics["mem"] == "2.0/16.0 GiB"
+
+
+@pytest.mark.parametrize(("interval", "expected_nvml_steps"), [(0, list(range(8))), (3600, [0])])
+def test_nvml_and_host_are_read_at_most_every_interval(tmp_path, interval, expected_nvml_steps):
+    probe = FakeProbe()
+    monitor = FakeMonitor(probe, nvml_host_interval_s=interval)
+    _trainer(tmp_path, monitor, limit_val_batches=0).fit(SpikeModel(probe))
+    rows = read_csv_metrics(tmp_path)
+    assert sorted(column(rows, "gpumem/train_peak_allocated_gib")) == list(range(8))  # the allocator: every step
+    assert sorted(column(rows, "gpumem/nvml_used_gib")) == expected_nvml_steps
+    assert sorted(column(rows, "gpumem/host_rss_gib")) == expected_nvml_steps
+
+
+@pytest.mark.parametrize("value", [-1, "1s", True])
+def test_nvml_host_interval_is_validated(value):
+    with pytest.raises(ValueError, match=r"nvml_host_interval_s=.*seconds >= 0"):
+        MemoryMonitor(nvml_host_interval_s=value)
 
 
 def test_nvml_and_host_can_be_switched_off(tmp_path):

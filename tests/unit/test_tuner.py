@@ -69,6 +69,7 @@ class MemoryModel(OOMModel):
 
 def _trainer(tuner, **kwargs) -> Trainer:
     defaults = dict(
+        accelerator="cpu",
         max_epochs=1,
         callbacks=[tuner],
         logger=False,
