@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
+from lightning_gpumem._checks import require_flags
 from lightning_gpumem._distributed import gather_values, max_min
 from lightning_gpumem._logging import (
     batches_that_stepped,
@@ -117,15 +118,9 @@ class MemoryMonitor(Callback):
                 f"`MemoryMonitor(log_every_n_steps={log_every_n_steps!r})` is not valid."
                 " Expected a positive integer, or None to use the Trainer's `log_every_n_steps`."
             )
-        for name, value in (
-            ("verbose", verbose),
-            ("nvml", nvml),
-            ("host", host),
-            ("progress_bar", progress_bar),
-            ("summary", summary),
-        ):
-            if not isinstance(value, bool):
-                raise TypeError(f"`MemoryMonitor({name}={value!r})` is not valid. Expected True or False.")
+        require_flags(
+            "MemoryMonitor", verbose=verbose, nvml=nvml, host=host, progress_bar=progress_bar, summary=summary
+        )
         if (
             isinstance(nvml_host_interval_s, bool)
             or not isinstance(nvml_host_interval_s, (int, float))

@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
+from lightning_gpumem._checks import require_flags
 from lightning_gpumem._distributed import gather_values, max_min
 from lightning_gpumem._oom import is_oom_error
 from lightning_gpumem._units import GIB, format_gib, parse_budget
@@ -151,9 +152,9 @@ class BatchSizeTuner(Callback):
             )
         if not isinstance(batch_arg_name, str) or not batch_arg_name:
             raise ValueError(f"`BatchSizeTuner(batch_arg_name={batch_arg_name!r})` is not valid. Expected a name.")
-        for name, flag in (("include_validation", include_validation), ("keep_effective_batch", keep_effective_batch)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"`BatchSizeTuner({name}={flag!r})` is not valid. Expected True or False.")
+        require_flags(
+            "BatchSizeTuner", include_validation=include_validation, keep_effective_batch=keep_effective_batch
+        )
         self.budget = budget
         self.headroom = float(headroom)
         self.init_val = init_val

@@ -308,3 +308,9 @@ def test_trials_are_logged_to_the_loggers(tmp_path):
     model = OOMModel(train_limit=21)
     _trainer(BatchSizeTuner(), logger=CSVLogger(tmp_path), max_steps=2).fit(model)
     assert list(column(read_csv_metrics(tmp_path), "gpumem/batch_size").values()) == [21.0]
+
+
+@pytest.mark.parametrize("name", ["include_validation", "keep_effective_batch"])
+def test_flags_must_be_bool(name):
+    with pytest.raises(TypeError, match=rf"BatchSizeTuner\({name}=1\).*Expected True or False"):
+        BatchSizeTuner(**{name: 1})
