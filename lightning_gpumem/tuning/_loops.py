@@ -191,6 +191,15 @@ def _set_loop_flags(flags: dict[Any, tuple[bool, bool, bool]]) -> None:
         loop._restarting, loop._loaded_from_state_dict, loop._resuming_from_checkpoint = restarting, loaded, resuming
 
 
+def drop_trial_references(trainer: pl.Trainer) -> None:
+    """Forget the batch a trial left in the loops' result collections (an OOM skips the batch-end cleanup)."""
+    for loop in (trainer.fit_loop, trainer.fit_loop.epoch_loop.val_loop):
+        results = getattr(loop, "_results", None)  # private: `_ResultCollection` of the loop
+        if results is not None:
+            results.batch = None
+            results.batch_size = None
+
+
 def run_trial_loop(trainer: pl.Trainer) -> None:
     """Run the fit loop until the trial callback raises :class:`TrialStop`."""
     with _no_gradient_sync(trainer):

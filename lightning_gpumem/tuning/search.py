@@ -113,6 +113,7 @@ def search_batch_size(
         size = guess if guess is not None and 1 <= guess < size else max(1, size // 2)
 
     # 2. Move up: predicted jumps where peaks allow, doubling/bisection where they do not.
+    confirmed = False  # the last trial was lo + 1, tried because the line said lo was the largest, and it passed
     while True:
         top = upper if hi is None else hi - 1
         if lo >= top:
@@ -124,13 +125,18 @@ def search_batch_size(
         if hi is None and limit_bytes is not None and slope and lo_peak is not None and lo_peak + slope > limit_bytes:
             return result(lo, "predicted")  # one more sample would cross the limit
         guess = _predict(trials.values(), limit_bytes, below=top + 1)
-        if guess is None:
-            guess = lo * 2 if hi is None else (lo + hi) // 2
+        fallback = lo * 2 if hi is None else (lo + hi) // 2
+        if guess is None or (guess <= lo and confirmed):
+            # No line yet, or the line said "lo is the largest" and lo + 1 passed anyway: it is not to be trusted
+            # here (allocator steps, noise); double or bisect instead of crawling up one size per trial.
+            guess = fallback
+        confirmed = guess <= lo  # this trial checks the line's claim that lo is the largest
         size = min(max(guess, lo + 1), top)
         if accepted(run(size)):
             lo = size
         else:
             hi = size
+            confirmed = False
 
 
 def _measured(trials: object) -> list[tuple[int, int]]:
@@ -150,8 +156,9 @@ def _slope(trials: object) -> float | None:
 def _predict(trials: object, limit_bytes: int | None, below: int) -> int | None:
     """Largest size predicted to stay under the limit, or ``None`` without enough evidence.
 
-    With two measured points, the line through the two largest; with one, a line through the origin, which
-    overestimates the slope (the fixed part of the memory is counted as per-sample) and so undershoots safely.
+    With two measured points that differ, the line through the two largest; otherwise a line through the origin
+    and the largest point, which overestimates the slope (the fixed part of the memory is counted as per-sample) and
+    so undershoots safely.
     """
     if limit_bytes is None:
         return None
@@ -161,8 +168,10 @@ def _predict(trials: object, limit_bytes: int | None, below: int) -> int | None:
     slope = _slope(trials)
     b2, p2 = points[-1]
     if slope is None:
-        if len(points) >= 2 or p2 <= 0:
+        if p2 <= 0:
             return None
+        # No usable slope (one point, or peaks that did not move: allocator granularity at small sizes): all of
+        # the memory counted as per-sample overestimates the slope, so this undershoots safely.
         guess = math.floor(limit_bytes * b2 / p2)
     else:
         guess = b2 + math.floor((limit_bytes - p2) / slope)

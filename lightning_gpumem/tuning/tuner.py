@@ -305,6 +305,7 @@ class BatchSizeTuner(Callback):
                 trainer.strategy.reduce_boolean_decision(False, all=True)  # matches the peers' `_agree_or_raise`
         finally:
             _zero_grad(trainer)
+            _loops.drop_trial_references(trainer)
         seconds = time.perf_counter() - start
         _, peak_reserved = probe.read_peaks()
         if not fits:

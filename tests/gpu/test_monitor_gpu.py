@@ -115,7 +115,7 @@ def test_nvml_and_device_wide_metrics_are_consistent(tmp_path):
     rows = read_csv_metrics(tmp_path / "csv")
     assert column(rows, "gpumem/allocator/allocated_bytes.all.current")
     assert column(rows, "gpumem/nvml_used_gib")
-    assert trainer.progress_bar_metrics["mem"].endswith(f"/{sample.nvml_total_bytes / GIB:.1f} GiB")
+    assert trainer.progress_bar_metrics["mem"].endswith(f"/{total / GIB:.1f} GiB")
     assert "NVIDIA" in monitor.summary_text
     assert "device total" in monitor.summary_text
 

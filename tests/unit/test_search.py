@@ -141,3 +141,26 @@ def test_max_trials_returns_the_best_so_far():
 def test_upper_must_be_positive():
     with pytest.raises(ValueError, match="upper=0"):
         search_batch_size(lambda bs: Trial(bs, True), upper=0)
+
+
+def test_small_per_sample_memory_under_allocator_granularity_still_converges():
+    """0.6 GiB fixed, 0.11 MiB per sample, peaks rounded to 20 MiB: flat at first, a line only at large sizes."""
+    limit = int(0.95 * 2 * GIB)
+    run = curve(0.6 * GIB, 0.11 * 2**20, card=2 * GIB, step=20 * 2**20)
+    result = search_batch_size(run, init_val=2, upper=32768, limit_bytes=limit)
+    best = true_max(curve(0.6 * GIB, 0.11 * 2**20, card=2 * GIB, step=20 * 2**20), limit, 32768)
+    assert best - 200 <= result.batch_size <= best  # within one allocator step of the best
+    assert len(result.trials) <= 14
+    assert result.reason != "max_trials"
+
+
+def test_a_line_that_underestimates_does_not_crawl_one_size_per_trial():
+    """Peaks measured high at small sizes (workspaces), then flat: the line says 'stop' too early."""
+
+    def run(bs):
+        peak = int(10 * GIB + (2 * GIB if bs < 8 else 0) + bs * 0.01 * GIB)
+        return Trial(bs, fits=peak <= 24 * GIB, peak_bytes=peak)
+
+    result = search_batch_size(run, init_val=2, upper=100_000, limit_bytes=int(0.95 * 24 * GIB))
+    assert result.batch_size == true_max(run, int(0.95 * 24 * GIB), 3000)
+    assert len(result.trials) <= 12
