@@ -193,7 +193,7 @@ def _set_loop_flags(flags: dict[Any, tuple[bool, bool, bool]]) -> None:
 
 def drop_trial_references(trainer: pl.Trainer) -> None:
     """Forget the batch a trial left in the loops' result collections (an OOM skips the batch-end cleanup)."""
-    for loop in (trainer.fit_loop, trainer.fit_loop.epoch_loop.val_loop):
+    for loop in (trainer.fit_loop.epoch_loop, trainer.fit_loop.epoch_loop.val_loop):
         results = getattr(loop, "_results", None)  # private: `_ResultCollection` of the loop
         if results is not None:
             results.batch = None

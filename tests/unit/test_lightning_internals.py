@@ -83,7 +83,7 @@ def test_private_loop_attributes_the_tuner_uses_exist():
     flags = _loops._loop_flags(fit_loop)
     assert {fit_loop, fit_loop.epoch_loop, fit_loop.epoch_loop.val_loop} <= set(flags)
     assert all(len(v) == 3 and all(isinstance(b, bool) for b in v) for v in flags.values())
-    assert hasattr(fit_loop._results, "batch")
+    assert hasattr(fit_loop.epoch_loop._results, "batch")
     assert hasattr(fit_loop.epoch_loop.val_loop._results, "batch")
     _loops.drop_trial_references(trainer)
     assert _loops.dataloaders_loaded(trainer)
