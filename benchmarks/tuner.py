@@ -349,7 +349,13 @@ def _collect_finder_result(
     if hasattr(callback, "result"):  # ours: its own account of the search
         tuner_result = callback.result
         result["tuner_trials"] = [
-            {"batch_size": t.batch_size, "fits": t.fits, "peak_bytes": t.peak_bytes, "seconds": round(t.seconds, 3)}
+            {
+                "batch_size": t.batch_size,
+                "fits": t.fits,
+                "peak_bytes": t.peak_bytes,
+                "allocated_bytes": t.allocated_bytes,
+                "seconds": round(t.seconds, 3),
+            }
             for t in callback.trials
         ]
         result["tuner_reason"] = None if tuner_result is None else tuner_result.reason

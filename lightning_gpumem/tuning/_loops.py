@@ -119,15 +119,29 @@ def reload_dataloaders(trainer: pl.Trainer) -> None:
 class TrainerSnapshot:
     """Everything a trial changes, saved before the search and put back after it, in ``finally``.
 
-    Weights, optimizer, LR-scheduler, loop progress and callback states go through a checkpoint file, restored with
-    the connector Lightning's own finder uses; the rest (RNG, loggers, callbacks, limits) is kept in memory.
+    Weights, optimizer, LR-scheduler, precision-plugin, loop progress and callback states go through Lightning's own
+    checkpoint dict (``dump_checkpoint``), restored with the connector Lightning's own finder uses. Where each rank
+    holds its whole model (single device, DDP) and the host has room, the dict is kept in host memory; otherwise
+    (sharded strategies, little host memory) it goes through a checkpoint file, as Lightning's finder does. The rest
+    (RNG, loggers, callbacks, limits) is kept in memory.
     """
 
     def __init__(self, trainer: pl.Trainer) -> None:
         self.trainer = trainer
-        path = os.path.join(trainer.default_root_dir, f".gpumem_tuner_{uuid.uuid4().hex}.ckpt")
-        self.ckpt_path: str = trainer.strategy.broadcast(path)  # one file: rank zero writes, every rank reads
-        trainer.save_checkpoint(self.ckpt_path)
+        self.ckpt_path: str | None = None
+        self.checkpoint: dict[str, Any] | None = None
+        connector = trainer._checkpoint_connector  # private: what `Trainer.save_checkpoint` and the finder use
+        in_memory = _keeps_whole_model(trainer.strategy)
+        checkpoint = connector.dump_checkpoint(weights_only=False) if in_memory else None
+        if checkpoint is not None:
+            in_memory = _host_has_room(_tensor_bytes(checkpoint) * _local_world_size(trainer))
+        if trainer.strategy.reduce_boolean_decision(in_memory, all=True) and checkpoint is not None:
+            self.checkpoint = _copy_to_host(checkpoint)
+        else:
+            del checkpoint
+            path = os.path.join(trainer.default_root_dir, f".gpumem_tuner_{uuid.uuid4().hex}.ckpt")
+            self.ckpt_path = trainer.strategy.broadcast(path)  # one file: rank zero writes, every rank reads
+            trainer.save_checkpoint(self.ckpt_path)
         self.rng = capture_rng()
         self.loggers = trainer.loggers
         self.callbacks = trainer.callbacks  # type: ignore[attr-defined]
@@ -163,17 +177,78 @@ class TrainerSnapshot:
         trainer.limit_val_batches = self.limit_val_batches
         trainer.fit_loop.epoch_loop.max_steps = self.max_steps
         trainer.fit_loop.max_epochs = self.max_epochs
-        try:
-            trainer._checkpoint_connector.restore(self.ckpt_path)  # private: what Lightning's finder calls
-        finally:
-            trainer.strategy.barrier("gpumem_tuner_restored")  # every rank has read it before rank zero deletes it
-            trainer.strategy.remove_checkpoint(self.ckpt_path)
+        connector = trainer._checkpoint_connector  # private: what Lightning's finder restores with
+        if self.checkpoint is not None:
+            # `restore(path)` without its file read: the same steps on the dict kept in host memory.
+            connector._loaded_checkpoint = self.checkpoint  # private
+            try:
+                connector.restore_datamodule()
+                connector.restore_model()
+                connector.restore_callbacks()
+                connector.restore_training_state()
+            finally:
+                connector._loaded_checkpoint = {}  # private
+                self.checkpoint = None
+        elif self.ckpt_path is not None:
+            try:
+                connector.restore(self.ckpt_path)
+            finally:
+                trainer.strategy.barrier("gpumem_tuner_restored")  # every rank has read it before rank zero deletes it
+                trainer.strategy.remove_checkpoint(self.ckpt_path)
         trainer.fit_loop.load_state_dict(deepcopy(self.loop_state))
         _set_loop_flags(self.loop_flags)  # `load_state_dict` marked the loops as restarting from a checkpoint
         trainer.should_stop = self.should_stop
         for module, training in self.training_modes.items():
             module.training = training  # a trial's validation left them in eval mode
         restore_rng(self.rng)
+
+
+def _keeps_whole_model(strategy: Any) -> bool:
+    """Whether each rank's ``state_dict`` is the whole model (so a host copy per rank restores it exactly)."""
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    return type(strategy) in (SingleDeviceStrategy, DDPStrategy)
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _local_world_size(trainer: pl.Trainer) -> int:
+    return max(1, int(getattr(trainer, "num_devices", 1) or 1))
+
+
+def _host_has_room(nbytes: int) -> bool:
+    """Whether ``nbytes`` take at most half of the host memory available now (unknown: assume not)."""
+    try:
+        import psutil
+
+        return nbytes <= psutil.virtual_memory().available // 2
+    except Exception:
+        return False
+
+
+def _copy_to_host(obj: Any) -> Any:
+    """A deep copy with every tensor copied to host memory (containers rebuilt, other leaves deep-copied)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        items = [(k, _copy_to_host(v)) for k, v in obj.items()]
+        try:
+            return type(obj)(items)  # OrderedDict, AttributeDict, ...
+        except Exception:
+            return dict(items)
+    if isinstance(obj, list):
+        return [_copy_to_host(v) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_copy_to_host(v) for v in obj)
+    return deepcopy(obj)
 
 
 def _loop_flags(loop: Any) -> dict[Any, tuple[bool, bool, bool]]:

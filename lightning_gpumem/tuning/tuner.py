@@ -81,11 +81,12 @@ class BatchSizeTuner(Callback):
     On fit start (or whenever :meth:`scale` is called, also mid-training) it runs *trials*: ``steps_per_trial`` real
     training steps (forward, backward, optimizer step) and one validation step at a batch size, measuring the peak
     memory. Peaks are nearly affine in the batch size, so two trials give a line, the line gives the largest size
-    under the budget, and a trial or two confirm it (``tuning/search.py``); typically 3-5 trials in all. The budget is
-    enforced during the trials (``torch.cuda.set_per_process_memory_fraction``), so tuning on an 80 GiB card for a
-    24 GiB one is exact. Afterwards the weights, optimizer and LR-scheduler states, RNG states, step and epoch
-    counters, callback states and loggers are as if no trial had run, and the cache is emptied. The size found is
-    written where Lightning's ``BatchSizeFinder`` writes it (``model.<batch_arg_name>``, ``model.hparams``, the
+    under the budget, and a few trials settle it (``tuning/search.py``); typically 4-7 trials in all. During the
+    trials the allocator is capped at the budget less the headroom (``torch.cuda.set_per_process_memory_fraction``),
+    so a size is accepted only if it really runs there, caching and fragmentation included, and tuning on an 80 GiB
+    card for a 24 GiB one is exact. Afterwards the weights, optimizer and LR-scheduler states, RNG states, step and
+    epoch counters, callback states and loggers are as if no trial had run, and the cache is emptied. The size found
+    is written where Lightning's ``BatchSizeFinder`` writes it (``model.<batch_arg_name>``, ``model.hparams``, the
     datamodule or its hparams) and the fit continues with it. Under DDP every rank runs every trial; the out-of-memory
     flag and the peaks are agreed across ranks, so all ranks pick the same size and none hangs.
 
@@ -103,8 +104,10 @@ class BatchSizeTuner(Callback):
     Args:
         budget: memory the run may use: ``None`` for what is usable on the device now, bytes (``int``), a fraction of
             device memory in (0, 1] (``float``), or a string such as ``"24GiB"`` or ``"16GB"``.
-        headroom: fraction of the budget kept free at the chosen size, in [0, 1): a size is accepted when its
-            measured peak reserved memory is at most ``(1 - headroom) * budget``.
+        headroom: fraction of the budget kept free at the chosen size, in [0, 1): a size is accepted when its trial
+            runs with the allocator capped at ``(1 - headroom) * budget`` (elsewhere than CUDA: when its measured
+            peak reserved memory is at most that), so the rest of the budget is left for what trials do not show
+            (a later, larger validation batch, fragmentation over a long run).
         init_val: first batch size tried.
         max_val: largest batch size tried; the result never exceeds it. ``None``: the training dataset's size.
         steps_per_trial: training steps per trial (the first step also creates optimizer state).
@@ -205,14 +208,16 @@ class BatchSizeTuner(Callback):
         was_loaded = _loops.dataloaders_loaded(trainer)
         limit = self._limit_bytes(probe)
         _loops.reload_dataloaders(trainer)
-        upper = self._upper_bound(trainer, probe)
+        upper = self._upper_bound(trainer)
 
         start = time.perf_counter()
         snapshot = _loops.TrainerSnapshot(trainer)
         previous_fraction = None
-        if self.budget_bytes is not None and probe.device.type == "cuda":
+        if limit is not None and probe.device.type == "cuda":
+            # The allocator itself holds each trial to the budget less the headroom: a size that runs there leaves
+            # `headroom` of the budget free, whatever its caching and fragmentation cost.
             total = probe.total_bytes()
-            previous_fraction = probe.set_memory_fraction(min(1.0, self.budget_bytes / total)) if total else None
+            previous_fraction = probe.set_memory_fraction(min(1.0, limit / total)) if total else None
         try:
             result = search_batch_size(
                 lambda size: self._run_trial(trainer, snapshot, probe, size),
@@ -270,7 +275,7 @@ class BatchSizeTuner(Callback):
                 )
         return int(self.budget_bytes * (1.0 - self.headroom))
 
-    def _upper_bound(self, trainer: pl.Trainer, probe: MemoryProbe) -> int:
+    def _upper_bound(self, trainer: pl.Trainer) -> int:
         size = _loops.train_dataset_size(trainer)
         candidates = [v for v in (self.max_val, size) if v is not None]
         interval = trainer.val_check_interval
@@ -307,14 +312,16 @@ class BatchSizeTuner(Callback):
             _zero_grad(trainer)
             _loops.drop_trial_references(trainer)
         seconds = time.perf_counter() - start
-        _, peak_reserved = probe.read_peaks()
+        peak_allocated, peak_reserved = probe.read_peaks()
         if not fits:
             gc.collect()  # an OOM's traceback frames hold tensors in reference cycles
         probe.release_cache()
-        if trainer.world_size > 1:  # all ranks measured the same sizes: agree on the largest peak
-            high, _ = max_min(gather_values(trainer, [peak_reserved]), 0)
-            peak_reserved = None if high is None else int(high)
-        return Trial(size, fits=fits, peak_bytes=peak_reserved if fits else None, seconds=seconds)
+        if trainer.world_size > 1:  # all ranks measured the same sizes: agree on the largest peaks
+            gathered = gather_values(trainer, [peak_allocated, peak_reserved])
+            peak_allocated, peak_reserved = (_int_or_none(max_min(gathered, i)[0]) for i in (0, 1))
+        if not fits:
+            peak_allocated = peak_reserved = None
+        return Trial(size, fits=fits, peak_bytes=peak_reserved, seconds=seconds, allocated_bytes=peak_allocated)
 
     def _keep_effective_batch(self, trainer: pl.Trainer, original_size: int, new_size: int) -> None:
         effective = original_size * trainer.accumulate_grad_batches
@@ -355,6 +362,10 @@ class BatchSizeTuner(Callback):
             add_text = getattr(getattr(logger, "experiment", None), "add_text", None)
             if callable(add_text):
                 add_text("gpumem/batch_size_trials", table, global_step=trainer.global_step)
+
+
+def _int_or_none(value: float | None) -> int | None:
+    return None if value is None else int(value)
 
 
 def _zero_grad(trainer: pl.Trainer) -> None:

@@ -314,3 +314,46 @@ def test_trials_are_logged_to_the_loggers(tmp_path):
 def test_flags_must_be_bool(name):
     with pytest.raises(TypeError, match=rf"BatchSizeTuner\({name}=1\).*Expected True or False"):
         BatchSizeTuner(**{name: 1})
+
+
+@pytest.mark.parametrize("in_memory", [True, False], ids=["host-memory", "checkpoint-file"])
+def test_snapshot_restores_weights_optimizer_and_scheduler_mid_training(monkeypatch, tmp_path, in_memory):
+    from copy import deepcopy
+
+    from lightning_gpumem.tuning import _loops
+
+    if not in_memory:
+        monkeypatch.setattr(_loops, "_host_has_room", lambda nbytes: False)
+
+    class AdamModel(BoringModel):
+        def configure_optimizers(self):
+            optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
+            return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
+
+    class Tamper(Callback):
+        def on_train_epoch_start(self, trainer, pl_module):
+            if trainer.current_epoch != 1:
+                return
+            optimizer, scheduler = trainer.optimizers[0], trainer.lr_scheduler_configs[0].scheduler
+            self.expected = deepcopy((pl_module.state_dict(), optimizer.state_dict(), scheduler.state_dict()))
+            snapshot = _loops.TrainerSnapshot(trainer)
+            self.kept_in_memory = snapshot.checkpoint is not None and snapshot.ckpt_path is None
+            for p in pl_module.parameters():  # what a trial does: steps that change everything
+                p.grad = torch.randn_like(p)
+            optimizer.step()
+            scheduler.step()
+            snapshot.restore()
+            self.restored = deepcopy((pl_module.state_dict(), optimizer.state_dict(), scheduler.state_dict()))
+
+    tamper = Tamper()
+    trainer = _trainer(None, callbacks=[tamper], max_epochs=2, limit_train_batches=3, default_root_dir=tmp_path)
+    trainer.fit(AdamModel())
+    assert tamper.kept_in_memory is in_memory
+    (weights, opt, sched), (weights0, opt0, sched0) = tamper.restored, tamper.expected
+    assert all(torch.equal(weights[k], weights0[k]) for k in weights0)
+    assert opt["param_groups"] == opt0["param_groups"]
+    for index, state in opt0["state"].items():
+        for key, value in state.items():
+            assert torch.equal(opt["state"][index][key], value), key
+    assert sched == sched0
+    assert not list(tmp_path.glob(".gpumem_tuner_*.ckpt"))  # the file, if any, is gone
