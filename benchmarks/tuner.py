@@ -24,22 +24,24 @@ vocabulary 32768, sequence 512) on random tokens, and torchvision's ResNet-50 on
    ``optimizer_step`` or ``validation_step`` marks the trial as an OOM before it is re-raised to the finder. For the
    tuner the table shows its own ``tuner.trials`` and ``tuner.result.num_ooms``; the module's count is kept in the
    JSON as a cross-check.
-2. **True maximum.** The largest batch size ``N`` for which ``--steps`` (3) training steps and one validation step
-   run without OOM in a fresh process capped at ``B``, while ``N + 1`` does not. Each candidate is a subprocess
-   (``--probe-worker``) in plain PyTorch, which starts faster than Lightning and does what Lightning's loop does
-   with the same model, data, loss and optimizer: the batch moved to the GPU per step; forward under
-   ``torch.autocast(bfloat16)``; ``zero_grad(set_to_none=True)`` after the forward and before ``backward`` (the
-   order of Lightning's closure, so the previous gradients are alive during the forward); ``optimizer.step()``;
-   then, like Lightning's ``on_validation_model_zero_grad``, gradients released, ``model.eval()`` and one
-   validation batch under ``torch.inference_mode()`` and autocast. It prints one JSON line: ok, OOM, peak reserved
-   and allocated bytes. Up to ``--parallel`` candidates run at once on the one GPU (each capped at ``B``; fewer are
-   used if ``parallel * (B + 1 GiB)`` would not fit the card). The search is k-ary over a bracket ``(lo, hi)``
-   (largest size that passed, smallest that failed): the first round is centred on the tuner's answer ``g``
-   (``g``, ``g + 1``, the size where the line through the tuner's measured peaks meets ``B``, and a spread above);
-   later rounds put a few candidates next to the size the probes' own peaks predict and split the rest of the
-   bracket evenly (geometrically while it spans more than 4x), until ``hi = lo + 1``. A probe that times out or
-   fails for another reason counts as a failure but marks the result *uncertain*; a size that passed above one
-   that failed is reported as non-monotone.
+2. **True maximum.** The largest batch size ``N`` whose fit runs without OOM in a fresh process capped at ``B``,
+   while ``N + 1`` does not. By default (``--true-max fit``) each candidate is exactly the finders' following fit
+   (same Trainer, 50 steps and the validation pass) with the batch size set by hand and no finder (``--finder-worker
+   fixed``): the largest size the following fit can take, and so the size each finder should find. With ``--true-max
+   plain`` a candidate is ``--steps`` (3) training steps and one validation step in plain PyTorch instead (faster to
+   start; it does what Lightning's loop does: batch moved to the GPU per step, forward under
+   ``torch.autocast(bfloat16)``, ``zero_grad(set_to_none=True)`` after the forward, ``backward``, ``optimizer.step()``,
+   then gradients released, ``model.eval()`` and one validation batch under ``torch.inference_mode()``); on the GPT
+   it passed at 40 where Lightning fits at 38 and 39 ran out of memory in their second step, so its maximum is not
+   one Lightning reaches. Each candidate prints one JSON line: ok, OOM, peak reserved and allocated bytes. Up to
+   ``--parallel`` candidates run at once on the one GPU (each capped at ``B``; fewer are used if
+   ``parallel * (B + 1 GiB)`` would not fit the card). The search is k-ary over a bracket ``(lo, hi)`` (largest size
+   that passed, smallest that failed): the first round is centred on the tuner's answer ``g`` (``g``, ``g + 1``, the
+   size where the line through the tuner's measured peaks meets ``B``, and a spread above); later rounds put a few
+   candidates next to the size the probes' own peaks predict and split the rest of the bracket evenly (geometrically
+   while it spans more than 4x), until ``hi = lo + 1``. A probe that times out or fails for another reason counts as
+   a failure but marks the result *uncertain*; a size that passed above one that failed is reported as
+   non-monotone.
 3. **Output.** A Markdown table per workload on stdout (finder | batch size | fraction of true max | trials | OOMs |
    search s | 50-step fit + val) and the line ``true max = N (k candidate processes, s seconds)``; progress lines on
    stderr; ``--json PATH`` writes every number (rewritten after each workload, so a cut-off run keeps what it had).
@@ -185,6 +187,20 @@ class _TimedSearch:
         pl_module.start_fit()
 
 
+def _fixed_size_callback(batch_size: int) -> Any:
+    """Stands in for a finder in a true-max candidate: no search, the fit runs at the size given."""
+    from lightning.pytorch.callbacks import Callback
+
+    class FixedSize(Callback):
+        search_seconds = 0.0
+        optimal_batch_size = batch_size
+
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            pl_module.start_fit()
+
+    return FixedSize()
+
+
 def _lightning_classes() -> tuple[type, type, type]:
     """The LightningModule and the two timed finders; built on demand so that probe workers never import Lightning."""
     import lightning.pytorch as pl
@@ -304,6 +320,9 @@ def finder_worker(args: argparse.Namespace) -> int:
         result["parameters"] = M.count_parameters(model.net)
         if args.finder_worker == "ours":
             callback = tuner_cls(budget=args.budget_bytes)
+        elif args.finder_worker == "fixed":  # a true-max candidate: no finder, the size set by hand
+            model.batch_size = args.batch_size
+            callback = _fixed_size_callback(args.batch_size)
         else:
             callback = finder_cls(mode=args.finder_worker)
         with tempfile.TemporaryDirectory(prefix="tuner_bench_") as root:
@@ -560,14 +579,12 @@ def find_true_max(
         rounds += 1
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(sizes)) as pool:
             futures = {
-                size: pool.submit(
-                    runner.run, runner.argv(model, "--probe-worker", "--batch-size", str(size)), f"{model}_probe_{size}"
-                )
+                size: pool.submit(runner.run, runner.argv(model, *_probe_args(runner, size)), f"{model}_probe_{size}")
                 for size in sizes
             }
             for size, future in futures.items():
                 proc = future.result()
-                probe = proc.result()
+                probe = _as_probe(proc.result(), size) if runner.args.true_max == "fit" else proc.result()
                 if probe is None or probe.get("error"):
                     why = proc.failure() if probe is None else probe["error"]
                     probe = {"batch_size": size, "ok": False, "oom": False, "error": why, "timed_out": proc.timed_out}
@@ -586,6 +603,32 @@ def find_true_max(
         "seconds": time.perf_counter() - start,
         "guess": guess,
         "probes": [probes[s] for s in sorted(probes)],
+    }
+
+
+def _probe_args(runner: Runner, size: int) -> list[str]:
+    worker = ["--finder-worker", "fixed"] if runner.args.true_max == "fit" else ["--probe-worker"]
+    return [*worker, "--batch-size", str(size)]
+
+
+def _as_probe(result: dict[str, Any] | None, size: int) -> dict[str, Any] | None:
+    """A fixed-size fit's result in the shape of a plain probe's: ok, oom, peaks, error."""
+    if result is None:
+        return None
+    fit = result.get("fit") or {}
+    if result.get("status") != "ok" or not fit:
+        return {"batch_size": size, "ok": False, "oom": False, "error": result.get("error") or "no fit"}
+    error = fit.get("error")
+    return {
+        "batch_size": size,
+        "ok": not error,
+        "oom": bool(fit.get("oom")),
+        "error": None if not error or fit.get("oom") else error,
+        "steps": fit.get("steps"),
+        "val_batches": fit.get("val_batches"),
+        "seconds": fit.get("seconds"),
+        "peak_reserved": fit.get("peak_reserved"),
+        "peak_allocated": fit.get("peak_allocated"),
     }
 
 
@@ -738,10 +781,11 @@ def orchestrate(args: argparse.Namespace) -> int:
     print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     total = f"{device['total_bytes'] / GIB:.1f} GiB" if device["total_bytes"] else "no memory cap"
     print(f"device: {device['name']} ({total}); budget {args.budget_gib} GiB per process; {parallel} probes at once")
-    print(
-        f"true max: {args.steps} training steps + 1 validation step; following fit: {args.fit_steps} steps"
-        f" + {args.fit_val_batches} validation batches"
-    )
+    fit_text = f"{args.fit_steps} steps + {args.fit_val_batches} validation batches"
+    if args.true_max == "fit":
+        print(f"true max and following fit: the same Lightning fit, {fit_text}, in a fresh process per size")
+    else:
+        print(f"true max: {args.steps} plain PyTorch training steps + 1 validation step; following fit: {fit_text}")
     if args.quick:
         print("quick mode: CPU, tiny models, simulated OOM thresholds, numbers are not meaningful")
     print(flush=True)
@@ -783,7 +827,13 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--models", default="gpt,resnet", help="workloads, comma-separated (gpt, resnet)")
     parser.add_argument("--budget-gib", type=float, default=24.0, help="memory budget per process in GiB")
     parser.add_argument("--parallel", type=int, default=5, help="true-max candidates run at once")
-    parser.add_argument("--steps", type=int, default=3, help="training steps of a true-max candidate")
+    parser.add_argument(
+        "--true-max",
+        choices=("fit", "plain"),
+        default="fit",
+        help="true-max candidates: the finders' following fit at a fixed size (fit), or plain PyTorch steps (plain)",
+    )
+    parser.add_argument("--steps", type=int, default=3, help="training steps of a plain true-max candidate")
     parser.add_argument("--fit-steps", type=int, default=50, help="training steps of the fit after each search")
     parser.add_argument("--fit-val-batches", type=int, default=5, help="validation batches of that fit")
     parser.add_argument("--timeout", type=float, default=150.0, help="seconds before a subprocess is killed")
@@ -793,7 +843,7 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: tiny models, simulated OOMs")
     # Internal: the worker subprocesses.
     parser.add_argument("--probe-worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--finder-worker", choices=FINDERS, help=argparse.SUPPRESS)
+    parser.add_argument("--finder-worker", choices=(*FINDERS, "fixed"), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--budget-bytes", type=int, help=argparse.SUPPRESS)

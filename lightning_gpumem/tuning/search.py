@@ -2,15 +2,10 @@
 
 Why it is guided by memory and not only by pass/fail: peak memory is close to affine in the batch size
 (weights, gradients and optimizer state do not grow with it; activations grow linearly). Two measured peaks give
-a line, the line gives the largest size under the limit, and a trial or two around it close the bracket.
+the line, the line gives the largest size under the limit, and one more trial above it confirms the bracket.
 Bisection (what Lightning's ``BatchSizeFinder`` does) needs about ``2 * log2(B)`` trials, several of them OOMs;
-this needs about four to seven on an affine curve, and falls back to doubling and bisection where peaks are not
-measured (CPU) or not affine (steps, noise).
-
-Two lines, when trials report both peaks: the *reserved* peak (what the caching allocator held) overstates what a
-size needs, since the allocator keeps freed blocks cached until it is short of memory, and the *allocated* peak
-(live tensors) understates it, since fragmentation costs extra. The reserved line gives a safe first jump; the
-allocated line an optimistic one, beyond which no size can fit; bisection settles the rest of the bracket.
+this needs about four on an affine curve, and falls back to doubling and bisection where peaks are not measured
+(CPU) or not affine (steps, noise).
 
 A size is *accepted* when its trial ran without OOM and, if a limit is given, its measured peak is at most the
 limit. The result is always a size that was actually run and accepted.
@@ -19,12 +14,11 @@ limit. The result is always a size that was actually run and accepted.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 StopReason = Literal["bracketed", "predicted", "upper_bound", "max_trials", "nothing_fits"]
-PeakKind = Literal["reserved", "allocated"]
 
 
 @dataclass(frozen=True)
@@ -34,11 +28,11 @@ class Trial:
     Attributes:
         batch_size: the size tried.
         fits: the steps ran without an out-of-memory error.
-        peak_bytes: peak memory measured during the trial (reserved by the allocator), in bytes (``None`` where not
-            measurable); compared with the limit.
+        peak_bytes: peak memory reserved during the trial, in bytes (``None`` where not measurable); compared with
+            the limit.
         seconds: wall time of the trial.
-        allocated_bytes: peak memory of live tensors during the trial, in bytes (``None`` where not measurable); a
-            lower bound of what the size needs, used only to predict.
+        allocated_bytes: peak memory of live tensors during the trial, in bytes (``None`` where not measurable);
+            reported, not used by the search.
     """
 
     batch_size: int
@@ -130,19 +124,13 @@ def search_batch_size(
             return result(lo, "bracketed" if hi is not None else "upper_bound")
         if len(trials) >= max_trials:
             return result(lo, "max_trials")
-        has_lower = _slope(trials.values(), "allocated") is not None
-        kind: PeakKind = "allocated" if has_lower else "reserved"
-        slope = _slope(trials.values(), kind)
-        lo_peak = _peak(trials[lo], kind)
+        slope = _slope(trials.values())
+        lo_peak = trials[lo].peak_bytes
         if hi is None and limit_bytes is not None and slope and lo_peak is not None and lo_peak + slope > limit_bytes:
-            return result(lo, "predicted")  # one more sample would cross the limit (allocated: even with no waste)
+            return result(lo, "predicted")  # one more sample would cross the limit
         guess = _predict(trials.values(), limit_bytes, below=top + 1)
         fallback = lo * 2 if hi is None else (lo + hi) // 2
-        if (guess is None or guess <= lo) and has_lower:
-            # The safe line says lo is the largest; the optimistic one bounds what could still fit above it.
-            optimistic = _predict(trials.values(), limit_bytes, below=top + 2, kind="allocated")
-            guess = optimistic if optimistic is not None and lo < optimistic <= top else fallback
-        elif guess is None or (guess <= lo and confirmed):
+        if guess is None or (guess <= lo and confirmed):
             # No line yet, or the line said "lo is the largest" and lo + 1 passed anyway: it is not to be trusted
             # here (allocator steps, noise); double or bisect instead of crawling up one size per trial.
             guess = fallback
@@ -155,18 +143,13 @@ def search_batch_size(
             confirmed = False
 
 
-def _peak(trial: Trial, kind: PeakKind) -> int | None:
-    return trial.peak_bytes if kind == "reserved" else trial.allocated_bytes
+def _measured(trials: object) -> list[tuple[int, int]]:
+    return sorted((t.batch_size, t.peak_bytes) for t in trials if t.fits and t.peak_bytes is not None)  # type: ignore[attr-defined]
 
 
-def _measured(trials: Iterable[Trial], kind: PeakKind = "reserved") -> list[tuple[int, int]]:
-    points = [(t.batch_size, _peak(t, kind)) for t in trials if t.fits]
-    return sorted((b, p) for b, p in points if p is not None)
-
-
-def _slope(trials: Iterable[Trial], kind: PeakKind = "reserved") -> float | None:
+def _slope(trials: object) -> float | None:
     """Bytes per sample from the two largest measured sizes; ``None`` with fewer than two or a flat line."""
-    points = _measured(trials, kind)
+    points = _measured(trials)
     if len(points) < 2:
         return None
     (b1, p1), (b2, p2) = points[-2], points[-1]
@@ -174,23 +157,22 @@ def _slope(trials: Iterable[Trial], kind: PeakKind = "reserved") -> float | None
     return slope if slope > 0 else None
 
 
-def _predict(trials: Iterable[Trial], limit_bytes: int | None, below: int, kind: PeakKind = "reserved") -> int | None:
+def _predict(trials: object, limit_bytes: int | None, below: int) -> int | None:
     """Largest size predicted to stay under the limit, or ``None`` without enough evidence.
 
-    With two measured points that differ, the line through the two largest; otherwise (reserved peaks only) a line
-    through the origin and the largest point, which overestimates the slope (the fixed part of the memory is counted
-    as per-sample) and so undershoots safely.
+    With two measured points that differ, the line through the two largest; otherwise a line through the origin
+    and the largest point, which overestimates the slope (the fixed part of the memory is counted as per-sample) and
+    so undershoots safely.
     """
     if limit_bytes is None:
         return None
-    trials = list(trials)
-    points = _measured(trials, kind)
+    points = _measured(trials)
     if not points:
         return None
-    slope = _slope(trials, kind)
+    slope = _slope(trials)
     b2, p2 = points[-1]
     if slope is None:
-        if p2 <= 0 or kind == "allocated":
+        if p2 <= 0:
             return None
         # No usable slope (one point, or peaks that did not move: allocator granularity at small sizes): all of
         # the memory counted as per-sample overestimates the slope, so this undershoots safely.

@@ -80,15 +80,16 @@ class BatchSizeTuner(Callback):
 
     On fit start (or whenever :meth:`scale` is called, also mid-training) it runs *trials*: ``steps_per_trial`` real
     training steps (forward, backward, optimizer step) and one validation step at a batch size, measuring the peak
-    memory. Peaks are nearly affine in the batch size, so two trials give a line, the line gives the largest size
-    under the budget, and a few trials settle it (``tuning/search.py``); typically 4-7 trials in all. During the
-    trials the allocator is capped at the budget less the headroom (``torch.cuda.set_per_process_memory_fraction``),
-    so a size is accepted only if it really runs there, caching and fragmentation included, and tuning on an 80 GiB
-    card for a 24 GiB one is exact. Afterwards the weights, optimizer and LR-scheduler states, RNG states, step and
-    epoch counters, callback states and loggers are as if no trial had run, and the cache is emptied. The size found
-    is written where Lightning's ``BatchSizeFinder`` writes it (``model.<batch_arg_name>``, ``model.hparams``, the
-    datamodule or its hparams) and the fit continues with it. Under DDP every rank runs every trial; the out-of-memory
-    flag and the peaks are agreed across ranks, so all ranks pick the same size and none hangs.
+    memory. Peaks are nearly affine in the batch size, so two trials give a line, the line gives the largest size under
+    the budget, and a trial or two confirm it (``tuning/search.py``); typically 3-5 trials in all. The budget is
+    enforced during the trials (``torch.cuda.set_per_process_memory_fraction``), so tuning on an 80 GiB card for a 24
+    GiB one is exact, and a size is accepted only if its peak *reserved* memory (caching and fragmentation included)
+    stays ``headroom`` below the budget: then the allocator never had to free its cache to make room, and the fit's
+    first steps repeat the trial's allocations exactly. Afterwards the weights, optimizer and LR-scheduler states, RNG
+    states, step and epoch counters, callback states and loggers are as if no trial had run, and the cache is emptied.
+    The size found is written where Lightning's ``BatchSizeFinder`` writes it (``model.<batch_arg_name>``,
+    ``model.hparams``, the datamodule or its hparams) and the fit continues with it. Under DDP every rank runs every
+    trial; the out-of-memory flag and the peaks are agreed across ranks, so all ranks pick the same size and none hangs.
 
     **Logged metrics**
 
@@ -104,10 +105,10 @@ class BatchSizeTuner(Callback):
     Args:
         budget: memory the run may use: ``None`` for what is usable on the device now, bytes (``int``), a fraction of
             device memory in (0, 1] (``float``), or a string such as ``"24GiB"`` or ``"16GB"``.
-        headroom: fraction of the budget kept free at the chosen size, in [0, 1): a size is accepted when its trial
-            runs with the allocator capped at ``(1 - headroom) * budget`` (elsewhere than CUDA: when its measured
-            peak reserved memory is at most that), so the rest of the budget is left for what trials do not show
-            (a later, larger validation batch, fragmentation over a long run).
+        headroom: fraction of the budget kept free at the chosen size, in [0, 1): a size is accepted when its
+            measured peak reserved memory is at most ``(1 - headroom) * budget``. What is left covers what trials do
+            not show: batches of other shapes (a smaller last batch, varying lengths) and fragmentation over a long
+            run.
         init_val: first batch size tried.
         max_val: largest batch size tried; the result never exceeds it. ``None``: the training dataset's size.
         steps_per_trial: training steps per trial (the first step also creates optimizer state).
@@ -213,11 +214,11 @@ class BatchSizeTuner(Callback):
         start = time.perf_counter()
         snapshot = _loops.TrainerSnapshot(trainer)
         previous_fraction = None
-        if limit is not None and probe.device.type == "cuda":
-            # The allocator itself holds each trial to the budget less the headroom: a size that runs there leaves
-            # `headroom` of the budget free, whatever its caching and fragmentation cost.
+        if self.budget_bytes is not None and probe.device.type == "cuda":
+            # Trials run under the fit's own cap. An accepted trial stays `headroom` below it, so the allocator never
+            # had to free its cache to make room, and the fit's first steps replay the trial's allocations exactly.
             total = probe.total_bytes()
-            previous_fraction = probe.set_memory_fraction(min(1.0, limit / total)) if total else None
+            previous_fraction = probe.set_memory_fraction(min(1.0, self.budget_bytes / total)) if total else None
         try:
             result = search_batch_size(
                 lambda size: self._run_trial(trainer, snapshot, probe, size),
