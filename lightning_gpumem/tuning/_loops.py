@@ -153,6 +153,23 @@ class TrainerSnapshot:
         self.loop_state = deepcopy(trainer.fit_loop.state_dict())
         self.loop_flags = _loop_flags(trainer.fit_loop)
         self.training_modes = {module: module.training for module in trainer.lightning_module.modules()}
+        self.optimizers_empty = all(not optimizer.state for optimizer in trainer.optimizers)
+
+    def reset_optimizers(self) -> None:
+        """Give each trial the optimizer state the run has now, so its first step allocates what the fit's will.
+
+        At fit start the state is empty and the first step creates it (AdamW: two tensors per parameter), carving it
+        out of whatever the allocator has cached then; a trial that inherited the state of the trial before would
+        miss that, and with it the fragmentation the fit's second step meets.
+        """
+        if self.optimizers_empty:
+            for optimizer in self.trainer.optimizers:
+                optimizer.state.clear()
+        elif self.checkpoint is not None:
+            states = _copy_to_host(self.checkpoint["optimizer_states"])  # loading may keep CPU tensors: copy first
+            for optimizer, state in zip(self.trainer.optimizers, states, strict=True):
+                optimizer.load_state_dict(state)
+        # else: a sharded strategy mid-training: trials keep the state of the trial before (same sizes).
 
     def prepare_trial(self, callback: pl.Callback, include_validation: bool) -> None:
         """Point the loop at one trial: only ``callback`` runs, nothing is logged, no step or epoch limit hits."""

@@ -63,6 +63,7 @@ def search_batch_size(
     upper: int,
     limit_bytes: int | None = None,
     max_trials: int = 25,
+    tolerance: float = 0.01,
 ) -> SearchResult:
     """Find the largest accepted batch size in ``[1, upper]``.
 
@@ -72,6 +73,8 @@ def search_batch_size(
         upper: largest size that may be tried (``max_val``, or the dataset size).
         limit_bytes: peaks above this are rejected like OOMs; ``None`` accepts any size that runs.
         max_trials: stop after this many trials with the best size found.
+        tolerance: stop once the sizes between the largest accepted and the smallest rejected one are at most this
+            fraction of the accepted one (0: always to the exact boundary). Below 100 the boundary is always exact.
 
     Returns:
         The largest accepted size and the trials.
@@ -118,10 +121,14 @@ def search_batch_size(
 
     # 2. Move up: predicted jumps where peaks allow, doubling/bisection where they do not.
     confirmed = False  # the last trial was lo + 1, tried because the line said lo was the largest, and it passed
+    bisect_next = False  # the line's last guesses gained little (peaks quantised near the limit): bisect once
+    step_back: int | None = None  # the line's guess was just too large: try a size `tolerance` below it
     while True:
         top = upper if hi is None else hi - 1
         if lo >= top:
             return result(lo, "bracketed" if hi is not None else "upper_bound")
+        if hi is not None and hi - lo - 1 <= tolerance * lo:
+            return result(lo, "bracketed")
         if len(trials) >= max_trials:
             return result(lo, "max_trials")
         slope = _slope(trials.values())
@@ -130,17 +137,31 @@ def search_batch_size(
             return result(lo, "predicted")  # one more sample would cross the limit
         guess = _predict(trials.values(), limit_bytes, below=top + 1)
         fallback = lo * 2 if hi is None else (lo + hi) // 2
-        if guess is None or (guess <= lo and confirmed):
-            # No line yet, or the line said "lo is the largest" and lo + 1 passed anyway: it is not to be trusted
-            # here (allocator steps, noise); double or bisect instead of crawling up one size per trial.
-            guess = fallback
+        contradicted = hi is not None and guess is not None and guess >= top > lo + 1  # hi failed, the line said fits
+        if step_back is not None and lo < step_back <= top:
+            mode, guess = "step_back", step_back
+        elif guess is None or (guess <= lo and confirmed) or bisect_next or contradicted:
+            # No line yet, or the line said "lo is the largest" and lo + 1 passed anyway, or it claims all up to a
+            # size that failed, or its last guesses gained little: it is not to be trusted here (allocator steps,
+            # noise); double or bisect instead of crawling one size per trial.
+            mode, guess = "fallback", fallback
+        else:
+            mode = "guided"
         confirmed = guess <= lo  # this trial checks the line's claim that lo is the largest
         size = min(max(guess, lo + 1), top)
-        if accepted(run(size)):
+        width = None if hi is None else hi - lo
+        trial = run(size)
+        ok = accepted(trial)
+        if ok:
             lo = size
         else:
             hi = size
             confirmed = False
+        # A guess that ran but peaked just over the limit is followed by one just under it: that ends the search.
+        near = mode == "guided" and not ok and trial.fits
+        step_back = size - max(1, math.ceil(tolerance * size)) if near else None
+        slow = width is not None and 2 * (hi - lo) > width  # type: ignore[operator]
+        bisect_next = (mode == "guided" and ok and slow) or (mode == "step_back" and not ok)
 
 
 def _measured(trials: object) -> list[tuple[int, int]]:

@@ -292,6 +292,7 @@ class BatchSizeTuner(Callback):
         # Limits first: the reload fixes how many validation batches the loop will run.
         snapshot.prepare_trial(_TrialCallback(self.steps_per_trial, self.include_validation), self.include_validation)
         _loops.reload_dataloaders(trainer)
+        snapshot.reset_optimizers()
         probe.release_cache()  # the peak reserved of this trial must not include the last one's cache
         probe.reset_peaks()
         start = time.perf_counter()

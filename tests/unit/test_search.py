@@ -164,3 +164,32 @@ def test_a_line_that_underestimates_does_not_crawl_one_size_per_trial():
     result = search_batch_size(run, init_val=2, upper=100_000, limit_bytes=int(0.95 * 24 * GIB))
     assert result.batch_size == true_max(run, int(0.95 * 24 * GIB), 3000)
     assert len(result.trials) <= 12
+
+
+def test_quantised_peaks_near_the_limit_do_not_crawl_one_size_per_trial():
+    """As measured on the H200 (2 GiB budget, 38M-parameter MLP): 786 MiB fixed, 0.092 MiB per sample, and peaks
+    that move in ~14 MiB steps near the limit, so the line through the two largest points is flat or steep."""
+    mib = 2**20
+    limit = int(0.95 * 2 * GIB)
+
+    def run(bs):
+        peak = int(786 * mib + math.ceil(bs * 0.092 / 14) * 14 * mib)
+        return Trial(bs, fits=peak <= 2 * GIB, peak_bytes=peak)
+
+    best = true_max(run, limit, 20_000)
+    result = search_batch_size(run, init_val=2, upper=32768, limit_bytes=limit)
+    assert best * 0.99 <= result.batch_size <= best
+    assert len(result.trials) <= 12
+
+
+def test_tolerance_zero_bisects_to_the_exact_boundary_and_the_default_stops_within_one_percent():
+    def run(bs):
+        return Trial(bs, fits=bs <= 5003)
+
+    exact = search_batch_size(run, init_val=2, upper=100_000, tolerance=0.0)
+    assert exact.batch_size == 5003
+    near = search_batch_size(run, init_val=2, upper=100_000)
+    assert 5003 * 0.99 <= near.batch_size <= 5003
+    assert len(near.trials) < len(exact.trials)
+    small = search_batch_size(lambda bs: Trial(bs, fits=bs <= 53), init_val=2, upper=100_000)
+    assert small.batch_size == 53  # under 100 the 1% is less than one sample: exact
