@@ -319,7 +319,7 @@ def finder_worker(args: argparse.Namespace) -> int:
             model.budget_fraction = min(1.0, args.budget_bytes / torch.cuda.get_device_properties(device).total_memory)
         result["parameters"] = M.count_parameters(model.net)
         if args.finder_worker == "ours":
-            callback = tuner_cls(budget=args.budget_bytes)
+            callback = tuner_cls(budget=args.budget_bytes, headroom=args.headroom)
         elif args.finder_worker == "fixed":  # a true-max candidate: no finder, the size set by hand
             model.batch_size = args.batch_size
             callback = _fixed_size_callback(args.batch_size)
@@ -454,7 +454,7 @@ class Runner:
             str(self.budget_bytes),
         ]
         argv += ["--steps", str(self.args.steps), "--fit-steps", str(self.args.fit_steps)]
-        argv += ["--fit-val-batches", str(self.args.fit_val_batches), *extra]
+        argv += ["--fit-val-batches", str(self.args.fit_val_batches), "--headroom", str(self.args.headroom), *extra]
         return [*argv, "--quick"] if self.args.quick else argv
 
     def run(self, argv: list[str], name: str) -> _Proc:
@@ -761,6 +761,11 @@ def _versions() -> dict[str, str]:
 
 def orchestrate(args: argparse.Namespace) -> int:
     models = [m.strip() for m in args.models.split(",") if m.strip()]
+    finders = [f.strip() for f in args.finders.split(",") if f.strip()]
+    if unknown := set(finders) - set(FINDERS):
+        sys.exit(f"--finders: unknown {sorted(unknown)}; expected some of {list(FINDERS)}")
+    if args.headroom != 0.05:
+        FINDER_LABELS["ours"] = f"lightning_gpumem `BatchSizeTuner(budget=B, headroom={args.headroom})`"
     for name in models:
         M.workload(name, args.quick)  # unknown names fail now
     budget_bytes = int(args.budget_gib * GIB)
@@ -802,7 +807,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         _log(f"{model}: {M.describe(w)}")
         entry: dict[str, Any] = {"workload": M.describe(w), "finders": {}}
         report["workloads"][model] = entry
-        ours = run_finder(runner, model, "ours")
+        ours = run_finder(runner, model, "ours") if "ours" in finders else {"status": "skipped", "error": "--finders"}
         entry["finders"]["ours"] = ours
         if ours.get("status") == "ok" and len(ours.get("module_trials", [])) != ours.get("num_trials"):
             seen = len(ours["module_trials"])
@@ -811,9 +816,10 @@ def orchestrate(args: argparse.Namespace) -> int:
         hints = [
             (t["batch_size"], t["peak_bytes"]) for t in ours.get("tuner_trials", []) if t["fits"] and t["peak_bytes"]
         ]
-        entry["true_max"] = find_true_max(runner, model, w, parallel, guess, hints)
-        _log(f"{model}: {_true_max_line(entry['true_max'])}")
-        for finder in ("binsearch", "power"):
+        if args.true_max != "none":
+            entry["true_max"] = find_true_max(runner, model, w, parallel, guess, hints)
+            _log(f"{model}: {_true_max_line(entry['true_max'])}")
+        for finder in [f for f in ("binsearch", "power") if f in finders]:
             entry["finders"][finder] = run_finder(runner, model, finder)
         print(_table(model, w, entry, budget_bytes, args.quick) + "\n", flush=True)
         if args.json:
@@ -829,10 +835,13 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parallel", type=int, default=5, help="true-max candidates run at once")
     parser.add_argument(
         "--true-max",
-        choices=("fit", "plain"),
+        choices=("fit", "plain", "none"),
         default="fit",
-        help="true-max candidates: the finders' following fit at a fixed size (fit), or plain PyTorch steps (plain)",
+        help="true-max candidates: the finders' following fit at a fixed size (fit), plain PyTorch steps (plain),"
+        " or no true-max search (none)",
     )
+    parser.add_argument("--finders", default=",".join(FINDERS), help="finders to run, comma-separated")
+    parser.add_argument("--headroom", type=float, default=0.05, help="BatchSizeTuner's headroom")
     parser.add_argument("--steps", type=int, default=3, help="training steps of a plain true-max candidate")
     parser.add_argument("--fit-steps", type=int, default=50, help="training steps of the fit after each search")
     parser.add_argument("--fit-val-batches", type=int, default=5, help="validation batches of that fit")

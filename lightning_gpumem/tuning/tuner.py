@@ -317,7 +317,7 @@ class BatchSizeTuner(Callback):
         peak_allocated, peak_reserved = probe.read_peaks()
         if not fits:
             gc.collect()  # an OOM's traceback frames hold tensors in reference cycles
-        probe.release_cache()
+            probe.release_cache()  # (otherwise the next trial's start, or the end of the search, releases it)
         if trainer.world_size > 1:  # all ranks measured the same sizes: agree on the largest peaks
             gathered = gather_values(trainer, [peak_allocated, peak_reserved])
             peak_allocated, peak_reserved = (_int_or_none(max_min(gathered, i)[0]) for i in (0, 1))
