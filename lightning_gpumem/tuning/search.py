@@ -14,11 +14,12 @@ limit. The result is always a size that was actually run and accepted.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
 StopReason = Literal["bracketed", "predicted", "upper_bound", "max_trials", "nothing_fits"]
+PeakKind = Literal["reserved", "allocated"]
 
 
 @dataclass(frozen=True)
@@ -131,12 +132,19 @@ def search_batch_size(
             return result(lo, "bracketed")
         if len(trials) >= max_trials:
             return result(lo, "max_trials")
-        slope = _slope(trials.values())
-        lo_peak = trials[lo].peak_bytes
+        # With allocated peaks, the stop rule uses them: reserved peaks may include cache the allocator would free.
+        two_lines = _slope(trials.values(), "allocated") is not None
+        kind: PeakKind = "allocated" if two_lines else "reserved"
+        slope = _slope(trials.values(), kind)
+        lo_peak = _peak(trials[lo], kind)
         if hi is None and limit_bytes is not None and slope and lo_peak is not None and lo_peak + slope > limit_bytes:
             return result(lo, "predicted")  # one more sample would cross the limit
         guess = _predict(trials.values(), limit_bytes, below=top + 1)
         fallback = lo * 2 if hi is None else (lo + hi) // 2
+        if (guess is None or guess <= lo) and two_lines:
+            # The safe line says lo is the largest; the optimistic one bounds what can still fit above it.
+            guess = _predict(trials.values(), limit_bytes, below=top + 1, kind="allocated")
+            confirmed = True  # no crawl up from lo: what the optimistic line does not offer, bisection does
         contradicted = hi is not None and guess is not None and guess >= top > lo + 1  # hi failed, the line said fits
         if step_back is not None and lo < step_back <= top:
             mode, guess = "step_back", step_back
@@ -164,13 +172,18 @@ def search_batch_size(
         bisect_next = (mode == "guided" and ok and slow) or (mode == "step_back" and not ok)
 
 
-def _measured(trials: object) -> list[tuple[int, int]]:
-    return sorted((t.batch_size, t.peak_bytes) for t in trials if t.fits and t.peak_bytes is not None)  # type: ignore[attr-defined]
+def _peak(trial: Trial, kind: PeakKind) -> int | None:
+    return trial.peak_bytes if kind == "reserved" else trial.allocated_bytes
 
 
-def _slope(trials: object) -> float | None:
+def _measured(trials: Iterable[Trial], kind: PeakKind = "reserved") -> list[tuple[int, int]]:
+    points = [(t.batch_size, _peak(t, kind)) for t in trials if t.fits]
+    return sorted((b, p) for b, p in points if p is not None)
+
+
+def _slope(trials: Iterable[Trial], kind: PeakKind = "reserved") -> float | None:
     """Bytes per sample from the two largest measured sizes; ``None`` with fewer than two or a flat line."""
-    points = _measured(trials)
+    points = _measured(trials, kind)
     if len(points) < 2:
         return None
     (b1, p1), (b2, p2) = points[-2], points[-1]
@@ -178,22 +191,23 @@ def _slope(trials: object) -> float | None:
     return slope if slope > 0 else None
 
 
-def _predict(trials: object, limit_bytes: int | None, below: int) -> int | None:
+def _predict(trials: Iterable[Trial], limit_bytes: int | None, below: int, kind: PeakKind = "reserved") -> int | None:
     """Largest size predicted to stay under the limit, or ``None`` without enough evidence.
 
-    With two measured points that differ, the line through the two largest; otherwise a line through the origin
-    and the largest point, which overestimates the slope (the fixed part of the memory is counted as per-sample) and
-    so undershoots safely.
+    With two measured points that differ, the line through the two largest; otherwise (reserved peaks only) a line
+    through the origin and the largest point, which overestimates the slope (the fixed part of the memory is counted
+    as per-sample) and so undershoots safely.
     """
     if limit_bytes is None:
         return None
-    points = _measured(trials)
+    trials = list(trials)
+    points = _measured(trials, kind)
     if not points:
         return None
-    slope = _slope(trials)
+    slope = _slope(trials, kind)
     b2, p2 = points[-1]
     if slope is None:
-        if p2 <= 0:
+        if p2 <= 0 or kind == "allocated":
             return None
         # No usable slope (one point, or peaks that did not move: allocator granularity at small sizes): all of
         # the memory counted as per-sample overestimates the slope, so this undershoots safely.

@@ -28,6 +28,7 @@ from lightning_gpumem.tuning import _loops
 from lightning_gpumem.tuning.search import SearchResult, Trial, search_batch_size
 
 MAX_TRIALS = 25
+MAX_VERIFICATIONS = 3  # sizes tried under the fit's own cap after the search, from the largest accepted down
 CPU_MAX_VAL = 8192  # upper bound without a device to run out of (and no max_val, no dataset length)
 
 
@@ -79,17 +80,20 @@ class BatchSizeTuner(Callback):
     r"""Find the largest batch size whose training and validation steps fit a memory budget, then fit with it.
 
     On fit start (or whenever :meth:`scale` is called, also mid-training) it runs *trials*: ``steps_per_trial`` real
-    training steps (forward, backward, optimizer step) and one validation step at a batch size, measuring the peak
-    memory. Peaks are nearly affine in the batch size, so two trials give a line, the line gives the largest size under
-    the budget, and a trial or two confirm it (``tuning/search.py``); typically 3-5 trials in all. The budget is
-    enforced during the trials (``torch.cuda.set_per_process_memory_fraction``), so tuning on an 80 GiB card for a 24
-    GiB one is exact, and a size is accepted only if its peak *reserved* memory (caching and fragmentation included)
-    stays ``headroom`` below the budget: then the allocator never had to free its cache to make room, and the fit's
-    first steps repeat the trial's allocations exactly. Afterwards the weights, optimizer and LR-scheduler states, RNG
-    states, step and epoch counters, callback states and loggers are as if no trial had run, and the cache is emptied.
-    The size found is written where Lightning's ``BatchSizeFinder`` writes it (``model.<batch_arg_name>``,
-    ``model.hparams``, the datamodule or its hparams) and the fit continues with it. Under DDP every rank runs every
-    trial; the out-of-memory flag and the peaks are agreed across ranks, so all ranks pick the same size and none hangs.
+    training steps (forward, backward, optimizer step) and one validation step at a batch size, each starting from the
+    run's own state (the optimizer state is put back before every trial, so a trial's first step allocates what the
+    fit's first step will). The search runs with the allocator capped at the budget less the headroom
+    (``torch.cuda.set_per_process_memory_fraction``), so tuning on an 80 GiB card for a 24 GiB one is exact, and a size
+    is accepted if it runs there, with whatever the allocator does to make room (free its cache, cuDNN algorithms with
+    smaller workspaces). Peaks guide it (``tuning/search.py``): the reserved peak (an overestimate of the need) gives a
+    safe jump, the allocated peak (an underestimate) an optimistic one, bisection settles the rest, within 1% for
+    sizes over 100; typically 5-8 trials. The size found then runs once more under the full budget, which is the fit's
+    first steps allocation for allocation; if it fails there, the next smaller accepted size is checked. Afterwards the
+    weights, optimizer and LR-scheduler states, RNG states, step and epoch counters, callback states and loggers are as
+    if no trial had run, and the cache is emptied. The size found is written where Lightning's ``BatchSizeFinder``
+    writes it (``model.<batch_arg_name>``, ``model.hparams``, the datamodule or its hparams) and the fit continues with
+    it. Under DDP every rank runs every trial; the out-of-memory flag and the peaks are agreed across ranks, so all
+    ranks pick the same size and none hangs.
 
     **Logged metrics**
 
@@ -105,10 +109,10 @@ class BatchSizeTuner(Callback):
     Args:
         budget: memory the run may use: ``None`` for what is usable on the device now, bytes (``int``), a fraction of
             device memory in (0, 1] (``float``), or a string such as ``"24GiB"`` or ``"16GB"``.
-        headroom: fraction of the budget kept free at the chosen size, in [0, 1): a size is accepted when its
-            measured peak reserved memory is at most ``(1 - headroom) * budget``. What is left covers what trials do
-            not show: batches of other shapes (a smaller last batch, varying lengths) and fragmentation over a long
-            run.
+        headroom: fraction of the budget kept free at the chosen size, in [0, 1): the search caps the allocator at
+            ``(1 - headroom) * budget`` and accepts the sizes that run under it (without a cap, as elsewhere than
+            CUDA: whose peak reserved memory stays under it). What is left covers what trials do not show: batches of
+            other shapes (a smaller last batch, varying lengths) and fragmentation over a long run.
         init_val: first batch size tried.
         max_val: largest batch size tried; the result never exceeds it. ``None``: the training dataset's size.
         steps_per_trial: training steps per trial (the first step also creates optimizer state).
@@ -214,11 +218,11 @@ class BatchSizeTuner(Callback):
         start = time.perf_counter()
         snapshot = _loops.TrainerSnapshot(trainer)
         previous_fraction = None
-        if self.budget_bytes is not None and probe.device.type == "cuda":
-            # Trials run under the fit's own cap. An accepted trial stays `headroom` below it, so the allocator never
-            # had to free its cache to make room, and the fit's first steps replay the trial's allocations exactly.
-            total = probe.total_bytes()
-            previous_fraction = probe.set_memory_fraction(min(1.0, self.budget_bytes / total)) if total else None
+        total = probe.total_bytes() if limit is not None and probe.device.type == "cuda" else None
+        if total:
+            # The search runs under the budget less the headroom: a size is accepted if it runs there, with whatever
+            # the allocator must do to make room (free its cache, pick cuDNN algorithms with smaller workspaces).
+            previous_fraction = probe.set_memory_fraction(min(1.0, limit / total))  # type: ignore[operator]
         try:
             result = search_batch_size(
                 lambda size: self._run_trial(trainer, snapshot, probe, size),
@@ -227,6 +231,9 @@ class BatchSizeTuner(Callback):
                 limit_bytes=limit,
                 max_trials=MAX_TRIALS,
             )
+            if total and self.budget_bytes is not None and result.batch_size is not None:
+                probe.set_memory_fraction(min(1.0, self.budget_bytes / total))
+                result = self._verify(trainer, snapshot, probe, result)
         finally:
             snapshot.restore()
             if previous_fraction is not None:
@@ -237,6 +244,12 @@ class BatchSizeTuner(Callback):
         if result.batch_size is None:
             _loops.set_batch_size(trainer, self.batch_arg_name, original_size)
             self._finish_dataloaders(trainer, was_loaded, rng)
+            if any(t.fits for t in result.trials):
+                raise RuntimeError(
+                    f"BatchSizeTuner: the sizes the search accepted under {format_gib(limit)} ran out of memory when"
+                    f" run again under the full budget of {format_gib(self.budget_bytes)} (allocator fragmentation;"
+                    f" trials: {[(t.batch_size, t.fits) for t in result.trials]}). Raise `headroom`."
+                )
             raise RuntimeError(
                 f"BatchSizeTuner: even batch_size=1 does not fit the budget of {format_gib(self.budget_bytes)}"
                 f" ({len(result.trials)} trials). Lower the memory per sample (precision='bf16-mixed', activation"
@@ -325,6 +338,24 @@ class BatchSizeTuner(Callback):
             peak_allocated = peak_reserved = None
         return Trial(size, fits=fits, peak_bytes=peak_reserved, seconds=seconds, allocated_bytes=peak_allocated)
 
+    def _verify(
+        self, trainer: pl.Trainer, snapshot: _loops.TrainerSnapshot, probe: MemoryProbe, result: SearchResult
+    ) -> SearchResult:
+        """Run the size found once more under the fit's own cap, from the fit's own starting state.
+
+        That trial is the fit's first steps, allocation for allocation; where the allocator's layout under the
+        search's tighter cap differed and the size does not run here, the next smaller accepted size is tried.
+        """
+        found = result.batch_size or 0
+        accepted = sorted({t.batch_size for t in result.trials if t.fits and t.batch_size <= found}, reverse=True)
+        checks: list[Trial] = []
+        for size in accepted[:MAX_VERIFICATIONS]:
+            trial = self._run_trial(trainer, snapshot, probe, size)
+            checks.append(trial)
+            if trial.fits:
+                return SearchResult(size, result.trials + tuple(checks), result.reason)
+        return SearchResult(None, result.trials + tuple(checks), result.reason)
+
     def _keep_effective_batch(self, trainer: pl.Trainer, original_size: int, new_size: int) -> None:
         effective = original_size * trainer.accumulate_grad_batches
         accumulate = max(1, round(effective / new_size))
@@ -336,7 +367,7 @@ class BatchSizeTuner(Callback):
         trainer.accumulate_grad_batches = accumulate
 
     def _report(self, trainer: pl.Trainer, result: SearchResult, seconds: float, upper: int) -> None:
-        chosen = next(t for t in result.trials if t.batch_size == result.batch_size)
+        chosen = next(t for t in reversed(result.trials) if t.batch_size == result.batch_size)
         peak = (
             f"peak {chosen.peak_bytes / GIB:.1f}/{self.budget_bytes / GIB:.1f} GiB"
             if chosen.peak_bytes is not None and self.budget_bytes

@@ -193,3 +193,47 @@ def test_tolerance_zero_bisects_to_the_exact_boundary_and_the_default_stops_with
     assert len(near.trials) < len(exact.trials)
     small = search_batch_size(lambda bs: Trial(bs, fits=bs <= 53), init_val=2, upper=100_000)
     assert small.batch_size == 53  # under 100 the 1% is less than one sample: exact
+
+
+def capped_allocator(fixed: float, per_sample: float, waste: float, cache: float, cap: int):
+    """A caching allocator under a cap: live tensors `fixed + per_sample * bs`; a size needs `waste` more (partly
+    used blocks, workspaces) and runs iff that fits `cap`; the cache holds up to `cache` more, reserved stops at cap."""
+    calls = []
+
+    def run(bs: int) -> Trial:
+        calls.append(bs)
+        live = int(fixed + per_sample * bs)
+        if live + waste > cap:
+            return Trial(bs, fits=False)
+        return Trial(bs, fits=True, peak_bytes=int(min(live + waste + cache, cap)), allocated_bytes=live)
+
+    run.calls = calls  # type: ignore[attr-defined]
+    return run
+
+
+@pytest.mark.parametrize(
+    ("fixed", "per_sample", "waste", "cache"),
+    [
+        (3.5 * GIB, 0.42 * GIB, 1.5 * GIB, 2.5 * GIB),  # GPT-like: reserved overstates the need by 4 GiB
+        (0.5 * GIB, 0.042 * GIB, 1.0 * GIB, 1.2 * GIB),  # ResNet-like: elastic cuDNN workspaces
+        (1 * GIB, 0.2 * GIB, 0.0, 0.0),  # allocated == reserved == need
+    ],
+)
+def test_two_lines_reach_the_largest_size_that_runs_under_the_cap(fixed, per_sample, waste, cache):
+    cap = int(0.95 * CARD)
+    run = capped_allocator(fixed, per_sample, waste, cache, cap)
+    best = max(bs for bs in range(1, 2000) if run(bs).fits)
+    run.calls.clear()
+    result = search_batch_size(run, init_val=2, upper=100_000, limit_bytes=cap)
+    assert best * 0.99 <= result.batch_size <= best
+    assert len(result.trials) <= 9  # binsearch: about 2 * log2(best), 10 to 18 here
+    assert result.num_ooms <= 3
+    assert len(set(run.calls)) == len(run.calls)
+
+
+def test_allocated_line_stops_when_one_more_sample_cannot_fit_even_without_waste():
+    cap = int(0.95 * CARD)
+    run = capped_allocator(1 * GIB, 0.2 * GIB, 0.0, 0.0, cap)
+    result = search_batch_size(run, init_val=2, upper=100_000, limit_bytes=cap)
+    assert result.reason == "predicted"
+    assert result.num_ooms == 0

@@ -61,7 +61,7 @@ class MemoryModel(OOMModel):
 
     def training_step(self, batch, batch_idx):
         need = batch.shape[0] * self.per_sample
-        if self.fake.allocated + need > self.fake.total:
+        if self.fake.allocated + need > getattr(self.fake, "cap", self.fake.total):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake allocator)")
         self.fake.spike(need)
         return super().training_step(batch, batch_idx)
@@ -357,3 +357,54 @@ def test_snapshot_restores_weights_optimizer_and_scheduler_mid_training(monkeypa
             assert torch.equal(opt["state"][index][key], value), key
     assert sched == sched0
     assert not list(tmp_path.glob(".gpumem_tuner_*.ckpt"))  # the file, if any, is gone
+
+
+class CappedFakeProbe(FakeProbe):
+    """A fake CUDA allocator with a per-process cap, and a fit-time quirk: under the full budget, sizes above
+    `fragile_above` run out of memory (a layout the search's tighter cap did not produce)."""
+
+    def __init__(self, fragile_above: int | None = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.device = torch.device("cuda")  # only its type is read; nothing runs on it
+        self.cap = self.total
+        self.fractions: list[float] = []
+        self.fragile_above = fragile_above
+
+    def set_memory_fraction(self, fraction: float) -> float:
+        previous = self.cap / self.total
+        self.fractions.append(fraction)
+        self.cap = fraction * self.total
+        return previous
+
+
+class FragileModel(MemoryModel):
+    def training_step(self, batch, batch_idx):
+        fake = self.fake
+        if fake.fragile_above and fake.cap > 0.96 * 24 * GIB and batch.shape[0] > fake.fragile_above:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake fragmentation under the full budget)")
+        return super().training_step(batch, batch_idx)
+
+
+def test_search_runs_under_budget_less_headroom_then_checks_the_size_under_the_full_budget():
+    probe = CappedFakeProbe(base=2 * GIB, total=80 * GIB)
+    model = MemoryModel(probe, per_sample=300 * MIB, n=100_000)
+    tuner = FakeTuner(probe, budget="24GiB", headroom=0.1, include_validation=False)
+    _trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
+    best = int((0.9 * 24 * GIB - 2 * GIB) // (300 * MIB))
+    assert tuner.optimal_batch_size == best
+    assert probe.fractions == pytest.approx([0.9 * 24 / 80, 24 / 80, 1.0])  # search cap, check cap, restored
+    assert tuner.trials[-1].batch_size == best  # the check under the full budget
+    assert tuner.trials[-1].fits
+
+
+def test_a_size_that_fails_the_full_budget_check_gives_way_to_the_next_accepted_one():
+    probe = CappedFakeProbe(fragile_above=60, base=2 * GIB, total=80 * GIB)
+    model = FragileModel(probe, per_sample=300 * MIB, n=100_000)
+    tuner = FakeTuner(probe, budget="24GiB", headroom=0.1, include_validation=False)
+    _trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
+    accepted = sorted({t.batch_size for t in tuner.trials if t.fits})
+    assert tuner.optimal_batch_size <= 60
+    assert tuner.optimal_batch_size == max(b for b in accepted if b <= 60)
+    checks = [t for t in tuner.trials if not t.fits and t.batch_size > 60]
+    assert checks  # the best size of the search failed its check and was replaced
+    assert model.batch_size == tuner.optimal_batch_size
