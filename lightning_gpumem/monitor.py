@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from lightning_gpumem._checks import require_flags
 from lightning_gpumem._distributed import gather_values, max_min
+from lightning_gpumem._leaks import LeakDetector, LeakVerdict, grown_tensors, tensor_census
 from lightning_gpumem._logging import (
     batches_that_stepped,
     is_accumulating,
@@ -31,7 +32,8 @@ from lightning_gpumem._logging import (
     show_in_progress_bar,
 )
 from lightning_gpumem._summary import RunMemory, format_summary
-from lightning_gpumem._units import GIB, to_gib
+from lightning_gpumem._units import GIB, MIB, format_gib, to_gib
+from lightning_gpumem.budget import budget_bytes
 from lightning_gpumem.probe import MemoryProbe, MemorySample
 
 _KEY_PREFIX = {"train": "train", "validate": "val", "test": "test", "predict": "predict"}
@@ -70,12 +72,22 @@ class MemoryMonitor(Callback):
     ``gpumem/host_available_gib``               host memory available
     ``gpumem/train_peak_allocated_gib_max``     (DDP/FSDP) the same over ranks, also ``_min``; likewise for
                                                 ``train_peak_reserved``, ``nvml_process``, ``host_rss``
+    ``gpumem/budget_gib``                       (with a :class:`~lightning_gpumem.MemoryBudget`) the budget
+    ``gpumem/leak_mib_per_step``                (``detect_leaks``) growth of allocated memory, MiB per step
     ``gpumem/allocator/<stat>``                 (``verbose=True``) every allocator statistic, raw value
     ==========================================  ============================================================
 
     Un-suffixed keys are rank zero's values. The device-wide keys (allocator counters, NVML, host) are logged
     with the training keys, and at the end of a stand-alone ``validate``/``test``/``predict`` run. The progress bar
-    shows the last logged batch's peak against the device: ``mem=12.3/139.8 GiB``.
+    shows the last logged batch's peak against the device, or against the budget of a
+    :class:`~lightning_gpumem.MemoryBudget`: ``mem=12.3/139.8 GiB``.
+
+    **Leak detection** (``detect_leaks``, on an accelerator): after ``leak_warmup_steps`` optimizer steps, allocated
+    memory is sampled at the end of every second training batch. When it keeps rising (the medians of each quarter
+    of the history above the one before, and the rise above ``leak_threshold_mib``) a warning is printed once on
+    rank zero with the rate, the step at which the budget would run out, and the live tensors (by shape and dtype)
+    that grew since the first sample. A run whose batch shapes vary, or whose memory grows once and stays, is not
+    flagged.
 
     Args:
         log_every_n_steps: log every this many training batches; ``None`` uses ``Trainer(log_every_n_steps=...)``.
@@ -87,6 +99,9 @@ class MemoryMonitor(Callback):
         nvml_host_interval_s: read NVML and host memory at most this often, in seconds (``0``: on every logging
             step). They change slowly and cost tens to hundreds of microseconds each, unlike the allocator's
             counters, which are read on every logging step; their keys are logged only when read.
+        detect_leaks: watch allocated memory for a sustained rise and warn once (see above).
+        leak_threshold_mib: the rise, in MiB, that a sustained trend must exceed to be called a leak.
+        leak_warmup_steps: optimizer steps before the first sample (optimizer state and caches settle first).
 
     Raises:
         ValueError: if ``log_every_n_steps`` is not a positive integer or ``None``, or ``nvml_host_interval_s`` is
@@ -110,6 +125,9 @@ class MemoryMonitor(Callback):
         progress_bar: bool = True,
         summary: bool = True,
         nvml_host_interval_s: float = 1.0,
+        detect_leaks: bool = True,
+        leak_threshold_mib: float = 32.0,
+        leak_warmup_steps: int = 10,
     ) -> None:
         if log_every_n_steps is not None and (
             isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
@@ -119,8 +137,27 @@ class MemoryMonitor(Callback):
                 " Expected a positive integer, or None to use the Trainer's `log_every_n_steps`."
             )
         require_flags(
-            "MemoryMonitor", verbose=verbose, nvml=nvml, host=host, progress_bar=progress_bar, summary=summary
+            "MemoryMonitor",
+            verbose=verbose,
+            nvml=nvml,
+            host=host,
+            progress_bar=progress_bar,
+            summary=summary,
+            detect_leaks=detect_leaks,
         )
+        if (
+            isinstance(leak_threshold_mib, bool)
+            or not isinstance(leak_threshold_mib, (int, float))
+            or not (leak_threshold_mib > 0)
+        ):
+            raise ValueError(
+                f"`MemoryMonitor(leak_threshold_mib={leak_threshold_mib!r})` is not valid."
+                " Expected a number of MiB > 0."
+            )
+        if isinstance(leak_warmup_steps, bool) or not isinstance(leak_warmup_steps, int) or leak_warmup_steps < 0:
+            raise ValueError(
+                f"`MemoryMonitor(leak_warmup_steps={leak_warmup_steps!r})` is not valid. Expected an integer >= 0."
+            )
         if (
             isinstance(nvml_host_interval_s, bool)
             or not isinstance(nvml_host_interval_s, (int, float))
@@ -137,6 +174,13 @@ class MemoryMonitor(Callback):
         self._progress_bar = progress_bar
         self._summary = summary
         self._slow_interval_s = float(nvml_host_interval_s)
+        self._detect_leaks = detect_leaks
+        self._leak_threshold_bytes = int(leak_threshold_mib * MIB)
+        self._leak_warmup_steps = leak_warmup_steps
+        self._leaks: LeakDetector | None = None
+        self._census_at_start: Any = None
+        self.leak: LeakVerdict | None = None
+        """The leak found (rate and steps), ``None`` if none was."""
         self._last_slow_read = -math.inf  # time.monotonic() of the last NVML/host reading
         self._last_host_rss: int | None = None
         self._slow_next = True  # under DDP: whether the next logging step reads NVML and host (agreed by ranks)
@@ -172,6 +216,8 @@ class MemoryMonitor(Callback):
             self._probe = self._make_probe(device)
             self._total_bytes = self._probe.total_bytes()
         self._every_n = self._log_every_n_steps or trainer.log_every_n_steps  # type: ignore[attr-defined]
+        if self._detect_leaks and self._probe.has_allocator and self._leaks is None:
+            self._leaks = LeakDetector(self._leak_warmup_steps, threshold_bytes=self._leak_threshold_bytes)
         if self._announced:
             return
         self._announced = True
@@ -209,6 +255,8 @@ class MemoryMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
     ) -> None:
+        if self._leaks is not None and self._leaks.wants(trainer.global_step) and not is_accumulating(trainer):
+            self._sample_for_leaks(trainer)
         if not self._window_open or is_accumulating(trainer):
             return
         self._window_open = False
@@ -284,6 +332,34 @@ class MemoryMonitor(Callback):
         for key, value in state_dict.get("maxima", {}).items():
             self._update_max(key, value)
 
+    # ------------------------------------------------------------------ leaks
+    def _sample_for_leaks(self, trainer: pl.Trainer) -> None:
+        probe, detector = self._require_probe(), self._leaks
+        allocated = probe.allocated_bytes()
+        if detector is None or allocated is None:
+            return
+        step = trainer.global_step
+        if self._census_at_start is None:
+            self._census_at_start = (step, tensor_census(probe.device))  # once: what was alive at the first sample
+        verdict = detector.add(step, allocated)
+        if verdict is None:
+            return
+        self.leak = verdict
+        budget = budget_bytes(trainer) or self._total_bytes
+        rate = verdict.bytes_per_step
+        runs_out = ""
+        if budget and rate > 0 and budget > allocated:
+            at = step + int((budget - allocated) / rate)
+            runs_out = f"; at this rate the {format_gib(budget)} budget runs out near step {at}"
+        start_step, before = self._census_at_start
+        rank_zero_warn(
+            f"MemoryMonitor: allocated memory keeps growing, {rate / MIB:.2f} MiB per step over steps"
+            f" {verdict.first_step}-{verdict.last_step} (+{verdict.growth_bytes / MIB:.0f} MiB, now"
+            f" {format_gib(allocated)}){runs_out}. Tensors that grew since step {start_step}:"
+            f" {grown_tensors(before, tensor_census(probe.device))}. Look for tensors kept across steps: a loss or"
+            " output appended to a list without `.detach()`, a cache keyed by step, metrics that hold graphs."
+        )
+
     # ------------------------------------------------------------------ helpers
     def _require_probe(self) -> MemoryProbe:
         if self._probe is None:
@@ -325,6 +401,12 @@ class MemoryMonitor(Callback):
         metrics = _stage_metrics(prefix, sample) if probe.has_allocator else {}
         if device_wide:
             metrics.update(_device_wide_metrics(sample))
+            budget = budget_bytes(trainer)
+            if budget is not None:
+                metrics["gpumem/budget_gib"] = budget / GIB
+            rate = self._leaks.rate() if self._leaks is not None else None
+            if rate is not None:
+                metrics["gpumem/leak_mib_per_step"] = rate / MIB
             if self._verbose:
                 metrics.update({f"gpumem/allocator/{k}": float(v) for k, v in probe.allocator_stats().items()})
         if distributed:  # collective: every rank reaches this point on the same steps
@@ -342,13 +424,13 @@ class MemoryMonitor(Callback):
         if trainer.is_global_zero:
             log_to_loggers(trainer, metrics, step=batches_that_stepped(trainer))
             if self._progress_bar and stage == "train":
-                show_in_progress_bar(trainer, "mem", self._progress_text(sample))
+                show_in_progress_bar(trainer, "mem", self._progress_text(sample, budget_bytes(trainer)))
 
-    def _progress_text(self, sample: MemorySample) -> str:
+    def _progress_text(self, sample: MemorySample, budget: int | None = None) -> str:
         if sample.peak_allocated_bytes is None:
             rss = self._last_host_rss
             return f"rss {rss / GIB:.1f} GiB" if rss is not None else "n/a"
-        total = self._total_bytes
+        total = budget or self._total_bytes
         shown = f"{sample.peak_allocated_bytes / GIB:.1f}"
         return f"{shown}/{total / GIB:.1f} GiB" if total else f"{shown} GiB"
 

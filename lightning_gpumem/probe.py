@@ -160,6 +160,14 @@ class MemoryProbe:
         elif self._accelerator_api:
             torch.accelerator.reset_peak_memory_stats(_index(self.device))
 
+    def allocated_bytes(self) -> int | None:
+        """Memory held by tensors now, in bytes (``None`` without allocator statistics)."""
+        return _stat(self._stats(), "allocated_bytes.all.current")
+
+    def reserved_bytes(self) -> int | None:
+        """Memory held by the caching allocator now, in bytes (``None`` without allocator statistics)."""
+        return _stat(self._stats(), "reserved_bytes.all.current")
+
     def read_peaks(self) -> tuple[int | None, int | None]:
         """Peak allocated and peak reserved bytes since the last reset (cheaper than :meth:`read`)."""
         stats = self._stats()

@@ -54,6 +54,12 @@ class FakeProbe:
         self.resets += 1
         self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
 
+    def allocated_bytes(self) -> int:
+        return self.allocated
+
+    def reserved_bytes(self) -> int:
+        return self.reserved
+
     def read_peaks(self) -> tuple[int, int]:
         return self.peak_allocated, self.peak_reserved
 

@@ -1,0 +1,99 @@
+"""MemoryBudget: hold this process to a memory budget, as if the card were smaller.
+
+Why the allocator's own cap (``torch.cuda.set_per_process_memory_fraction``) and not a check of our own: the cap is
+enforced at every allocation, before the memory is taken, and an allocation past it raises the very
+``torch.OutOfMemoryError`` a smaller card would raise, after the allocator has freed its cache and retried, as it
+would there. A run that fits under ``MemoryBudget("24GiB")`` on an 80 GiB card fits a 24 GiB card (less what
+that card's CUDA context takes, which the cap does not count).
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.callbacks.callback import Callback
+from typing_extensions import override
+
+from lightning_gpumem._units import format_gib, parse_budget
+from lightning_gpumem.probe import MemoryProbe
+
+
+class MemoryBudget(Callback):
+    r"""Cap this process's device memory at a budget from setup to teardown, then restore the previous cap.
+
+    Allocations past the budget raise ``torch.OutOfMemoryError``, as on a card of that size, so a run can be proven
+    to fit a smaller card on a bigger one. The budget is also what the other callbacks of this package measure
+    against: :class:`~lightning_gpumem.MemoryMonitor` logs it and shows usage against it in the progress bar,
+    :class:`~lightning_gpumem.EmptyCacheOnThreshold` takes its threshold as a fraction of it. Under DDP each rank
+    is capped on its own device. Without a CUDA device it warns once and does nothing.
+
+    **Logged metrics**: none of its own; with a :class:`~lightning_gpumem.MemoryMonitor` in the callbacks,
+    ``gpumem/budget_gib`` (GiB) is logged with the device-wide keys.
+
+    Args:
+        budget: the memory this process may use: bytes (``int``), a fraction of the device's memory in (0, 1]
+            (``float``), or a string such as ``"24GiB"``, ``"16GB"`` or ``"512MiB"``.
+
+    Raises:
+        TypeError: if ``budget`` is not an ``int``, ``float`` or ``str``.
+        ValueError: if it is not a positive size, a fraction in (0, 1] or a size string.
+
+    Example::
+
+        from lightning import Trainer
+        from lightning_gpumem import MemoryBudget, MemoryMonitor
+
+        # On an 80 GiB card: does this run fit a 24 GiB one?
+        trainer = Trainer(callbacks=[MemoryBudget("24GiB"), MemoryMonitor()])
+    """
+
+    def __init__(self, budget: int | float | str) -> None:
+        parse_budget(budget, 1, "MemoryBudget")  # the form now; its size against the device in `setup`
+        self.budget = budget
+        self.budget_bytes: int | None = None
+        """The budget in bytes once set up on a CUDA device (``None`` before, and without one)."""
+        self._probe: MemoryProbe | None = None
+        self._previous_fraction: float | None = None
+        self._warned = False
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        device = trainer.strategy.root_device
+        probe = self._make_probe(device)
+        total = probe.total_bytes() if probe.device.type == "cuda" else None
+        if not total:
+            if not self._warned:
+                self._warned = True
+                rank_zero_warn(f"MemoryBudget: `{device}` has no memory cap to set; the budget is not enforced.")
+            return
+        self._probe = probe
+        budget = parse_budget(self.budget, total, "MemoryBudget")
+        if budget > total:
+            rank_zero_warn(
+                f"MemoryBudget(budget={self.budget!r}) is {format_gib(budget)}, more than the device's"
+                f" {format_gib(total)}: the device's memory is the limit."
+            )
+        self.budget_bytes = min(budget, total)
+        previous = probe.set_memory_fraction(self.budget_bytes / total)
+        if self._previous_fraction is None:  # a second setup (fit, then test) keeps the first one's previous cap
+            self._previous_fraction = previous
+        rank_zero_info(f"MemoryBudget: this process is capped at {format_gib(self.budget_bytes)}.")
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._probe is not None and self._previous_fraction is not None:
+            self._probe.set_memory_fraction(self._previous_fraction)
+        self._previous_fraction = None
+
+    def _make_probe(self, device: torch.device) -> MemoryProbe:
+        """Create the probe for ``device`` (tests override this to inject a fake)."""
+        return MemoryProbe(device, nvml=False, host=False)
+
+
+def budget_bytes(trainer: pl.Trainer) -> int | None:
+    """The budget of the :class:`MemoryBudget` among the Trainer's callbacks, in bytes, if one is set up."""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, MemoryBudget) and callback.budget_bytes is not None:
+            return callback.budget_bytes
+    return None

@@ -1,0 +1,333 @@
+"""EmptyCacheOnThreshold: give cached memory back to the device when this process holds too much of it.
+
+Why a threshold and hysteresis, not ``empty_cache()`` every step: the caching allocator keeps freed blocks so the
+next step can reuse them without a ``cudaMalloc``; emptying the cache every step makes every step pay for those
+allocations again and frees nothing PyTorch itself could use. What the cache costs is the memory *other* processes
+on the card cannot have. So this releases only when the process holds more than a set share of its budget (after a
+one-off spike, say a validation pass with larger shapes), and, after a release, not again until usage has been seen
+below the mark on its own or ``min_steps_between`` steps have passed: a run whose steady state is above the mark
+releases at most once per ``min_steps_between`` steps, not every step.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.callbacks.callback import Callback
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from typing_extensions import override
+
+from lightning_gpumem._checks import require_flags
+from lightning_gpumem._distributed import gather_values
+from lightning_gpumem._logging import batches_that_stepped, is_logging_step, log_to_loggers
+from lightning_gpumem._units import GIB, format_gib
+from lightning_gpumem.budget import budget_bytes
+from lightning_gpumem.probe import MemoryProbe
+
+HOOKS = (
+    "train_batch_end",
+    "train_epoch_end",
+    "validation_batch_end",
+    "validation_end",
+    "test_batch_end",
+    "test_end",
+    "predict_batch_end",
+    "predict_end",
+)
+
+
+class ReleasePolicy:
+    """When to release: above ``mark_bytes``, then not again until seen below it or ``min_steps_between`` passed.
+
+    Pure logic, no device: ``should_release(usage, step)`` for each check, ``released(step)`` after a release.
+
+    Example:
+        >>> policy = ReleasePolicy(mark_bytes=100, min_steps_between=10)
+        >>> policy.should_release(120, step=1)
+        True
+        >>> policy.released(step=1)
+        >>> [policy.should_release(120, step=s) for s in (2, 5, 11)]  # still above: wait 10 steps
+        [False, False, True]
+        >>> policy.released(step=11)
+        >>> policy.should_release(90, step=12), policy.should_release(120, step=13)  # fell below: re-armed
+        (False, True)
+    """
+
+    def __init__(self, mark_bytes: int, min_steps_between: int) -> None:
+        self.mark_bytes = mark_bytes
+        self.min_steps_between = min_steps_between
+        self._armed = True
+        self._last_step: int | None = None
+
+    def should_release(self, usage_bytes: int, step: int) -> bool:
+        """Whether to release now, with ``usage_bytes`` in use at training step ``step``."""
+        if usage_bytes <= self.mark_bytes:
+            self._armed = True  # seen below the mark without our help
+            return False
+        if self._armed:
+            return True
+        return self._last_step is not None and step - self._last_step >= self.min_steps_between
+
+    def released(self, step: int) -> None:
+        """Record a release at ``step``."""
+        self._armed = False
+        self._last_step = step
+
+
+class EmptyCacheOnThreshold(Callback):
+    r"""Empty the allocator's cache when this process holds more than ``threshold`` of its budget.
+
+    At each hook named in ``on`` it reads the memory the process holds (the allocator's reserved memory, or NVML's
+    figure for the process with ``measure="nvml"``, which includes the CUDA context) and, when that exceeds
+    ``threshold`` times the budget (a :class:`~lightning_gpumem.MemoryBudget`'s when there is one, else the device's
+    memory), runs ``gc.collect()`` if asked, then ``empty_cache()``. After a release it waits until usage has been
+    seen below the mark again, or ``min_steps_between`` training steps have passed, before the next. Each rank
+    decides for itself, with no collective. Without an accelerator it warns once and does nothing.
+
+    **Logged metrics** (on Lightning's logging steps, to every logger; under DDP each key gets ``_rank<r>``)
+
+    ===========================  =======  ======================================================
+    Key                          Unit     Meaning
+    ===========================  =======  ======================================================
+    ``gpumem/cache_releases``    count    releases so far
+    ``gpumem/released_gib``      GiB      reserved memory before minus after, summed over releases
+    ``gpumem/release_seconds``   s        time spent releasing (``gc`` + ``empty_cache``), summed
+    ===========================  =======  ======================================================
+
+    Args:
+        threshold: fraction of the budget, in (0, 1], above which the cache is released.
+        relative_to: ``"budget"``: a :class:`~lightning_gpumem.MemoryBudget`'s budget if one is among the callbacks,
+            else the device's memory; ``"device"``: always the device's memory.
+        measure: ``"reserved"``: memory held by PyTorch's caching allocator; ``"nvml"``: memory NVML attributes to
+            this process (what ``nvidia-smi`` shows; falls back to reserved where NVML cannot see processes).
+        collect_garbage: run ``gc.collect()`` before emptying the cache, so tensors held only by reference cycles
+            are freed too (costs milliseconds with many Python objects).
+        min_steps_between: training steps to wait after a release before another while usage stays above the mark.
+        on: the hooks after which to check, any of ``"train_batch_end"``, ``"train_epoch_end"``,
+            ``"validation_batch_end"``, ``"validation_end"``, ``"test_batch_end"``, ``"test_end"``,
+            ``"predict_batch_end"``, ``"predict_end"``.
+
+    Raises:
+        ValueError: if ``threshold`` is not in (0, 1], ``relative_to``/``measure``/``on`` name something else, or
+            ``min_steps_between`` is not an integer >= 0.
+        TypeError: if ``collect_garbage`` is not a ``bool``.
+
+    Example::
+
+        from lightning import Trainer
+        from lightning_gpumem import EmptyCacheOnThreshold, MemoryBudget
+
+        # Share the card: hold at most 20 GiB, and give back what a validation spike left cached.
+        trainer = Trainer(callbacks=[MemoryBudget("20GiB"), EmptyCacheOnThreshold(threshold=0.8)])
+    """
+
+    def __init__(
+        self,
+        threshold: float = 0.9,
+        relative_to: Literal["budget", "device"] = "budget",
+        measure: Literal["reserved", "nvml"] = "reserved",
+        collect_garbage: bool = False,
+        min_steps_between: int = 50,
+        on: Sequence[str] = ("train_batch_end", "validation_end"),
+    ) -> None:
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 < threshold <= 1.0:
+            raise ValueError(
+                f"`EmptyCacheOnThreshold(threshold={threshold!r})` is not valid. Expected a number in (0, 1]."
+            )
+        if relative_to not in ("budget", "device"):
+            raise ValueError(
+                f"`EmptyCacheOnThreshold(relative_to={relative_to!r})` is not valid. Expected 'budget' or 'device'."
+            )
+        if measure not in ("reserved", "nvml"):
+            raise ValueError(
+                f"`EmptyCacheOnThreshold(measure={measure!r})` is not valid. Expected 'reserved' or 'nvml'."
+            )
+        if isinstance(min_steps_between, bool) or not isinstance(min_steps_between, int) or min_steps_between < 0:
+            raise ValueError(
+                f"`EmptyCacheOnThreshold(min_steps_between={min_steps_between!r})` is not valid."
+                " Expected an integer >= 0."
+            )
+        hooks = (on,) if isinstance(on, str) else tuple(on)
+        if not hooks or any(hook not in HOOKS for hook in hooks):
+            raise ValueError(
+                f"`EmptyCacheOnThreshold(on={on!r})` is not valid. Expected one or more of {', '.join(HOOKS)}."
+            )
+        require_flags("EmptyCacheOnThreshold", collect_garbage=collect_garbage)
+        self.threshold = float(threshold)
+        self.relative_to = relative_to
+        self.measure = measure
+        self.collect_garbage = collect_garbage
+        self.min_steps_between = min_steps_between
+        self.on = frozenset(hooks)
+
+        self.releases = 0
+        """Releases so far, on this rank."""
+        self.released_bytes = 0
+        """Reserved memory given back so far (before minus after, summed), in bytes, on this rank."""
+        self.release_seconds = 0.0
+        """Time spent releasing so far, in seconds, on this rank."""
+        self._probe: MemoryProbe | None = None
+        self._policy: ReleasePolicy | None = None
+        self._every_n = 0
+        self._warned = False
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        device = trainer.strategy.root_device
+        self._every_n = trainer.log_every_n_steps  # type: ignore[attr-defined]
+        probe = self._probe if self._probe is not None and self._probe.device == device else self._make_probe(device)
+        total = probe.total_bytes() if probe.has_allocator else None
+        if total is None:
+            self._probe = self._policy = None
+            if not self._warned:
+                self._warned = True
+                rank_zero_warn(f"EmptyCacheOnThreshold: `{device}` has no allocator cache to release; doing nothing.")
+            return
+        self._probe = probe
+        budget = budget_bytes(trainer) if self.relative_to == "budget" else None
+        mark = int(self.threshold * (budget or total))
+        if self._policy is None or self._policy.mark_bytes != mark:
+            self._policy = ReleasePolicy(mark, self.min_steps_between)
+
+    def _make_probe(self, device: torch.device) -> MemoryProbe:
+        """Create the probe for ``device`` (tests override this to inject a fake)."""
+        return MemoryProbe(device, nvml=self.measure == "nvml", host=False)
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
+    ) -> None:
+        if "train_batch_end" in self.on:
+            self._check(trainer)
+        if trainer.world_size > 1 or trainer.loggers:
+            self._log(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if "train_epoch_end" in self.on:
+            self._check(trainer)
+
+    @override
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: STEP_OUTPUT,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if "validation_batch_end" in self.on:
+            self._check(trainer)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if "validation_end" in self.on:
+            self._check(trainer)
+
+    @override
+    def on_test_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: STEP_OUTPUT,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if "test_batch_end" in self.on:
+            self._check(trainer)
+
+    @override
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if "test_end" in self.on:
+            self._check(trainer)
+
+    @override
+    def on_predict_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if "predict_batch_end" in self.on:
+            self._check(trainer)
+
+    @override
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if "predict_end" in self.on:
+            self._check(trainer)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._policy is not None:
+            rank_zero_info(
+                f"EmptyCacheOnThreshold: {self.releases} cache releases, {format_gib(self.released_bytes)} given back,"
+                f" {self.release_seconds:.3f} s (mark {format_gib(self._policy.mark_bytes)})."
+            )
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"releases": self.releases, "released_bytes": self.released_bytes, "seconds": self.release_seconds}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.releases = int(state_dict.get("releases", 0))
+        self.released_bytes = int(state_dict.get("released_bytes", 0))
+        self.release_seconds = float(state_dict.get("seconds", 0.0))
+
+    # ------------------------------------------------------------------ helpers
+    def _usage(self, probe: MemoryProbe) -> int | None:
+        if self.measure == "nvml":
+            process = probe.read(nvml=True, host=False).nvml_process_bytes
+            if process is not None:
+                return process
+        return probe.reserved_bytes()
+
+    def _check(self, trainer: pl.Trainer) -> None:
+        probe, policy = self._probe, self._policy
+        if probe is None or policy is None:
+            return
+        usage = self._usage(probe)
+        step = trainer.global_step
+        if usage is None or not policy.should_release(usage, step):
+            return
+        start = time.perf_counter()
+        before = probe.reserved_bytes() or 0
+        if self.collect_garbage:
+            gc.collect()
+        probe.release_cache()
+        after = probe.reserved_bytes() or 0
+        self.release_seconds += time.perf_counter() - start
+        self.releases += 1
+        self.released_bytes += max(0, before - after)
+        policy.released(step)
+
+    def _log(self, trainer: pl.Trainer) -> None:
+        if not is_logging_step(trainer, self._every_n) or self._policy is None:
+            return
+        values = [float(self.releases), self.released_bytes / GIB, self.release_seconds]
+        names = ("gpumem/cache_releases", "gpumem/released_gib", "gpumem/release_seconds")
+        if trainer.world_size > 1:  # collective on logging steps, which every rank reaches alike
+            rows = gather_values(trainer, values)
+            metrics = {
+                f"{name}_rank{rank}": float(value)
+                for rank, row in enumerate(rows)
+                for name, value in zip(names, row, strict=True)
+                if value is not None
+            }
+        else:
+            metrics = dict(zip(names, values, strict=True))
+        if trainer.is_global_zero:
+            log_to_loggers(trainer, metrics, step=batches_that_stepped(trainer))
