@@ -23,6 +23,7 @@ from lightning_gpumem._checks import require_flags
 from lightning_gpumem._distributed import gather_values, max_min
 from lightning_gpumem._oom import is_oom_error
 from lightning_gpumem._units import GIB, format_gib, parse_budget
+from lightning_gpumem.budget import budget_bytes
 from lightning_gpumem.probe import MemoryProbe
 from lightning_gpumem.tuning import _loops
 from lightning_gpumem.tuning.search import SearchResult, Trial, search_batch_size
@@ -107,8 +108,9 @@ class BatchSizeTuner(Callback):
     :attr:`trials`; rank zero prints one line, e.g. ``BatchSizeTuner: batch_size=53 (peak 22.6/24.0 GiB, ...)``.
 
     Args:
-        budget: memory the run may use: ``None`` for what is usable on the device now, bytes (``int``), a fraction of
-            device memory in (0, 1] (``float``), or a string such as ``"24GiB"`` or ``"16GB"``.
+        budget: memory the run may use: ``None`` for the budget of a :class:`~lightning_gpumem.MemoryBudget` among
+            the callbacks (placed before this one) or else what is usable on the device now, bytes (``int``), a
+            fraction of device memory in (0, 1] (``float``), or a string such as ``"24GiB"`` or ``"16GB"``.
         headroom: fraction of the budget kept free at the chosen size, in [0, 1): the search caps the allocator at
             ``(1 - headroom) * budget`` and accepts the sizes that run under it (without a cap, as elsewhere than
             CUDA: whose peak reserved memory stays under it). What is left covers what trials do not show: batches of
@@ -211,7 +213,7 @@ class BatchSizeTuner(Callback):
         rng = _loops.capture_rng()  # loading data may draw random numbers too: restore them at the very end
         original_size = _loops.get_batch_size(trainer, self.batch_arg_name)
         was_loaded = _loops.dataloaders_loaded(trainer)
-        limit = self._limit_bytes(probe)
+        limit = self._limit_bytes(probe, trainer)
         _loops.reload_dataloaders(trainer)
         upper = self._upper_bound(trainer)
 
@@ -273,13 +275,13 @@ class BatchSizeTuner(Callback):
             _loops.unload_dataloaders(trainer)
         _loops.restore_rng(rng)
 
-    def _limit_bytes(self, probe: MemoryProbe) -> int | None:
+    def _limit_bytes(self, probe: MemoryProbe, trainer: pl.Trainer) -> int | None:
         total = probe.total_bytes()
         if not probe.has_allocator or total is None:
             self.budget_bytes = None
             return None
-        if self.budget is None:
-            self.budget_bytes = probe.usable_bytes() or total
+        if self.budget is None:  # a MemoryBudget's, else what this process can use now
+            self.budget_bytes = budget_bytes(trainer) or probe.usable_bytes() or total
         else:
             self.budget_bytes = parse_budget(self.budget, total, "BatchSizeTuner")
             if self.budget_bytes > total:

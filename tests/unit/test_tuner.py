@@ -408,3 +408,18 @@ def test_a_size_that_fails_the_full_budget_check_gives_way_to_the_next_accepted_
     checks = [t for t in tuner.trials if not t.fits and t.batch_size > 60]
     assert checks  # the best size of the search failed its check and was replaced
     assert model.batch_size == tuner.optimal_batch_size
+
+
+def test_without_a_budget_of_its_own_the_tuner_takes_a_memory_budgets():
+    from lightning_gpumem import MemoryBudget
+
+    class FakeBudget(MemoryBudget):
+        def _make_probe(self, device):
+            return probe
+
+    probe = CappedFakeProbe(base=2 * GIB, total=80 * GIB)
+    model = MemoryModel(probe, per_sample=300 * MIB, n=100_000)
+    tuner = FakeTuner(probe, headroom=0.1, include_validation=False)
+    _trainer(None, callbacks=[FakeBudget("24GiB"), tuner], max_steps=1, limit_val_batches=0).fit(model)
+    assert tuner.budget_bytes == 24 * GIB
+    assert tuner.optimal_batch_size == int((0.9 * 24 * GIB - 2 * GIB) // (300 * MIB))
