@@ -124,6 +124,7 @@ def search_batch_size(
     confirmed = False  # the last trial was lo + 1, tried because the line said lo was the largest, and it passed
     bisect_next = False  # the line's last guesses gained little (peaks quantised near the limit): bisect once
     step_back: int | None = None  # the line's guess was just too large: try a size `tolerance` below it
+    optimistic = False  # lo + 1 ran although the reserved line said no: from now on the allocated line guides
     while True:
         top = upper if hi is None else hi - 1
         if lo >= top:
@@ -141,10 +142,14 @@ def search_batch_size(
             return result(lo, "predicted")  # one more sample would cross the limit
         guess = _predict(trials.values(), limit_bytes, below=top + 1)
         fallback = lo * 2 if hi is None else (lo + hi) // 2
-        if (guess is None or guess <= lo) and two_lines:
-            # The safe line says lo is the largest; the optimistic one bounds what can still fit above it.
+        if (guess is None or (guess <= lo and (confirmed or optimistic))) and two_lines:
+            # The safe line said lo is the largest and lo + 1 ran anyway (the reserved peak overstated the need:
+            # cache, elastic workspaces): the optimistic line bounds what can still fit above it. Trying lo + 1 first
+            # costs one trial where the safe line is right, and saves the optimistic line's OOMs there.
             guess = _predict(trials.values(), limit_bytes, below=top + 1, kind="allocated")
-            confirmed = True  # no crawl up from lo: what the optimistic line does not offer, bisection does
+            confirmed = optimistic = (
+                True  # no crawl up from lo: what the optimistic line does not offer, bisection does
+            )
         contradicted = hi is not None and guess is not None and guess >= top > lo + 1  # hi failed, the line said fits
         if step_back is not None and lo < step_back <= top:
             mode, guess = "step_back", step_back

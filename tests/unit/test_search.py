@@ -237,3 +237,23 @@ def test_allocated_line_stops_when_one_more_sample_cannot_fit_even_without_waste
     result = search_batch_size(run, init_val=2, upper=100_000, limit_bytes=cap)
     assert result.reason == "predicted"
     assert result.num_ooms == 0
+
+
+def test_measured_gpt_trials_end_with_one_oom():
+    """Peaks measured on the H200 (GPT-235M, bf16, 24 GiB budget, search cap 22.8 GiB): 36 ran, 37 did not.
+
+    The reserved line stops at 36, lo + 1 is tried before the optimistic allocated line (which points at 45), and
+    its OOM ends the search: 4 trials, 1 OOM, where jumping to the allocated line first took 7 trials and 4 OOMs.
+    """
+    measured = {2: (4.854, 4.832), 9: (8.52, 7.739), 36: (22.771, 19.022)}  # reserved, allocated GiB
+
+    def run(bs):
+        if bs > 36:
+            return Trial(bs, fits=False)
+        reserved, allocated = measured.get(bs, (4.854 + (bs - 2) * 0.527, 4.832 + (bs - 2) * 0.417))
+        return Trial(bs, fits=True, peak_bytes=int(reserved * GIB), allocated_bytes=int(allocated * GIB))
+
+    result = search_batch_size(run, init_val=2, upper=16384, limit_bytes=int(0.95 * 24 * GIB))
+    assert [t.batch_size for t in result.trials] == [2, 9, 36, 37]
+    assert result.batch_size == 36
+    assert result.num_ooms == 1
