@@ -4,6 +4,7 @@ from lightning_gpumem.budget import MemoryBudget
 from lightning_gpumem.monitor import MemoryMonitor
 from lightning_gpumem.probe import MemoryProbe, MemorySample
 from lightning_gpumem.release import EmptyCacheOnThreshold
+from lightning_gpumem.snapshot import OOMSnapshot
 from lightning_gpumem.tuning.tuner import BatchSizeTuner
 
 __version__ = "0.1.0"
@@ -15,5 +16,6 @@ __all__ = [
     "MemoryMonitor",
     "MemoryProbe",
     "MemorySample",
+    "OOMSnapshot",
     "__version__",
 ]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 # Messages of OOMs raised as plain RuntimeError (older torch, cuBLAS/cuDNN workspaces, MPS, XPU, ROCm, host).
@@ -36,3 +39,29 @@ def is_oom_error(error: BaseException) -> bool:
         message = str(error)
         return any(text in message for text in _OOM_MESSAGES)
     return False
+
+
+_expected = 0  # nesting depth of `expecting_oom()` blocks
+
+
+@contextlib.contextmanager
+def expecting_oom() -> Iterator[None]:
+    """Mark a block whose out-of-memory errors are part of the plan (the batch-size search), not failures.
+
+    >>> with expecting_oom():
+    ...     oom_expected()
+    True
+    >>> oom_expected()
+    False
+    """
+    global _expected
+    _expected += 1
+    try:
+        yield
+    finally:
+        _expected -= 1
+
+
+def oom_expected() -> bool:
+    """Whether an :func:`expecting_oom` block is running."""
+    return _expected > 0

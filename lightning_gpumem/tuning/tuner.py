@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from lightning_gpumem._checks import require_flags
 from lightning_gpumem._distributed import gather_values, max_min
-from lightning_gpumem._oom import is_oom_error
+from lightning_gpumem._oom import expecting_oom, is_oom_error
 from lightning_gpumem._units import GIB, format_gib, parse_budget
 from lightning_gpumem.budget import budget_bytes
 from lightning_gpumem.probe import MemoryProbe
@@ -226,16 +226,17 @@ class BatchSizeTuner(Callback):
             # the allocator must do to make room (free its cache, pick cuDNN algorithms with smaller workspaces).
             previous_fraction = probe.set_memory_fraction(min(1.0, limit / total))  # type: ignore[operator]
         try:
-            result = search_batch_size(
-                lambda size: self._run_trial(trainer, snapshot, probe, size),
-                init_val=self.init_val,
-                upper=upper,
-                limit_bytes=limit,
-                max_trials=MAX_TRIALS,
-            )
-            if total and self.budget_bytes is not None and result.batch_size is not None:
-                probe.set_memory_fraction(min(1.0, self.budget_bytes / total))
-                result = self._verify(trainer, snapshot, probe, result)
+            with expecting_oom():  # trials that run out of memory are the search's plan, not failures to report
+                result = search_batch_size(
+                    lambda size: self._run_trial(trainer, snapshot, probe, size),
+                    init_val=self.init_val,
+                    upper=upper,
+                    limit_bytes=limit,
+                    max_trials=MAX_TRIALS,
+                )
+                if total and self.budget_bytes is not None and result.batch_size is not None:
+                    probe.set_memory_fraction(min(1.0, self.budget_bytes / total))
+                    result = self._verify(trainer, snapshot, probe, result)
         finally:
             snapshot.restore()
             if previous_fraction is not None:
