@@ -1,0 +1,312 @@
+"""LayerMemoryProfiler: which layer holds the memory of a training step.
+
+Why these measurements: what a layer costs is mostly what it keeps for backward. Allocated memory after a leaf
+module's forward minus before it is what that forward left alive (its output and what autograd saved), the figure
+activation checkpointing would save. Peaks come from the allocator's peak counter, reset at each hook. Backward is
+timed without module backward hooks (they wrap tensors and break in-place layers such as ``ReLU(inplace=True)``):
+a pre-hook on the ``grad_fn`` of each module's output marks where backward enters that module, so a module's
+backward window runs from there to where backward enters the next one, or to the end of backward.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.callbacks.callback import Callback
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from typing_extensions import override
+
+from lightning_gpumem.probe import MemoryProbe
+
+_MIB = 2**20
+
+
+@dataclass
+class LayerRecord:
+    """One leaf module's memory in the profiled step, all in bytes."""
+
+    name: str
+    kind: str
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    activation_bytes: int = 0
+    forward_peak_bytes: int = 0
+    backward_peak_bytes: int = 0
+
+
+def format_table(
+    records: list[LayerRecord], top_k: int, step: int, step_peak: int | None, other: dict[str, int]
+) -> str:
+    """The ``top_k`` layers by activation memory, then totals reconciled with the step's measured peak.
+
+    Example:
+        >>> rows = [LayerRecord("fc1", "Linear", 4 * _MIB, 4 * _MIB, 2 * _MIB, 3 * _MIB, 5 * _MIB)]
+        >>> table = format_table(rows, 10, step=1, step_peak=12 * _MIB, other={"optimizer state": 0})
+        >>> print(table)  # doctest: +NORMALIZE_WHITESPACE
+        Layer memory at step 1 (MiB; top 1 of 1 layers by activations kept for backward)
+        layer  type    params  grads  activations  fwd peak  bwd peak
+        fc1    Linear     4.0    4.0          2.0       3.0       5.0
+        total: parameters 4.0 + gradients 4.0 + activations 2.0 + optimizer state 0.0 = 10.0 MiB; the step's
+        measured peak 12.0 MiB (the layers account for 83%; the rest is the batch, temporaries and workspaces)
+    """
+    ranked = sorted(records, key=lambda r: r.activation_bytes, reverse=True)[:top_k]
+    header = ("layer", "type", "params", "grads", "activations", "fwd peak", "bwd peak")
+    rows = [
+        (
+            r.name,
+            r.kind,
+            *(
+                f"{v / _MIB:.1f}"
+                for v in (r.param_bytes, r.grad_bytes, r.activation_bytes, r.forward_peak_bytes, r.backward_peak_bytes)
+            ),
+        )
+        for r in ranked
+    ]
+    widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]
+
+    def line(row: tuple[str, ...]) -> str:
+        cells = [
+            str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        return "  ".join(cells).rstrip()
+
+    params = sum(r.param_bytes for r in records)
+    grads = sum(r.grad_bytes for r in records)
+    activations = sum(r.activation_bytes for r in records)
+    total = params + grads + activations + sum(other.values())
+    parts = " + ".join(
+        [f"parameters {params / _MIB:.1f}", f"gradients {grads / _MIB:.1f}", f"activations {activations / _MIB:.1f}"]
+        + [f"{name} {value / _MIB:.1f}" for name, value in other.items()]
+    )
+    footer = f"total: {parts} = {total / _MIB:.1f} MiB"
+    if step_peak:
+        share = 100 * total / step_peak
+        footer += (
+            f"; the step's\nmeasured peak {step_peak / _MIB:.1f} MiB (the layers account for {share:.0f}%;"
+            " the rest is the batch, temporaries and workspaces)"
+        )
+    title = (
+        f"Layer memory at step {step} (MiB; top {len(ranked)} of {len(records)} layers"
+        " by activations kept for backward)"
+    )
+    return "\n".join([title, line(header), *(line(r) for r in rows), footer])
+
+
+def to_csv(records: list[LayerRecord]) -> str:
+    """Every layer, in forward order, bytes."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    names = [f.name for f in fields(LayerRecord)]
+    writer.writerow(names)
+    for record in records:
+        writer.writerow([getattr(record, name) for name in names])
+    return buffer.getvalue()
+
+
+class LayerMemoryProfiler(Callback):
+    r"""Measure, for one training step, what each layer holds: parameters, gradients, activations, peaks.
+
+    At training step ``at_step`` hooks on every leaf module record, on the allocator: parameter and gradient bytes,
+    the activation bytes its forward leaves alive for backward (allocated after minus before), and the peaks during
+    its forward and its backward. The ``top_k`` layers by activation memory are printed as a table on rank zero,
+    with totals reconciled against the step's measured peak; the table goes to TensorBoard loggers as text and every
+    layer to ``layer_memory_step<n>.csv`` next to the logger's files (or in ``dirpath``). The layers with the most
+    activation memory are the candidates for activation checkpointing. The hooks are removed after that step, so
+    other steps run untouched. Without an accelerator it warns once and does nothing.
+
+    The peak counters are reset at each hook during that one step, so a :class:`~lightning_gpumem.MemoryMonitor`'s
+    ``train_peak_*`` for the profiled step covers only its end; the table's footer has the step's whole peak.
+
+    **Logged metrics**: none as scalars; the text ``gpumem/layer_memory`` (TensorBoard) and the CSV file.
+
+    Args:
+        at_step: the training step (``global_step`` when it starts) to profile; after the first one, the optimizer
+            state exists and the step is a steady-state one.
+        top_k: layers in the printed table.
+        dirpath: where to write the CSV; ``None``: the first logger's ``log_dir``, else ``Trainer.default_root_dir``.
+
+    Raises:
+        ValueError: if ``at_step`` is not an integer >= 0 or ``top_k`` not an integer >= 1.
+
+    Example::
+
+        from lightning import Trainer
+        from lightning_gpumem import LayerMemoryProfiler
+
+        trainer = Trainer(callbacks=[LayerMemoryProfiler(at_step=1)])
+    """
+
+    def __init__(self, at_step: int = 1, top_k: int = 10, dirpath: str | Path | None = None) -> None:
+        if isinstance(at_step, bool) or not isinstance(at_step, int) or at_step < 0:
+            raise ValueError(f"`LayerMemoryProfiler(at_step={at_step!r})` is not valid. Expected an integer >= 0.")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"`LayerMemoryProfiler(top_k={top_k!r})` is not valid. Expected an integer >= 1.")
+        self.at_step = at_step
+        self.top_k = top_k
+        self.dirpath = Path(dirpath) if dirpath is not None else None
+        self.records: list[LayerRecord] = []
+        """Every leaf module's record from the profiled step, in forward order."""
+        self.table: str | None = None
+        """The printed table (``None`` before the profiled step)."""
+        self.step_peak_bytes: int | None = None
+        """Peak allocated memory over the whole profiled step, in bytes."""
+        self._probe: MemoryProbe | None = None
+        self._handles: list[Any] = []
+        self._active = False
+        self._by_module: dict[torch.nn.Module, LayerRecord] = {}
+        self._before: dict[torch.nn.Module, int] = {}
+        self._backward_open: LayerRecord | None = None
+        self._before_backward = 0
+        self._profiled_step = at_step
+        self._warned = False
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        probe = self._make_probe(trainer.strategy.root_device)
+        if not probe.has_allocator:
+            if not self._warned:
+                self._warned = True
+                rank_zero_warn(
+                    f"LayerMemoryProfiler: `{probe.device}` has no allocator statistics to read; doing nothing."
+                )
+            return
+        self._probe = probe
+
+    def _make_probe(self, device: torch.device) -> MemoryProbe:
+        """Create the probe for ``device`` (tests override this to inject a fake)."""
+        return MemoryProbe(device, nvml=False, host=False)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._probe is None or self._active or self.table is not None or trainer.global_step != self.at_step:
+            return
+        self._active = True
+        self._profiled_step = trainer.global_step
+        self.step_peak_bytes = 0
+        self.records, self._by_module = [], {}
+        for name, module in pl_module.named_modules():
+            if next(module.children(), None) is not None:
+                continue  # leaves only: a parent's window would contain its children's
+            record = LayerRecord(name or type(module).__name__, type(module).__name__)
+            record.param_bytes = sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+            self.records.append(record)
+            self._by_module[module] = record
+            self._handles.append(module.register_forward_pre_hook(self._forward_pre))
+            self._handles.append(module.register_forward_hook(self._forward_post))
+        self._reset()
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._active:
+            return
+        self._close_backward()
+        for module, record in self._by_module.items():
+            record.grad_bytes = sum(
+                p.grad.numel() * p.grad.element_size() for p in module.parameters(recurse=False) if p.grad is not None
+            )
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._active:
+            return
+        self._read_peak()
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._active = [], False
+        other = {"optimizer state": _optimizer_state_bytes(trainer)}
+        self.table = format_table(self.records, self.top_k, self._profiled_step, self.step_peak_bytes, other)
+        self._by_module, self._before = {}, {}
+        if not trainer.is_global_zero:
+            return
+        rank_zero_info(self.table)
+        directory = self._directory(trainer)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / f"layer_memory_step{self._profiled_step}.csv").write_text(to_csv(self.records))
+        for logger in trainer.loggers:
+            add_text = getattr(getattr(logger, "experiment", None), "add_text", None)
+            if callable(add_text):
+                add_text("gpumem/layer_memory", f"```\n{self.table}\n```", global_step=trainer.global_step)
+
+    # ------------------------------------------------------------------ measuring
+    def _allocated(self) -> int:
+        return (self._probe.allocated_bytes() if self._probe is not None else None) or 0
+
+    def _reset(self) -> None:
+        if self._probe is not None:
+            self._probe.reset_peaks()
+
+    def _read_peak(self) -> int:
+        peak = (self._probe.read_peaks()[0] if self._probe is not None else None) or 0
+        self.step_peak_bytes = max(self.step_peak_bytes or 0, peak)
+        return peak
+
+    def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
+        self._read_peak()
+        self._reset()
+        self._before[module] = self._allocated()
+
+    def _forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        record = self._by_module[module]
+        record.forward_peak_bytes = max(0, self._read_peak() - self._before.get(module, 0))
+        record.activation_bytes = max(0, self._allocated() - self._before.get(module, 0))
+        self._reset()
+        grad_fn = _first_grad_fn(output)
+        if grad_fn is not None and torch.is_grad_enabled():
+            grad_fn.register_prehook(lambda grad_outputs, record=record: self._open_backward(record))
+
+    def _open_backward(self, record: LayerRecord) -> None:
+        self._close_backward()
+        self._backward_open = record
+        self._before_backward = self._allocated()
+        self._reset()
+
+    def _close_backward(self) -> None:
+        record = self._backward_open
+        if record is not None:
+            record.backward_peak_bytes = max(record.backward_peak_bytes, self._read_peak() - self._before_backward)
+            self._reset()
+        self._backward_open = None
+
+    def _directory(self, trainer: pl.Trainer) -> Path:
+        if self.dirpath is not None:
+            return self.dirpath
+        for logger in trainer.loggers:
+            log_dir = getattr(logger, "log_dir", None)
+            if log_dir:
+                return Path(log_dir)
+        return Path(trainer.default_root_dir)
+
+
+def _first_grad_fn(output: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        return output.grad_fn
+    if isinstance(output, (list, tuple)):
+        for item in output:
+            found = _first_grad_fn(item)
+            if found is not None:
+                return found
+    if isinstance(output, dict):
+        return _first_grad_fn(list(output.values()))
+    return None
+
+
+def _optimizer_state_bytes(trainer: pl.Trainer) -> int:
+    total = 0
+    for optimizer in trainer.optimizers:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+                    total += value.numel() * value.element_size()
+    return total

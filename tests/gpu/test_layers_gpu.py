@@ -1,0 +1,62 @@
+"""LayerMemoryProfiler on a real GPU (`pytest -m gpu`): a Linear stack's activations match the analytic sizes."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_gpumem import LayerMemoryProfiler
+
+pytestmark = pytest.mark.gpu
+
+BATCH = 256
+WIDTHS = [1024, 4096, 4096, 1024]
+
+
+class Stack(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for inp, out in itertools.pairwise(WIDTHS):
+            layers += [nn.Linear(inp, out), nn.ReLU()]
+        self.net = nn.Sequential(*layers[:-1])
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(BATCH * 4, WIDTHS[0])), batch_size=BATCH)
+
+
+def test_linear_stack_activations_match_the_analytic_sizes(tmp_path):
+    profiler = LayerMemoryProfiler(at_step=1, dirpath=tmp_path)
+    Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[profiler],
+    ).fit(Stack())
+    by_name = {r.name: r for r in profiler.records}
+    for index, out in ((0, 4096), (1, 4096), (2, 4096), (3, 4096), (4, 1024)):
+        expected = BATCH * out * 4  # each layer's output, float32: what it leaves alive for the next one's backward
+        assert by_name[f"net.{index}"].activation_bytes == pytest.approx(expected, rel=0.05), index
+    for index, (inp, out) in enumerate(itertools.pairwise(WIDTHS)):
+        record = by_name[f"net.{2 * index}"]
+        assert record.param_bytes == (inp * out + out) * 4
+        assert record.grad_bytes == record.param_bytes
+    assert profiler.step_peak_bytes
+    assert profiler.step_peak_bytes > sum(r.activation_bytes for r in profiler.records)
+    assert (tmp_path / "layer_memory_step1.csv").exists()
+    print(f"\n{profiler.table}")
