@@ -26,6 +26,12 @@ class RunMemory:
     max_inactive_split_bytes: int | None = None
     max_reserved_bytes: int | None = None  # reserved memory at the time of the largest fragmentation reading
     world_size: int = 1
+    budget_bytes: int | None = None  # a MemoryBudget's budget: shares are taken of it instead of the device
+    precision: str | None = None  # the Trainer's precision, e.g. "32-true", "bf16-mixed"
+    ddp_bucket_view: bool | None = None  # DDP: gradient_as_bucket_view; None when not DDP
+    gradient_bytes: int | None = None  # parameters that need gradients, in bytes (a DDP bucket copy costs as much)
+    top_layers: list[tuple[str, int]] = field(default_factory=list)  # LayerMemoryProfiler: (layer, activations)
+    tuned: bool = False  # a BatchSizeTuner chose the batch size
 
     @property
     def peak_reserved_bytes(self) -> int | None:
@@ -56,15 +62,35 @@ def advice(run: RunMemory) -> list[str]:
         )
     if run.num_ooms:
         lines.append(f"{run.num_ooms} out-of-memory error(s) were raised in this process (caught somewhere).")
-    if peak is not None and run.total_bytes:
-        share = peak / run.total_bytes
+    limit = run.budget_bytes or run.total_bytes
+    of_what = "the budget" if run.budget_bytes else "the device"
+    if peak is not None and limit:
+        share = peak / limit
         if share > NEAR_LIMIT_FRACTION:
-            lines.append(
-                f"peak reserved is {share:.0%} of the device: one larger batch or sequence may OOM; consider"
-                " precision='bf16-mixed' or activation checkpointing."
+            fp32 = run.precision is not None and run.precision.startswith(("32", "64"))
+            remedy = (
+                f"at precision='{run.precision}', precision='bf16-mixed' (or '16-mixed' before Ampere) roughly halves"
+                " the activations"
+                if fp32
+                else "consider activation checkpointing"
             )
-        elif share < LARGE_HEADROOM_FRACTION:
-            lines.append(f"peak reserved is only {share:.0%} of the device: a larger batch size would likely fit.")
+            lines.append(f"peak reserved is {share:.0%} of {of_what}: one larger batch or sequence may OOM; {remedy}.")
+        elif share < LARGE_HEADROOM_FRACTION and not run.tuned:
+            lines.append(
+                f"peak reserved is only {share:.0%} of {of_what}: a larger batch size would likely fit"
+                " (lightning_gpumem.BatchSizeTuner finds the largest)."
+            )
+    if run.top_layers and peak is not None and limit and peak / limit > NEAR_LIMIT_FRACTION / 2:
+        named = ", ".join(f"{name} ({format_gib(size, 2)})" for name, size in run.top_layers[:3])
+        lines.append(
+            f"largest activations kept for backward (LayerMemoryProfiler): {named}; these are the candidates for"
+            " activation checkpointing (torch.utils.checkpoint)."
+        )
+    if run.ddp_bucket_view is False and run.gradient_bytes and run.gradient_bytes >= GIB // 4:
+        lines.append(
+            f"DDP keeps a copy of the {format_gib(run.gradient_bytes, 2)} of gradients in its buckets:"
+            " DDPStrategy(gradient_as_bucket_view=True) shares them instead."
+        )
     return lines
 
 

@@ -472,7 +472,30 @@ class MemoryMonitor(Callback):
             max_inactive_split_bytes=high(n + 4),
             max_reserved_bytes=high(n + 5),
             world_size=trainer.world_size,
+            **_run_context(trainer),
         )
+
+
+def _run_context(trainer: pl.Trainer) -> dict[str, Any]:
+    """What the advice needs besides the measurements: precision, DDP settings, profiled layers, a tuned size."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_gpumem.layers import LayerMemoryProfiler
+    from lightning_gpumem.tuning.tuner import BatchSizeTuner
+
+    context: dict[str, Any] = {"budget_bytes": budget_bytes(trainer), "precision": str(trainer.precision)}
+    module = trainer.lightning_module
+    context["gradient_bytes"] = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    if isinstance(trainer.strategy, DDPStrategy):
+        kwargs = getattr(trainer.strategy, "_ddp_kwargs", {})  # private: the kwargs DDPStrategy passes to DDP
+        context["ddp_bucket_view"] = bool(kwargs.get("gradient_as_bucket_view", False))
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, LayerMemoryProfiler) and callback.records:
+            ranked = sorted(callback.records, key=lambda r: r.activation_bytes, reverse=True)
+            context["top_layers"] = [(r.name, r.activation_bytes) for r in ranked if r.activation_bytes > 0]
+        if isinstance(callback, BatchSizeTuner) and callback.optimal_batch_size is not None:
+            context["tuned"] = True
+    return context
 
 
 def _max(a: int | None, b: int | None) -> int | None:
