@@ -1,0 +1,85 @@
+"""What OOMSnapshot's allocation history costs: training steps per second with and without it (GPU only).
+
+    PYTHONPATH=. python3 benchmarks/history_overhead.py --json history.json
+
+A 4-layer GPT-style decoder (d_model 512, seq 256, batch 32, bf16-mixed, AdamW; the model of
+``benchmarks/monitor_overhead.py``) trains ``--steps`` steps in plain PyTorch, alternately with
+``torch.cuda.memory._record_memory_history(max_entries=100_000)`` (what ``OOMSnapshot`` turns on, Python stacks
+included) and without, ``--rounds`` times each; the first ``--warmup`` steps of each run are not timed. The
+table gives the median steps/s of each and their ratio, and the cost of one ``_snapshot()`` plus pickling it
+(what an OOM or ``at_steps`` pays once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    layer = torch.nn.TransformerEncoderLayer(512, 8, 2048, batch_first=True, norm_first=True)
+    model = torch.nn.TransformerEncoder(layer, 4).cuda()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def _run(steps: int, warmup: int, history: bool) -> float:
+    model, optimizer = _model()
+    x = torch.randn(32, 256, 512, device="cuda")
+    if history:
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+    try:
+        for step in range(steps + warmup):
+            if step == warmup:
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(x).float().pow(2).mean()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        torch.cuda.synchronize()
+        return steps / (time.perf_counter() - start)
+    finally:
+        if history:
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("history_overhead.py needs a CUDA GPU: allocation history is a CUDA allocator feature.")
+    rates: dict[str, list[float]] = {"off": [], "on": []}
+    for _ in range(args.rounds):
+        for mode in ("off", "on"):
+            rates[mode].append(_run(args.steps, args.warmup, mode == "on"))
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    _run(20, 0, False)
+    start = time.perf_counter()
+    size = len(pickle.dumps(torch.cuda.memory._snapshot()))
+    dump_s = time.perf_counter() - start
+    torch.cuda.memory._record_memory_history(enabled=None)
+    off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
+    print("| history | steps/s (median) | ratio |\n|---|---|---|")
+    print(f"| off | {off:.1f} | 1.00 |\n| on (`OOMSnapshot`) | {on:.1f} | {on / off:.2f} |")
+    print(f"\nsnapshot + pickle: {dump_s * 1e3:.0f} ms, {size / 2**20:.1f} MiB")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rates": rates, "snapshot_seconds": dump_s, "snapshot_bytes": size}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
