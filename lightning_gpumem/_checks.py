@@ -14,3 +14,20 @@ def require_flags(owner: str, **flags: object) -> None:
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"`{owner}({name}={value!r})` is not valid. Expected True or False.")
+
+
+def is_int_at_least(value: object, minimum: int) -> bool:
+    """Whether ``value`` is an ``int`` (not a ``bool``) of at least ``minimum``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def require_int(owner: str, name: str, value: object, minimum: int) -> None:
+    """Raise ``ValueError`` unless ``value`` is an integer >= ``minimum``.
+
+    >>> require_int("X", "steps", 3, 1)
+    >>> require_int("X", "steps", 0, 1)
+    Traceback (most recent call last):
+    ValueError: `X(steps=0)` is not valid. Expected an integer >= 1.
+    """
+    if not is_int_at_least(value, minimum):
+        raise ValueError(f"`{owner}({name}={value!r})` is not valid. Expected an integer >= {minimum}.")

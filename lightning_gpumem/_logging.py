@@ -11,6 +11,7 @@ with the user's loss curves we use the same two. That private access lives here 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 
 import lightning.pytorch as pl
 
@@ -56,3 +57,14 @@ def show_in_progress_bar(trainer: pl.Trainer, key: str, text: str) -> None:
     if trainer.progress_bar_callback is None:
         return
     trainer.progress_bar_metrics[key] = text  # type: ignore[assignment]  # the bars show str values too
+
+
+def log_dir(trainer: pl.Trainer, dirpath: str | Path | None = None) -> Path:
+    """Where a callback writes its files: ``dirpath``, else the first logger's ``log_dir``, else the root dir."""
+    if dirpath is not None:
+        return Path(dirpath)
+    for logger in trainer.loggers:
+        directory = getattr(logger, "log_dir", None)
+        if directory:
+            return Path(directory)
+    return Path(trainer.default_root_dir)

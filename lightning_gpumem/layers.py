@@ -23,6 +23,8 @@ from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
+from lightning_gpumem._checks import require_int
+from lightning_gpumem._logging import log_dir
 from lightning_gpumem.probe import MemoryProbe
 
 _MIB = 2**20
@@ -144,10 +146,8 @@ class LayerMemoryProfiler(Callback):
     """
 
     def __init__(self, at_step: int = 1, top_k: int = 10, dirpath: str | Path | None = None) -> None:
-        if isinstance(at_step, bool) or not isinstance(at_step, int) or at_step < 0:
-            raise ValueError(f"`LayerMemoryProfiler(at_step={at_step!r})` is not valid. Expected an integer >= 0.")
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-            raise ValueError(f"`LayerMemoryProfiler(top_k={top_k!r})` is not valid. Expected an integer >= 1.")
+        require_int("LayerMemoryProfiler", "at_step", at_step, 0)
+        require_int("LayerMemoryProfiler", "top_k", top_k, 1)
         self.at_step = at_step
         self.top_k = top_k
         self.dirpath = Path(dirpath) if dirpath is not None else None
@@ -231,7 +231,7 @@ class LayerMemoryProfiler(Callback):
         if not trainer.is_global_zero:
             return
         rank_zero_info(self.table)
-        directory = self._directory(trainer)
+        directory = log_dir(trainer, self.dirpath)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / f"layer_memory_step{self._profiled_step}.csv").write_text(to_csv(self.records))
         for logger in trainer.loggers:
@@ -278,15 +278,6 @@ class LayerMemoryProfiler(Callback):
             record.backward_peak_bytes = max(record.backward_peak_bytes, self._read_peak() - self._before_backward)
             self._reset()
         self._backward_open = None
-
-    def _directory(self, trainer: pl.Trainer) -> Path:
-        if self.dirpath is not None:
-            return self.dirpath
-        for logger in trainer.loggers:
-            log_dir = getattr(logger, "log_dir", None)
-            if log_dir:
-                return Path(log_dir)
-        return Path(trainer.default_root_dir)
 
 
 def _first_grad_fn(output: Any) -> Any:

@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_gpumem._checks import require_flags
+from lightning_gpumem._checks import require_flags, require_int
 from lightning_gpumem._distributed import gather_values, max_min
 from lightning_gpumem._leaks import LeakDetector, LeakVerdict, grown_tensors, tensor_census
 from lightning_gpumem._logging import (
@@ -154,10 +154,7 @@ class MemoryMonitor(Callback):
                 f"`MemoryMonitor(leak_threshold_mib={leak_threshold_mib!r})` is not valid."
                 " Expected a number of MiB > 0."
             )
-        if isinstance(leak_warmup_steps, bool) or not isinstance(leak_warmup_steps, int) or leak_warmup_steps < 0:
-            raise ValueError(
-                f"`MemoryMonitor(leak_warmup_steps={leak_warmup_steps!r})` is not valid. Expected an integer >= 0."
-            )
+        require_int("MemoryMonitor", "leak_warmup_steps", leak_warmup_steps, 0)
         if (
             isinstance(nvml_host_interval_s, bool)
             or not isinstance(nvml_host_interval_s, (int, float))

@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_gpumem._checks import require_flags
+from lightning_gpumem._checks import require_flags, require_int
 from lightning_gpumem._distributed import gather_values
 from lightning_gpumem._logging import batches_that_stepped, is_logging_step, log_to_loggers
 from lightning_gpumem._units import GIB, format_gib
@@ -148,11 +148,7 @@ class EmptyCacheOnThreshold(Callback):
             raise ValueError(
                 f"`EmptyCacheOnThreshold(measure={measure!r})` is not valid. Expected 'reserved' or 'nvml'."
             )
-        if isinstance(min_steps_between, bool) or not isinstance(min_steps_between, int) or min_steps_between < 0:
-            raise ValueError(
-                f"`EmptyCacheOnThreshold(min_steps_between={min_steps_between!r})` is not valid."
-                " Expected an integer >= 0."
-            )
+        require_int("EmptyCacheOnThreshold", "min_steps_between", min_steps_between, 0)
         hooks = (on,) if isinstance(on, str) else tuple(on)
         if not hooks or any(hook not in HOOKS for hook in hooks):
             raise ValueError(

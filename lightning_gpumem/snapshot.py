@@ -22,6 +22,8 @@ from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
+from lightning_gpumem._checks import is_int_at_least, require_int
+from lightning_gpumem._logging import log_dir
 from lightning_gpumem._oom import is_oom_error, oom_expected
 from lightning_gpumem._snapshot_report import format_report, render_html
 
@@ -65,10 +67,9 @@ class OOMSnapshot(Callback):
     def __init__(
         self, dirpath: str | Path | None = None, max_entries: int = 100_000, at_steps: Iterable[int] | None = None
     ) -> None:
-        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
-            raise ValueError(f"`OOMSnapshot(max_entries={max_entries!r})` is not valid. Expected a positive integer.")
+        require_int("OOMSnapshot", "max_entries", max_entries, 1)
         steps = tuple(at_steps) if at_steps is not None else ()
-        if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in steps):
+        if not all(is_int_at_least(s, 0) for s in steps):
             raise ValueError(f"`OOMSnapshot(at_steps={at_steps!r})` is not valid. Expected integers >= 0.")
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.max_entries = max_entries
@@ -126,7 +127,7 @@ class OOMSnapshot(Callback):
         if trainer is None or not self._recording:
             return None
         snapshot = torch.cuda.memory._snapshot()
-        directory = self._directory(trainer)
+        directory = log_dir(trainer, self.dirpath)
         directory.mkdir(parents=True, exist_ok=True)
         stem = f"{kind}_rank{trainer.global_rank}_step{trainer.global_step}"
         pickle_path, html_path = directory / f"{stem}.pickle", directory / f"{stem}.html"
@@ -139,15 +140,6 @@ class OOMSnapshot(Callback):
             # Every rank prints its own: an OOM is a rank's own story.
             print(f"OOMSnapshot: {title}\n  {pickle_path}\n  {html_path}\n{format_report(snapshot)}", flush=True)
         return pickle_path, html_path
-
-    def _directory(self, trainer: pl.Trainer) -> Path:
-        if self.dirpath is not None:
-            return self.dirpath
-        for logger in trainer.loggers:
-            log_dir = getattr(logger, "log_dir", None)
-            if log_dir:
-                return Path(log_dir)
-        return Path(trainer.default_root_dir)
 
     def _on_oom(self) -> None:
         if not self._recording or oom_expected() or self._oom_dumps >= MAX_OOM_DUMPS:

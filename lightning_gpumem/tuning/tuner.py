@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_gpumem._checks import require_flags
+from lightning_gpumem._checks import require_flags, require_int
 from lightning_gpumem._distributed import gather_values, max_min
 from lightning_gpumem._oom import expecting_oom, is_oom_error
 from lightning_gpumem._units import GIB, format_gib, parse_budget
@@ -152,9 +152,8 @@ class BatchSizeTuner(Callback):
             parse_budget(budget, 1, "BatchSizeTuner")  # type and format now; the size against the device at fit
         if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0.0 <= headroom < 1.0:
             raise ValueError(f"`BatchSizeTuner(headroom={headroom!r})` is not valid. Expected a number in [0, 1).")
-        for name, value, low in (("init_val", init_val, 1), ("steps_per_trial", steps_per_trial, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"`BatchSizeTuner({name}={value!r})` is not valid. Expected an integer >= {low}.")
+        require_int("BatchSizeTuner", "init_val", init_val, 1)
+        require_int("BatchSizeTuner", "steps_per_trial", steps_per_trial, 1)
         if max_val is not None and (isinstance(max_val, bool) or not isinstance(max_val, int) or max_val < init_val):
             raise ValueError(
                 f"`BatchSizeTuner(max_val={max_val!r})` is not valid. Expected None or an integer >= init_val"
