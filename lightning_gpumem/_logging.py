@@ -68,3 +68,11 @@ def log_dir(trainer: pl.Trainer, dirpath: str | Path | None = None) -> Path:
         if directory:
             return Path(directory)
     return Path(trainer.default_root_dir)
+
+
+def log_text(trainer: pl.Trainer, key: str, text: str, step: int) -> None:
+    """Send ``text`` to the loggers that take text (TensorBoard's ``add_text``); the others have no text panel."""
+    for logger in trainer.loggers:
+        add_text = getattr(getattr(logger, "experiment", None), "add_text", None)
+        if callable(add_text):
+            add_text(key, text, global_step=step)

@@ -24,7 +24,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_gpumem._checks import require_int
-from lightning_gpumem._logging import log_dir
+from lightning_gpumem._logging import log_dir, log_text
 from lightning_gpumem.probe import MemoryProbe
 
 _MIB = 2**20
@@ -234,10 +234,7 @@ class LayerMemoryProfiler(Callback):
         directory = log_dir(trainer, self.dirpath)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / f"layer_memory_step{self._profiled_step}.csv").write_text(to_csv(self.records))
-        for logger in trainer.loggers:
-            add_text = getattr(getattr(logger, "experiment", None), "add_text", None)
-            if callable(add_text):
-                add_text("gpumem/layer_memory", f"```\n{self.table}\n```", global_step=trainer.global_step)
+        log_text(trainer, "gpumem/layer_memory", f"```\n{self.table}\n```", step=trainer.global_step)
 
     # ------------------------------------------------------------------ measuring
     def _allocated(self) -> int:

@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from lightning_gpumem._checks import require_flags, require_int
 from lightning_gpumem._distributed import gather_values, max_min
+from lightning_gpumem._logging import log_text, log_to_loggers
 from lightning_gpumem._oom import expecting_oom, is_oom_error
 from lightning_gpumem._units import GIB, format_gib, parse_budget
 from lightning_gpumem.budget import budget_bytes
@@ -392,11 +393,8 @@ class BatchSizeTuner(Callback):
             for t in result.trials
         )
         table = f"| batch size | outcome | peak reserved GiB | seconds |\n|---|---|---|---|\n{rows}"
-        for logger in trainer.loggers:
-            logger.log_metrics({"gpumem/batch_size": float(result.batch_size or 0)}, step=trainer.global_step)
-            add_text = getattr(getattr(logger, "experiment", None), "add_text", None)
-            if callable(add_text):
-                add_text("gpumem/batch_size_trials", table, global_step=trainer.global_step)
+        log_to_loggers(trainer, {"gpumem/batch_size": float(result.batch_size or 0)}, step=trainer.global_step)
+        log_text(trainer, "gpumem/batch_size_trials", table, step=trainer.global_step)
 
 
 def _int_or_none(value: float | None) -> int | None:
