@@ -124,15 +124,21 @@ def _frames(frames: Any) -> tuple[str, ...]:
     out = []
     for frame in frames or ():
         filename = str(frame.get("filename", "?"))
-        if filename.endswith(".cpp") or filename.endswith(".h") or filename == "??":
-            continue  # C++ frames of the allocator itself
+        if filename == "??":
+            continue  # unsymbolised C++ frames
         out.append(f"{filename}:{frame.get('line', '?')} in {frame.get('name', '?')}")
     return tuple(out)
 
 
 def _where(allocation: Allocation) -> str:
-    """The innermost frame outside PyTorch's and Lightning's machinery, else the innermost frame."""
-    for frame in allocation.frames:
+    """Where an allocation was made: the innermost Python frame outside PyTorch's and Lightning's machinery.
+
+    Else the innermost Python frame, else the innermost frame (C++ only: autograd's backward thread).
+    """
+    python = [frame for frame in allocation.frames if ".py:" in frame]
+    for frame in python:
         if not any(noise in frame for noise in _NOISE):
             return frame
+    if python:
+        return python[0]
     return allocation.frames[0] if allocation.frames else "(no stack recorded)"

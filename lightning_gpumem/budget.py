@@ -82,6 +82,13 @@ class MemoryBudget(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._restore()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore()  # Lightning skips the callbacks' `teardown` after an exception
+
+    def _restore(self) -> None:
         if self._probe is not None and self._previous_fraction is not None:
             self._probe.set_memory_fraction(self._previous_fraction)
         self._previous_fraction = None

@@ -94,13 +94,21 @@ class OOMSnapshot(Callback):
             return
         self._trainer = trainer
         if not self._recording:
-            torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
+            try:
+                # Python stacks of allocations only: C++ stacks would need symbolising (slow) and frees need none.
+                torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=self.max_entries)
+                _attach_observer()
+            except Exception as error:  # e.g. the cudaMallocAsync backend, which keeps no history
+                rank_zero_warn(f"OOMSnapshot: the allocator cannot record its history ({error!r}); doing nothing.")
+                return
             self._recording = True
         _ACTIVE.add(self)
-        _attach_observer()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
         _ACTIVE.discard(self)
         if self._recording:
             torch.cuda.memory._record_memory_history(enabled=None)
@@ -119,6 +127,7 @@ class OOMSnapshot(Callback):
         if self._recording and is_oom_error(exception) and not self._dumped_for_oom and not oom_expected():
             self.dump("oom")  # no observer in this torch, or it failed: the state is still the OOM's
         self._dumped_for_oom = False
+        self._stop()  # Lightning skips the callbacks' `teardown` after an exception
 
     # ------------------------------------------------------------------ writing
     def dump(self, kind: str = "snapshot", print_report: bool = True) -> tuple[Path, Path] | None:
@@ -158,7 +167,7 @@ def _attach_observer() -> None:
     _OBSERVER_ATTACHED = True
 
 
-def _observer(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
+def _observer(device: int, alloc: int, device_total: int, device_free: int) -> None:
     # Called by the allocator while it raises: never raise from here (the user's error must stay the one they see).
     for callback in list(_ACTIVE):
         try:

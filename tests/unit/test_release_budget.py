@@ -228,3 +228,16 @@ def test_progress_bar_shows_usage_against_the_budget(tmp_path):
     )
     trainer.fit(BoringModel())
     assert trainer.progress_bar_metrics["mem"] == "1.0/8.0 GiB"
+
+
+def test_budget_is_undone_when_the_fit_raises(tmp_path):
+    """Lightning calls no callback `teardown` after an exception: the cap must still be lifted."""
+    probe = CudaFakeProbe(base=GIB, total=80 * GIB)
+
+    class Broken(BoringModel):
+        def training_step(self, batch, batch_idx):
+            raise ValueError("user bug")
+
+    with pytest.raises(ValueError, match="user bug"):
+        _trainer(tmp_path, [FakeBudget(probe, "8GiB")], limit_val_batches=0).fit(Broken())
+    assert probe.fraction == 1.0
