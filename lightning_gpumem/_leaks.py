@@ -16,11 +16,13 @@ from __future__ import annotations
 import gc
 import itertools
 import statistics
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import torch
 
+RECENT_SAMPLES = 64  # the last samples at the base stride: a leak that starts late is seen within ~128 steps
+RECENT_EVERY = 8  # ... looked at every this many samples (a median over 64 values is not free)
 MIN_SAMPLES = 12  # three per quarter: a median of fewer is one noisy batch away from a false rise
 MIN_TAU = 0.8  # Kendall's rank correlation of memory with time: 1 for a clean leak; noise: 0 +- 0.2 at 12 samples
 
@@ -57,22 +59,33 @@ class LeakDetector:
         self.threshold_bytes = threshold_bytes
         self.max_samples = max_samples
         self.samples: list[tuple[int, int]] = []
+        self.recent: deque[tuple[int, int]] = deque(maxlen=RECENT_SAMPLES)  # at the base stride, never thinned
         self.flagged = False
         self._stride = every
+        self._count = 0
 
     def wants(self, step: int) -> bool:
         """Whether a sample is due at ``step`` (so the caller reads memory only then)."""
-        return step >= self.warmup_steps and step % self._stride == 0 and not self.flagged
+        return step >= self.warmup_steps and step % self.every == 0 and not self.flagged
 
     def add(self, step: int, allocated_bytes: int) -> LeakVerdict | None:
         """Record a sample; the verdict the first time the history shows a leak, else ``None``."""
         if not self.wants(step):
             return None
-        self.samples.append((step, allocated_bytes))
-        if len(self.samples) > self.max_samples:  # keep the whole run in view at half the resolution
-            self.samples = self.samples[::2]
-            self._stride *= 2
-        verdict = self.verdict()
+        self.recent.append((step, allocated_bytes))
+        self._count += 1
+        verdict = None
+        if step % self._stride == 0:
+            self.samples.append((step, allocated_bytes))
+            if len(self.samples) > self.max_samples:  # keep the whole run in view at half the resolution
+                self.samples = self.samples[::2]
+                self._stride *= 2
+            verdict = self._verdict_of([self.samples, self.samples[len(self.samples) // 2 :]])
+        if verdict is None and self._count % RECENT_EVERY == 0 and len(self.recent) == RECENT_SAMPLES:
+            verdict = self._verdict_of([list(self.recent)])  # a leak that started late, long after the first sample
+        return self._flag(verdict)
+
+    def _flag(self, verdict: LeakVerdict | None) -> LeakVerdict | None:
         if verdict is not None:
             self.flagged = True
         return verdict
@@ -82,8 +95,11 @@ class LeakDetector:
         return _rise(self.samples)[0] if len(self.samples) >= MIN_SAMPLES else None
 
     def verdict(self) -> LeakVerdict | None:
-        """A leak verdict from the current history (whole, or its recent half), or ``None``."""
-        for part in (self.samples, self.samples[len(self.samples) // 2 :]):
+        """A leak verdict from the history (whole, its recent half, or the last samples at full rate), or ``None``."""
+        return self._verdict_of([self.samples, self.samples[len(self.samples) // 2 :], list(self.recent)])
+
+    def _verdict_of(self, parts: list[list[tuple[int, int]]]) -> LeakVerdict | None:
+        for part in parts:
             if len(part) < MIN_SAMPLES:
                 continue
             rate, growth, rising = _rise(part)

@@ -270,10 +270,13 @@ class LayerMemoryProfiler(Callback):
         self._reset()
 
     def _close_backward(self) -> None:
+        # Read the peak even with no module open: between the last forward and the first backward hook run the
+        # loss and its backward (a large-vocabulary cross-entropy is often the step's real peak).
+        peak = self._read_peak()
         record = self._backward_open
         if record is not None:
-            record.backward_peak_bytes = max(record.backward_peak_bytes, self._read_peak() - self._before_backward)
-            self._reset()
+            record.backward_peak_bytes = max(record.backward_peak_bytes, peak - self._before_backward)
+        self._reset()
         self._backward_open = None
 
 

@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_gpumem._checks import require_flags, require_int
 from lightning_gpumem._distributed import gather_values
-from lightning_gpumem._logging import batches_that_stepped, is_logging_step, log_to_loggers
+from lightning_gpumem._logging import batches_that_stepped, is_accumulating, log_to_loggers
 from lightning_gpumem._units import GIB, format_gib
 from lightning_gpumem.budget import budget_bytes
 from lightning_gpumem.probe import MemoryProbe
@@ -170,6 +170,7 @@ class EmptyCacheOnThreshold(Callback):
         """Time spent releasing so far, in seconds, on this rank."""
         self._probe: MemoryProbe | None = None
         self._policy: ReleasePolicy | None = None
+        self._total: int | None = None
         self._every_n = 0
         self._warned = False
 
@@ -187,10 +188,8 @@ class EmptyCacheOnThreshold(Callback):
                 rank_zero_warn(f"EmptyCacheOnThreshold: `{device}` has no allocator cache to release; doing nothing.")
             return
         self._probe = probe
-        budget = budget_bytes(trainer) if self.relative_to == "budget" else None
-        mark = int(self.threshold * (budget or total))
-        if self._policy is None or self._policy.mark_bytes != mark:
-            self._policy = ReleasePolicy(mark, self.min_steps_between)
+        self._total = total
+        self._policy = None  # the mark is set at the first check, once every callback (a MemoryBudget) is set up
 
     def _make_probe(self, device: torch.device) -> MemoryProbe:
         """Create the probe for ``device`` (tests override this to inject a fake)."""
@@ -203,8 +202,7 @@ class EmptyCacheOnThreshold(Callback):
     ) -> None:
         if "train_batch_end" in self.on:
             self._check(trainer)
-        if trainer.world_size > 1 or trainer.loggers:
-            self._log(trainer)
+        self._log(trainer)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -291,8 +289,14 @@ class EmptyCacheOnThreshold(Callback):
                 return process
         return probe.reserved_bytes()
 
+    def _policy_for(self, trainer: pl.Trainer) -> ReleasePolicy | None:
+        if self._policy is None and self._probe is not None and self._total:
+            budget = budget_bytes(trainer) if self.relative_to == "budget" else None
+            self._policy = ReleasePolicy(int(self.threshold * (budget or self._total)), self.min_steps_between)
+        return self._policy
+
     def _check(self, trainer: pl.Trainer) -> None:
-        probe, policy = self._probe, self._policy
+        probe, policy = self._probe, self._policy_for(trainer)
         if probe is None or policy is None:
             return
         usage = self._usage(probe)
@@ -311,7 +315,11 @@ class EmptyCacheOnThreshold(Callback):
         policy.released(step)
 
     def _log(self, trainer: pl.Trainer) -> None:
-        if not is_logging_step(trainer, self._every_n) or self._policy is None:
+        # Logging steps by the step count alone (not `should_stop`, which one rank may set alone): under DDP every
+        # rank must reach the gather below together.
+        if self._probe is None or not trainer.loggers or self._every_n <= 0 or is_accumulating(trainer):
+            return
+        if (batches_that_stepped(trainer) + 1) % self._every_n:
             return
         values = [float(self.releases), self.released_bytes / GIB, self.release_seconds]
         names = ("gpumem/cache_releases", "gpumem/released_gib", "gpumem/release_seconds")

@@ -146,3 +146,10 @@ def test_leak_detection_can_be_switched_off(tmp_path):
 def test_leak_arguments_are_validated(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=r"MemoryMonitor\(" + match):
         MemoryMonitor(**kwargs)
+
+
+def test_a_leak_that_starts_after_a_long_healthy_run_is_flagged_within_about_a_hundred_steps():
+    values = [GIB] * 20_000 + [GIB + MIB * s for s in range(2_000)]
+    step, verdict = _first_verdict(values)
+    assert verdict is not None
+    assert 20_000 < step <= 20_150
