@@ -41,32 +41,44 @@ class LayerRecord:
     activation_bytes: int = 0
     forward_peak_bytes: int = 0
     backward_peak_bytes: int = 0
+    saved_bytes: int = 0  # tensors autograd saved for backward in its forward (storage bytes, each storage once)
 
 
 def format_table(
     records: list[LayerRecord], top_k: int, step: int, step_peak: int | None, other: dict[str, int]
 ) -> str:
-    """The ``top_k`` layers by activation memory, then totals reconciled with the step's measured peak.
+    """The ``top_k`` layers by memory saved for backward, then totals reconciled with the step's measured peak.
+
+    ``activations`` is what a layer's forward left allocated (its output and what it saved); ``saved`` what autograd
+    kept of it for backward (each storage counted once, for the first layer that saved it): activation
+    checkpointing frees the latter.
 
     Example:
-        >>> rows = [LayerRecord("fc1", "Linear", 4 * _MIB, 4 * _MIB, 2 * _MIB, 3 * _MIB, 5 * _MIB)]
+        >>> rows = [LayerRecord("fc1", "Linear", 4 * _MIB, 4 * _MIB, 2 * _MIB, 3 * _MIB, 5 * _MIB, 1 * _MIB)]
         >>> table = format_table(rows, 10, step=1, step_peak=12 * _MIB, other={"optimizer state": 0})
         >>> print(table)  # doctest: +NORMALIZE_WHITESPACE
-        Layer memory at step 1 (MiB; top 1 of 1 layers by activations kept for backward)
-        layer  type    params  grads  activations  fwd peak  bwd peak
-        fc1    Linear     4.0    4.0          2.0       3.0       5.0
-        total: parameters 4.0 + gradients 4.0 + activations 2.0 + optimizer state 0.0 = 10.0 MiB; the step's
-        measured peak 12.0 MiB (the layers account for 83%; the rest is the batch, temporaries and workspaces)
+        Layer memory at step 1 (MiB; top 1 of 1 layers by memory saved for backward)
+        layer  type    params  grads  activations  saved  fwd peak  bwd peak
+        fc1    Linear     4.0    4.0          2.0    1.0       3.0       5.0
+        total: parameters 4.0 + gradients 4.0 + saved for backward 1.0 + optimizer state 0.0 = 9.0 MiB; the step's
+        measured peak 12.0 MiB (the layers account for 75%; the rest is the batch, temporaries and workspaces)
     """
-    ranked = sorted(records, key=lambda r: r.activation_bytes, reverse=True)[:top_k]
-    header = ("layer", "type", "params", "grads", "activations", "fwd peak", "bwd peak")
+    ranked = sorted(records, key=lambda r: (r.saved_bytes, r.activation_bytes), reverse=True)[:top_k]
+    header = ("layer", "type", "params", "grads", "activations", "saved", "fwd peak", "bwd peak")
     rows = [
         (
             r.name,
             r.kind,
             *(
                 f"{v / _MIB:.1f}"
-                for v in (r.param_bytes, r.grad_bytes, r.activation_bytes, r.forward_peak_bytes, r.backward_peak_bytes)
+                for v in (
+                    r.param_bytes,
+                    r.grad_bytes,
+                    r.activation_bytes,
+                    r.saved_bytes,
+                    r.forward_peak_bytes,
+                    r.backward_peak_bytes,
+                )
             ),
         )
         for r in ranked
@@ -81,10 +93,10 @@ def format_table(
 
     params = sum(r.param_bytes for r in records)
     grads = sum(r.grad_bytes for r in records)
-    activations = sum(r.activation_bytes for r in records)
-    total = params + grads + activations + sum(other.values())
+    saved = sum(r.saved_bytes for r in records)
+    total = params + grads + saved + sum(other.values())
     parts = " + ".join(
-        [f"parameters {params / _MIB:.1f}", f"gradients {grads / _MIB:.1f}", f"activations {activations / _MIB:.1f}"]
+        [f"parameters {params / _MIB:.1f}", f"gradients {grads / _MIB:.1f}", f"saved for backward {saved / _MIB:.1f}"]
         + [f"{name} {value / _MIB:.1f}" for name, value in other.items()]
     )
     footer = f"total: {parts} = {total / _MIB:.1f} MiB"
@@ -95,8 +107,7 @@ def format_table(
             " the rest is the batch, temporaries and workspaces)"
         )
     title = (
-        f"Layer memory at step {step} (MiB; top {len(ranked)} of {len(records)} layers"
-        " by activations kept for backward)"
+        f"Layer memory at step {step} (MiB; top {len(ranked)} of {len(records)} layers by memory saved for backward)"
     )
     return "\n".join([title, line(header), *(line(r) for r in rows), footer])
 
@@ -165,6 +176,11 @@ class LayerMemoryProfiler(Callback):
         self._backward_open: LayerRecord | None = None
         self._before_backward = 0
         self._profiled_step = at_step
+        self._saved_hooks: Any = None
+        self._param_storages: set[int] = set()
+        self._seen_storages: set[int] = set()
+        self._running: list[LayerRecord] = []
+        self._saved_outside = 0
         self._warned = False
 
     # ------------------------------------------------------------------ hooks
@@ -194,6 +210,12 @@ class LayerMemoryProfiler(Callback):
         self._profiled_step = trainer.global_step
         self.step_peak_bytes = 0
         self.records, self._by_module = [], {}
+        self._param_storages = {p.untyped_storage().data_ptr() for p in pl_module.parameters()}
+        self._seen_storages = set()
+        self._running = []
+        self._saved_outside = 0
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._saved_hooks.__enter__()  # left in `on_before_backward`: only the forward's saved tensors are counted
         for name, module in pl_module.named_modules():
             if next(module.children(), None) is not None:
                 continue  # leaves only: a parent's window would contain its children's
@@ -204,6 +226,22 @@ class LayerMemoryProfiler(Callback):
             self._handles.append(module.register_forward_pre_hook(self._forward_pre))
             self._handles.append(module.register_forward_hook(self._forward_post))
         self._reset()
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self._leave_saved_hooks()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._leave_saved_hooks()
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._active = [], False
+
+    def _leave_saved_hooks(self) -> None:
+        if self._saved_hooks is not None:
+            self._saved_hooks.__exit__(None, None, None)
+            self._saved_hooks = None
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -222,10 +260,11 @@ class LayerMemoryProfiler(Callback):
         if not self._active:
             return
         self._read_peak()
+        self._leave_saved_hooks()
         for handle in self._handles:
             handle.remove()
         self._handles, self._active = [], False
-        other = {"optimizer state": _optimizer_state_bytes(trainer)}
+        other = {"optimizer state": _optimizer_state_bytes(trainer), "saved outside layers": self._saved_outside}
         self.table = format_table(self.records, self.top_k, self._profiled_step, self.step_peak_bytes, other)
         self._by_module, self._before = {}, {}
         if not trainer.is_global_zero:
@@ -249,13 +288,28 @@ class LayerMemoryProfiler(Callback):
         self.step_peak_bytes = max(self.step_peak_bytes or 0, peak)
         return peak
 
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        on_device = tensor.device == getattr(self._probe, "device", None)
+        if on_device and pointer not in self._param_storages and pointer not in self._seen_storages:
+            self._seen_storages.add(pointer)
+            if self._running:
+                self._running[-1].saved_bytes += storage.nbytes()
+            else:
+                self._saved_outside += storage.nbytes()
+        return tensor
+
     def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
         self._read_peak()
         self._reset()
         self._before[module] = self._allocated()
+        self._running.append(self._by_module[module])
 
     def _forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         record = self._by_module[module]
+        if self._running and self._running[-1] is record:
+            self._running.pop()
         record.forward_peak_bytes = max(0, self._read_peak() - self._before.get(module, 0))
         record.activation_bytes = max(0, self._allocated() - self._before.get(module, 0))
         self._reset()
@@ -278,6 +332,10 @@ class LayerMemoryProfiler(Callback):
             record.backward_peak_bytes = max(record.backward_peak_bytes, peak - self._before_backward)
         self._reset()
         self._backward_open = None
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _first_grad_fn(output: Any) -> Any:

@@ -488,8 +488,8 @@ def _run_context(trainer: pl.Trainer) -> dict[str, Any]:
         context["ddp_bucket_view"] = bool(kwargs.get("gradient_as_bucket_view", False))
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, LayerMemoryProfiler) and callback.records:
-            ranked = sorted(callback.records, key=lambda r: r.activation_bytes, reverse=True)
-            context["top_layers"] = [(r.name, r.activation_bytes) for r in ranked if r.activation_bytes > 0]
+            ranked = sorted(callback.records, key=lambda r: r.saved_bytes, reverse=True)
+            context["top_layers"] = [(r.name, r.saved_bytes) for r in ranked if r.saved_bytes > 0]
         if isinstance(callback, BatchSizeTuner) and callback.optimal_batch_size is not None:
             context["tuned"] = True
     return context

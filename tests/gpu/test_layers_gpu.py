@@ -56,6 +56,9 @@ def test_linear_stack_activations_match_the_analytic_sizes(tmp_path):
         record = by_name[f"net.{2 * index}"]
         assert record.param_bytes == (inp * out + out) * 4
         assert record.grad_bytes == record.param_bytes
+    saved = {index: by_name[f"net.{index}"].saved_bytes for index in range(5)}
+    # net.0 saves its input (the batch), each ReLU its output; the Linears after a ReLU save that same output.
+    assert saved == {0: BATCH * WIDTHS[0] * 4, 1: BATCH * 4096 * 4, 2: 0, 3: BATCH * 4096 * 4, 4: 0}
     assert profiler.step_peak_bytes
     assert profiler.step_peak_bytes > sum(r.activation_bytes for r in profiler.records)
     assert (tmp_path / "layer_memory_step1.csv").exists()

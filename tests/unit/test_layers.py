@@ -81,13 +81,42 @@ def test_each_layer_gets_its_activations_params_grads_and_peaks(tmp_path):
     assert by_name["keep1"].param_bytes == 0
     table = profiler.table
     assert table is not None
-    assert table.splitlines()[0] == "Layer memory at step 1 (MiB; top 3 of 4 layers by activations kept for backward)"
-    assert table.splitlines()[2].split()[:5] == ["keep1", "Keep", "0.0", "0.0", "3.0"]  # the largest first
-    assert "activations 4.0" in table
+    assert table.splitlines()[0] == "Layer memory at step 1 (MiB; top 3 of 4 layers by memory saved for backward)"
+    assert "saved for backward" in table
     assert "measured peak" in table
     csv_files = list(tmp_path.rglob("layer_memory_step1.csv"))
     assert len(csv_files) == 1
     assert csv_files[0].read_text().splitlines()[2].startswith("keep1,Keep,0,0,3145728,5242880")
+
+
+class SavedNet(LightningModule):
+    """Real tensors on the CPU: fc1 (8->64) saves its input batch, ReLU its output, fc2 (64->16) its input (ReLU's
+    output: already counted), the loss's pow its input (outside any module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 16)
+
+    def training_step(self, batch, batch_idx):
+        return self.fc2(self.act(self.fc1(batch[0]))).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(96, 8)), batch_size=32)
+
+
+def test_memory_saved_for_backward_is_counted_once_per_storage_for_the_layer_that_saved_it(tmp_path):
+    fake = FakeProbe(base=100 * MIB)  # device: cpu, so the saved CPU tensors count
+    profiler = FakeProfiler(fake, at_step=1)
+    _fit(tmp_path, profiler, SavedNet())
+    saved = {r.name: r.saved_bytes for r in profiler.records}
+    assert saved["fc1"] == 32 * 8 * 4  # its input (the batch); the weight is a parameter, not counted
+    assert saved["act"] == 32 * 64 * 4  # its output
+    assert saved["fc2"] == 0  # its input is ReLU's output, counted there
+    assert "saved outside layers 0.0" in profiler.table  # pow's input (32x16 floats): 2 KiB, shown as 0.0 MiB
+    assert profiler._saved_hooks is None  # the hooks were left before backward
 
 
 def test_only_the_chosen_step_is_profiled_and_hooks_are_removed(tmp_path):
