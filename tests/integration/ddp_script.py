@@ -14,9 +14,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_gpumem import MemoryMonitor
+from lightning_gpumem import EmptyCacheOnThreshold, MemoryMonitor
 from lightning_gpumem._units import GIB
 from tests._fakes import FakeMonitor, FakeProbe, SpikeModel
+
+
+class FakeRelease(EmptyCacheOnThreshold):
+    def __init__(self, probe: FakeProbe, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.fake = probe
+
+    def _make_probe(self, device):
+        return self.fake
 
 
 class RankModel(SpikeModel):
@@ -29,6 +38,7 @@ def main(log_dir: str) -> None:
     probe = FakeProbe(base=0)
     fake_monitor = FakeMonitor(probe, log_every_n_steps=2)
     real_monitor = MemoryMonitor(log_every_n_steps=2)  # real CPU probe: host memory per rank
+    release = FakeRelease(probe, threshold=1.5 / 24)  # mark 1.5 GiB of the fake's 24: rank 1 (2 GiB) releases
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
@@ -37,13 +47,19 @@ def main(log_dir: str) -> None:
         limit_train_batches=4,
         limit_val_batches=0,
         logger=CSVLogger(log_dir),
-        callbacks=[fake_monitor, real_monitor],
+        callbacks=[fake_monitor, real_monitor, release],
+        log_every_n_steps=2,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
     trainer.fit(RankModel(probe))
-    result = {"rank": trainer.global_rank, "peaks": fake_monitor.peaks, "summary": fake_monitor.summary_text}
+    result = {
+        "rank": trainer.global_rank,
+        "peaks": fake_monitor.peaks,
+        "summary": fake_monitor.summary_text,
+        "releases": release.releases,
+    }
     Path(log_dir, f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 

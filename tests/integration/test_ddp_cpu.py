@@ -50,6 +50,16 @@ def test_every_rank_measured_and_only_rank_zero_summarises(ddp_run):
     assert len(list(ddp_run.rglob("metrics.csv"))) == 1  # one writer
 
 
+def test_each_rank_releases_for_itself_and_rank_zero_logs_every_rank(ddp_run):
+    rank0 = json.loads((ddp_run / "rank0.json").read_text())
+    rank1 = json.loads((ddp_run / "rank1.json").read_text())
+    assert (rank0["releases"], rank1["releases"]) == (0, 1)  # 1 GiB stays under the mark, 2 GiB does not
+    rows = read_csv_metrics(ddp_run)
+    assert set(column(rows, "gpumem/cache_releases_rank0").values()) == {0.0}
+    assert set(column(rows, "gpumem/cache_releases_rank1").values()) == {1.0}
+    assert set(column(rows, "gpumem/released_gib_rank1").values()) == {2.0}
+
+
 def test_tuner_agrees_across_ranks_when_only_one_rank_runs_out_of_memory(tmp_path):
     script = Path(__file__).with_name("ddp_tuner_script.py")
     proc = subprocess.run(
