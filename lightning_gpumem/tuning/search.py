@@ -147,9 +147,8 @@ def search_batch_size(
             # cache, elastic workspaces): the optimistic line bounds what can still fit above it. Trying lo + 1 first
             # costs one trial where the safe line is right, and saves the optimistic line's OOMs there.
             guess = _predict(trials.values(), limit_bytes, below=top + 1, kind="allocated")
-            confirmed = optimistic = (
-                True  # no crawl up from lo: what the optimistic line does not offer, bisection does
-            )
+            # No crawl up from lo from now on: what the optimistic line does not offer, bisection does.
+            confirmed = optimistic = True
         contradicted = hi is not None and guess is not None and guess >= top > lo + 1  # hi failed, the line said fits
         if step_back is not None and lo < step_back <= top:
             mode, guess = "step_back", step_back
