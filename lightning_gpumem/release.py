@@ -317,10 +317,10 @@ class EmptyCacheOnThreshold(Callback):
     def _log(self, trainer: pl.Trainer) -> None:
         # Logging steps by the step count alone (not `should_stop`, which one rank may set alone): under DDP every
         # rank must reach the gather below together.
-        if self._probe is None or not trainer.loggers or self._every_n <= 0 or is_accumulating(trainer):
+        if self._probe is None or not trainer.loggers or self._every_n <= 0:
             return
-        if (batches_that_stepped(trainer) + 1) % self._every_n:
-            return
+        if (batches_that_stepped(trainer) + 1) % self._every_n or is_accumulating(trainer):
+            return  # the cheap test first: this runs after every training batch
         values = [float(self.releases), self.released_bytes / GIB, self.release_seconds]
         names = ("gpumem/cache_releases", "gpumem/released_gib", "gpumem/release_seconds")
         if trainer.world_size > 1:  # collective on logging steps, which every rank reaches alike
