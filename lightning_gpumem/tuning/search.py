@@ -124,7 +124,7 @@ def search_batch_size(
     confirmed = False  # the last trial was lo + 1, tried because the line said lo was the largest, and it passed
     bisect_next = False  # the line's last guesses gained little (peaks quantised near the limit): bisect once
     step_back: int | None = None  # the line's guess was just too large: try a size `tolerance` below it
-    optimistic = False  # lo + 1 ran although the reserved line said no: from now on the allocated line guides
+    optimistic = False  # lo + 1 ran although the reserved line had nothing more: the allocated line guides now
     while True:
         top = upper if hi is None else hi - 1
         if lo >= top:
@@ -142,23 +142,35 @@ def search_batch_size(
             return result(lo, "predicted")  # one more sample would cross the limit
         guess = _predict(trials.values(), limit_bytes, below=top + 1)
         fallback = lo * 2 if hi is None else (lo + hi) // 2
-        if (guess is None or (guess <= lo and (confirmed or optimistic))) and two_lines:
-            # The safe line said lo is the largest and lo + 1 ran anyway (the reserved peak overstated the need:
-            # cache, elastic workspaces): the optimistic line bounds what can still fit above it. Trying lo + 1 first
-            # costs one trial where the safe line is right, and saves the optimistic line's OOMs there.
-            guess = _predict(trials.values(), limit_bytes, below=top + 1, kind="allocated")
-            # No crawl up from lo from now on: what the optimistic line does not offer, bisection does.
-            confirmed = optimistic = True
+        # Near a cap the allocator gives cache back instead of failing, so reserved peaks flatten out there and the
+        # safe line creeps up a few sizes per trial. Once it has nothing more to offer (or is squeezed), try lo + 1
+        # first: where it fails the search is over (one OOM); where it runs, the reserved peak overstated the need
+        # (cache, elastic workspaces) and the optimistic allocated line bounds what can still fit.
+        squeezed = two_lines and _near_limit(trials[lo], limit_bytes)
+        exhausted = guess is None or guess <= lo or squeezed
         contradicted = hi is not None and guess is not None and guess >= top > lo + 1  # hi failed, the line said fits
         if step_back is not None and lo < step_back <= top:
             mode, guess = "step_back", step_back
-        elif guess is None or (guess <= lo and confirmed) or bisect_next or contradicted:
+        elif bisect_next:
+            mode, guess = "fallback", fallback
+        elif two_lines and exhausted and not optimistic:
+            mode, guess = "confirm", lo + 1
+            optimistic = True
+        elif two_lines and (exhausted or optimistic):
+            optimistic_guess = _predict(trials.values(), limit_bytes, below=top + 1, kind="allocated")
+            contradicted = hi is not None and optimistic_guess is not None and optimistic_guess >= top > lo + 1
+            if optimistic_guess is not None and optimistic_guess > lo and not contradicted:
+                mode, guess = "optimistic", optimistic_guess
+            else:
+                mode, guess = "fallback", fallback
+        elif guess is None or (guess <= lo and confirmed) or contradicted:
             # No line yet, or the line said "lo is the largest" and lo + 1 passed anyway, or it claims all up to a
-            # size that failed, or its last guesses gained little: it is not to be trusted here (allocator steps,
-            # noise); double or bisect instead of crawling one size per trial.
+            # size that failed: it is not to be trusted here (allocator steps, noise); double or bisect instead of
+            # crawling one size per trial.
             mode, guess = "fallback", fallback
         else:
             mode = "guided"
+        guess = fallback if guess is None else guess  # never: every branch above sets it (for the type checker)
         confirmed = guess <= lo  # this trial checks the line's claim that lo is the largest
         size = min(max(guess, lo + 1), top)
         width = None if hi is None else hi - lo
@@ -169,11 +181,21 @@ def search_batch_size(
         else:
             hi = size
             confirmed = False
-        # A guess that ran but peaked just over the limit is followed by one just under it: that ends the search.
-        near = mode == "guided" and not ok and trial.fits
+        # A guess that peaked just over the limit (or, from the optimistic line, failed) is followed by one a
+        # `tolerance` under it: that usually ends the search.
+        near = (mode == "guided" and not ok and trial.fits) or (mode == "optimistic" and not ok)
         step_back = size - max(1, math.ceil(tolerance * size)) if near else None
         slow = width is not None and 2 * (hi - lo) > width  # type: ignore[operator]
-        bisect_next = (mode == "guided" and ok and slow) or (mode == "step_back" and not ok)
+        bisect_next = (mode in ("guided", "optimistic") and ok and slow) or (mode == "step_back" and not ok)
+
+
+SQUEEZE = 0.05  # a reserved peak within this fraction of the limit may have been squeezed by the cap
+
+
+def _near_limit(trial: Trial, limit_bytes: int | None) -> bool:
+    if limit_bytes is None or trial.peak_bytes is None:
+        return False
+    return trial.peak_bytes >= (1.0 - SQUEEZE) * limit_bytes
 
 
 def _peak(trial: Trial, kind: PeakKind) -> int | None:
@@ -186,11 +208,13 @@ def _measured(trials: Iterable[Trial], kind: PeakKind = "reserved") -> list[tupl
 
 
 def _slope(trials: Iterable[Trial], kind: PeakKind = "reserved") -> float | None:
-    """Bytes per sample from the two largest measured sizes; ``None`` with fewer than two or a flat line."""
+    """Bytes per sample from the largest measured size and one well below it (``None``: under two points, or flat)."""
     points = _measured(trials, kind)
     if len(points) < 2:
         return None
-    (b1, p1), (b2, p2) = points[-2], points[-1]
+    b2, p2 = points[-1]
+    # Neighbouring sizes (lo and lo + 1) give a noisy slope: take the largest point at least 5% below the last.
+    b1, p1 = next(((b, p) for b, p in reversed(points[:-1]) if b <= 0.95 * b2), points[-2])
     slope = (p2 - p1) / (b2 - b1)
     return slope if slope > 0 else None
 

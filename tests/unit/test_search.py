@@ -257,3 +257,45 @@ def test_measured_gpt_trials_end_with_one_oom():
     assert [t.batch_size for t in result.trials] == [2, 9, 36, 37]
     assert result.batch_size == 36
     assert result.num_ooms == 1
+
+
+def test_measured_resnet_trials_jump_past_the_squeezed_reserved_line():
+    """Peaks measured on the H200 (ResNet-50, bf16, 24 GiB budget, cap 22.8 GiB): 532 ran, 536 did not.
+
+    At 450 the reserved peak (21.8 GiB) is already within 5% of the cap, where the allocator gives cache back instead
+    of failing, so the reserved line crept up a few sizes per trial (16 trials). Now lo + 1 runs, the allocated line
+    points at 537, it fails, and one step back ends the search.
+    """
+    measured = {2: (0.59, 0.584), 77: (4.303, 3.696), 450: (21.805, 19.179)}  # reserved, allocated GiB
+
+    def run(bs):
+        if bs > 534:
+            return Trial(bs, fits=False)
+        allocated = 19.179 + (bs - 450) * 0.0415
+        reserved, allocated = measured.get(bs, (min(22.79, allocated + 2.6), allocated))
+        return Trial(bs, fits=True, peak_bytes=int(reserved * GIB), allocated_bytes=int(allocated * GIB))
+
+    result = search_batch_size(run, init_val=2, upper=65536, limit_bytes=int(0.95 * 24 * GIB))
+    assert 0.99 * 534 <= result.batch_size <= 534
+    assert len(result.trials) <= 6
+    assert result.num_ooms == 1
+
+
+def test_slope_from_neighbouring_sizes_is_not_used_when_a_farther_point_exists():
+    """lo and lo + 1 differ by allocator noise; the optimistic jump uses a point 5% or more below instead."""
+    calls = []
+
+    def run(bs):
+        calls.append(bs)
+        allocated = 1 * GIB + bs * 0.04 * GIB + (0.05 * GIB if bs % 2 else 0)  # odd sizes measure 50 MiB more
+        if allocated + 0.3 * GIB > 22 * GIB:
+            return Trial(bs, fits=False)
+        return Trial(bs, fits=True, peak_bytes=int(min(22 * GIB, allocated + 3 * GIB)), allocated_bytes=int(allocated))
+
+    result = search_batch_size(run, init_val=2, upper=65536, limit_bytes=22 * GIB)
+    best = max(bs for bs in range(1, 1000) if run(bs).fits)
+    assert 0.99 * best <= result.batch_size <= best
+    sizes = [t.batch_size for t in result.trials]
+    assert sizes[3] == sizes[2] + 1  # lo + 1 ran: the allocated line guides from here
+    assert best < sizes[4] <= 1.03 * best  # from the neighbours' slope (negative) it would have doubled
+    assert len(result.trials) <= 10
