@@ -4,10 +4,11 @@
 
 A 4-layer GPT-style decoder (d_model 512, seq 256, batch 32, bf16-mixed, AdamW; the model of
 ``benchmarks/monitor_overhead.py``) trains ``--steps`` steps in plain PyTorch, alternately with
-``torch.cuda.memory._record_memory_history(max_entries=100_000)`` (what ``OOMSnapshot`` turns on, Python stacks
-included) and without, ``--rounds`` times each; the first ``--warmup`` steps of each run are not timed. The
-table gives the median steps/s of each and their ratio, and the cost of one ``_snapshot()`` plus pickling it
-(what an OOM or ``at_steps`` pays once).
+what ``OOMSnapshot`` turns on (``_record_memory_history(context="alloc", stacks="python", max_entries=100_000)``),
+with PyTorch's default recording (``context="all", stacks="all"``: C++ stacks too, which ``OOMSnapshot`` does not
+use) and without history, ``--rounds`` times each, interleaved; the first ``--warmup`` steps of each run are not
+timed. The table gives the median steps/s of each and the ratio to no history, and the cost of one ``_snapshot()``
+plus pickling it (what an OOM or ``at_steps`` pays once) with each setting.
 """
 
 from __future__ import annotations
@@ -31,11 +32,25 @@ def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
-def _run(steps: int, warmup: int, history: bool) -> float:
+MODES = {
+    "off": None,
+    "on (`OOMSnapshot`: Python stacks)": {"context": "alloc", "stacks": "python"},
+    "on (PyTorch's default: Python and C++ stacks)": {"context": "all", "stacks": "all"},
+}
+
+
+def _start(mode: str) -> bool:
+    settings = MODES[mode]
+    if settings is None:
+        return False
+    torch.cuda.memory._record_memory_history(max_entries=100_000, **settings)  # type: ignore[arg-type]
+    return True
+
+
+def _run(steps: int, warmup: int, mode: str) -> float:
     model, optimizer = _model()
     x = torch.randn(32, 256, 512, device="cuda")
-    if history:
-        torch.cuda.memory._record_memory_history(max_entries=100_000)
+    history = _start(mode)
     try:
         for step in range(steps + warmup):
             if step == warmup:
@@ -62,22 +77,27 @@ def main() -> int:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("history_overhead.py needs a CUDA GPU: allocation history is a CUDA allocator feature.")
-    rates: dict[str, list[float]] = {"off": [], "on": []}
+    rates: dict[str, list[float]] = {mode: [] for mode in MODES}
     for _ in range(args.rounds):
-        for mode in ("off", "on"):
-            rates[mode].append(_run(args.steps, args.warmup, mode == "on"))
-    torch.cuda.memory._record_memory_history(max_entries=100_000)
-    _run(20, 0, False)
-    start = time.perf_counter()
-    size = len(pickle.dumps(torch.cuda.memory._snapshot()))
-    dump_s = time.perf_counter() - start
-    torch.cuda.memory._record_memory_history(enabled=None)
-    off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
-    print("| history | steps/s (median) | ratio |\n|---|---|---|")
-    print(f"| off | {off:.1f} | 1.00 |\n| on (`OOMSnapshot`) | {on:.1f} | {on / off:.2f} |")
-    print(f"\nsnapshot + pickle: {dump_s * 1e3:.0f} ms, {size / 2**20:.1f} MiB")
+        for mode in MODES:
+            rates[mode].append(_run(args.steps, args.warmup, mode))
+    dumps: dict[str, dict[str, float]] = {}
+    for mode in list(MODES)[1:]:
+        _start(mode)
+        _run(20, 0, "off")
+        start = time.perf_counter()
+        size = len(pickle.dumps(torch.cuda.memory._snapshot()))
+        dumps[mode] = {"seconds": time.perf_counter() - start, "bytes": size}
+        torch.cuda.memory._record_memory_history(enabled=None)
+    off = statistics.median(rates["off"])
+    print("| history | steps/s (median) | ratio | snapshot + pickle |\n|---|---|---|---|")
+    for mode, values in rates.items():
+        rate = statistics.median(values)
+        dump = dumps.get(mode)
+        cost = f"{dump['seconds'] * 1e3:.0f} ms, {dump['bytes'] / 2**20:.1f} MiB" if dump else "-"
+        print(f"| {mode} | {rate:.1f} | {rate / off:.2f} | {cost} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rates": rates, "snapshot_seconds": dump_s, "snapshot_bytes": size}))
+        Path(args.json).write_text(json.dumps({"rates": rates, "snapshots": dumps}))
     return 0
 
 
