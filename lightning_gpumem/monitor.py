@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from lightning_gpumem._checks import require_flags, require_int
 from lightning_gpumem._distributed import gather_values, max_min
+from lightning_gpumem._layout import write_layout
 from lightning_gpumem._leaks import LeakDetector, LeakVerdict, grown_tensors, tensor_census
 from lightning_gpumem._logging import (
     batches_that_stepped,
@@ -74,6 +75,7 @@ class MemoryMonitor(Callback):
                                                 ``train_peak_reserved``, ``nvml_process``, ``host_rss``
     ``gpumem/budget_gib``                       (with a :class:`~lightning_gpumem.MemoryBudget`) the budget
     ``gpumem/leak_mib_per_step``                (``detect_leaks``) growth of allocated memory, MiB per step
+    ``gpumem/leak_warnings``                    (``detect_leaks``) 1 at the step a leak was flagged (count)
     ``gpumem/allocator/<stat>``                 (``verbose=True``) every allocator statistic, raw value
     ==========================================  ============================================================
 
@@ -89,6 +91,10 @@ class MemoryMonitor(Callback):
     that grew since the first sample. A run whose batch shapes vary, or whose memory grows once and stays, is not
     flagged.
 
+    **TensorBoard**: with ``tensorboard_layout`` a *Custom Scalars* layout is written to every ``TensorBoardLogger``
+    so that each stage's peak, allocated, reserved and NVML curves (and the budget) share one chart; open
+    TensorBoard's "Custom Scalars" tab. ``python -m lightning_gpumem report LOGDIR`` summarizes the logs afterwards.
+
     Args:
         log_every_n_steps: log every this many training batches; ``None`` uses ``Trainer(log_every_n_steps=...)``.
         verbose: also log the allocator's full statistics dictionary (~120 keys) on each logging step.
@@ -102,6 +108,7 @@ class MemoryMonitor(Callback):
         detect_leaks: watch allocated memory for a sustained rise and warn once (see above).
         leak_threshold_mib: the rise, in MiB, that a sustained trend must exceed to be called a leak.
         leak_warmup_steps: optimizer steps before the first sample (optimizer state and caches settle first).
+        tensorboard_layout: write the custom-scalars layout described above to every ``TensorBoardLogger``.
 
     Raises:
         ValueError: if ``log_every_n_steps`` is not a positive integer or ``None``, or ``nvml_host_interval_s`` is
@@ -128,6 +135,7 @@ class MemoryMonitor(Callback):
         detect_leaks: bool = True,
         leak_threshold_mib: float = 32.0,
         leak_warmup_steps: int = 10,
+        tensorboard_layout: bool = True,
     ) -> None:
         if log_every_n_steps is not None and (
             isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
@@ -144,6 +152,7 @@ class MemoryMonitor(Callback):
             progress_bar=progress_bar,
             summary=summary,
             detect_leaks=detect_leaks,
+            tensorboard_layout=tensorboard_layout,
         )
         if (
             isinstance(leak_threshold_mib, bool)
@@ -174,6 +183,8 @@ class MemoryMonitor(Callback):
         self._detect_leaks = detect_leaks
         self._leak_threshold_bytes = int(leak_threshold_mib * MIB)
         self._leak_warmup_steps = leak_warmup_steps
+        self._tensorboard_layout = tensorboard_layout
+        self._layouts_written: set[tuple[int, str]] = set()
         self._leaks: LeakDetector | None = None
         self._census_at_start: Any = None
         self.leak: LeakVerdict | None = None
@@ -215,6 +226,8 @@ class MemoryMonitor(Callback):
         self._every_n = self._log_every_n_steps or trainer.log_every_n_steps  # type: ignore[attr-defined]
         if self._detect_leaks and self._probe.has_allocator and self._leaks is None:
             self._leaks = LeakDetector(self._leak_warmup_steps, threshold_bytes=self._leak_threshold_bytes)
+        if self._tensorboard_layout:
+            write_layout(trainer, self._layouts_written)
         if self._announced:
             return
         self._announced = True
@@ -356,6 +369,8 @@ class MemoryMonitor(Callback):
             f" {grown_tensors(before, tensor_census(probe.device))}. Look for tensors kept across steps: a loss or"
             " output appended to a list without `.detach()`, a cache keyed by step, metrics that hold graphs."
         )
+        if trainer.is_global_zero:
+            log_to_loggers(trainer, {"gpumem/leak_warnings": 1.0}, step=batches_that_stepped(trainer))
 
     # ------------------------------------------------------------------ helpers
     def _require_probe(self) -> MemoryProbe:

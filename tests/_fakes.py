@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from lightning_gpumem import MemoryMonitor
+from lightning_gpumem import EmptyCacheOnThreshold, MemoryMonitor
 from lightning_gpumem._units import GIB, MIB
 from lightning_gpumem.probe import MemorySample
 
@@ -87,6 +87,17 @@ class FakeProbe:
 
 class FakeMonitor(MemoryMonitor):
     """MemoryMonitor reading a FakeProbe instead of the hardware."""
+
+    def __init__(self, probe: FakeProbe, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.fake = probe
+
+    def _make_probe(self, device: torch.device) -> FakeProbe:  # type: ignore[override]
+        return self.fake
+
+
+class FakeRelease(EmptyCacheOnThreshold):
+    """EmptyCacheOnThreshold reading (and releasing) a FakeProbe."""
 
     def __init__(self, probe: FakeProbe, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]

@@ -14,18 +14,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_gpumem import EmptyCacheOnThreshold, MemoryMonitor
+from lightning_gpumem import MemoryMonitor
 from lightning_gpumem._units import GIB
-from tests._fakes import FakeMonitor, FakeProbe, SpikeModel
-
-
-class FakeRelease(EmptyCacheOnThreshold):
-    def __init__(self, probe: FakeProbe, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.fake = probe
-
-    def _make_probe(self, device):
-        return self.fake
+from tests._fakes import FakeMonitor, FakeProbe, FakeRelease, SpikeModel
 
 
 class RankModel(SpikeModel):

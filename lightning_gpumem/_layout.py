@@ -1,0 +1,64 @@
+"""TensorBoard's *Custom Scalars* layout for the monitor's keys: one chart per stage with its curves together.
+
+TensorBoard draws every scalar key in its own chart. The custom-scalars dashboard instead draws the charts a layout
+names, each with all the keys its regular expressions match (``gpumem/train_.*_gib`` also matches the cross-rank
+``..._max``/``..._min`` keys). :class:`~lightning_gpumem.MemoryMonitor` writes this layout once per run to every
+TensorBoard logger; other loggers have no such dashboard and are left alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_warn
+
+CATEGORY = "gpumem"
+_STAGE_CHARTS = {
+    "train": "train: per-batch peak, allocated, reserved, NVML (GiB)",
+    "val": "validation: loop peak, allocated, reserved, NVML (GiB)",
+    "test": "test: loop peak, allocated, reserved, NVML (GiB)",
+    "predict": "predict: loop peak, allocated, reserved, NVML (GiB)",
+}
+_FN_STAGES = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
+
+
+def memory_layout(fn: str) -> dict[str, dict[str, list[Any]]]:
+    """The layout for a run of ``trainer.fit``/``validate``/``test``/``predict`` (``fn``)."""
+    charts: dict[str, list[Any]] = {}
+    for stage in _FN_STAGES.get(fn, ("train", "val")):
+        tags = [rf"gpumem/{stage}_.*_gib.*", r"gpumem/nvml_process_gib.*", r"gpumem/budget_gib"]
+        charts[_STAGE_CHARTS[stage]] = ["Multiline", tags]
+    charts["device: NVML used, total, this process, non-PyTorch (GiB)"] = [
+        "Multiline",
+        [r"gpumem/nvml_.*_gib.*", r"gpumem/non_torch_gib.*"],
+    ]
+    charts["host: RSS, available (GiB)"] = ["Multiline", [r"gpumem/host_.*_gib.*"]]
+    charts["allocator events: retries, OOMs, cache releases (count)"] = [
+        "Multiline",
+        [r"gpumem/alloc_retries", r"gpumem/ooms", r"gpumem/cache_releases.*"],
+    ]
+    return {CATEGORY: charts}
+
+
+def write_layout(trainer: pl.Trainer, written: set[tuple[int, str]]) -> None:
+    """Write :func:`memory_layout` to each TensorBoard logger, once per logger and trainer function, on rank zero.
+
+    ``written`` holds the ``(id(logger), fn)`` pairs already written and is updated.
+    """
+    if not trainer.is_global_zero:
+        return
+    fn = str(trainer.state.fn.value) if trainer.state.fn else "fit"
+    layout = memory_layout(fn)
+    for logger in trainer.loggers:
+        if not isinstance(logger, TensorBoardLogger) or (id(logger), fn) in written:
+            continue
+        add_custom_scalars = getattr(logger.experiment, "add_custom_scalars", None)
+        if not callable(add_custom_scalars):
+            continue
+        written.add((id(logger), fn))
+        try:
+            add_custom_scalars(layout)
+        except Exception as error:  # a layout is a convenience: never fail the run for it
+            rank_zero_warn(f"MemoryMonitor: could not write the TensorBoard custom-scalars layout ({error!r}).")

@@ -1,0 +1,50 @@
+"""``python -m lightning_gpumem report LOGDIR [--png FILE] [--html FILE]``, also installed as ``gpumem``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from lightning_gpumem.report import ReportError, format_table, load_runs, summarize, write_html, write_png
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpumem", description="lightning-gpumem tools.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    report = commands.add_parser(
+        "report",
+        help="summarize the gpumem/ metrics of the runs under a log directory",
+        description=(
+            "Read the gpumem/ metrics that MemoryMonitor (and the other lightning-gpumem callbacks) logged to"
+            " TensorBoard event files or CSVLogger CSVs under LOGDIR; print a summary table per run, and draw"
+            " the memory timeline to a PNG (needs matplotlib) and/or a self-contained HTML page."
+        ),
+    )
+    report.add_argument("logdir", metavar="LOGDIR", help="a logger's save_dir, name or version directory")
+    report.add_argument("--png", metavar="FILE", help="write the memory timeline, one panel per run, as a PNG")
+    report.add_argument("--html", metavar="FILE", help="write the tables and timelines as one HTML page")
+    return parser
+
+
+def report(logdir: str, png: str | None = None, html: str | None = None) -> int:
+    """Run the ``report`` command; returns the exit status."""
+    loaded = load_runs(logdir)
+    for line in loaded.skipped:
+        print(f"gpumem report: skipped {line}", file=sys.stderr)
+    print("\n\n".join(format_table(summarize(run)) for run in loaded.runs))
+    if png:
+        print(f"\nPNG:  {write_png(loaded.runs, png)}")
+    if html:
+        print(f"{'' if png else chr(10)}HTML: {write_html(loaded.runs, logdir, html)}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``gpumem`` and ``python -m lightning_gpumem``."""
+    args = _parser().parse_args(argv)
+    try:
+        return report(args.logdir, png=args.png, html=args.html)
+    except ReportError as error:
+        print(f"gpumem report: error: {error}", file=sys.stderr)
+        return 1

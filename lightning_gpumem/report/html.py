@@ -1,0 +1,127 @@
+"""The report as one self-contained HTML page: each run's table and its timeline as inline SVG, no script."""
+
+from __future__ import annotations
+
+import html
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from lightning_gpumem.report.runs import Run
+from lightning_gpumem.report.summary import rows, summarize
+from lightning_gpumem.report.timeline import RELEASE_COLOR, lines, release_steps, title
+
+WIDTH, HEIGHT = 960, 320
+LEFT, RIGHT, TOP, BOTTOM = 56, 16, 12, 36
+
+_STYLE = """
+body { font: 14px system-ui, sans-serif; margin: 24px; color: #222; max-width: 1000px; }
+h1 { font-size: 20px; } h2 { font-size: 16px; margin-top: 32px; }
+table { border-collapse: collapse; margin: 8px 0 12px; }
+td { padding: 3px 12px 3px 0; border-bottom: 1px solid #eee; vertical-align: top; }
+td:first-child { color: #555; white-space: nowrap; }
+.legend span { display: inline-block; margin-right: 16px; font-size: 12px; }
+.legend i { display: inline-block; width: 18px; height: 3px; margin-right: 5px; vertical-align: middle; }
+svg text { font: 11px system-ui, sans-serif; fill: #555; }
+"""
+
+
+def _ticks(low: float, high: float, count: int = 5) -> list[float]:
+    """About ``count`` round tick values covering ``[low, high]``."""
+    span = high - low
+    if span <= 0:
+        return [low]
+    raw = span / count
+    magnitude = 10 ** math.floor(math.log10(raw))
+    step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
+    first = math.ceil(low / step) * step
+    return [first + i * step for i in range(int((high - first) / step) + 1)]
+
+
+def _label(value: float) -> str:
+    return f"{value:g}" if abs(value) < 1e6 else f"{value:.3g}"
+
+
+def timeline_svg(run: Run) -> str:
+    """The run's curves (GiB against step) as an SVG element."""
+    curves = lines(run)
+    releases = release_steps(run)
+    steps = [s for _, points in curves for s, _ in points] + releases
+    values = [v for _, points in curves for _, v in points if math.isfinite(v)]
+    if not steps or not values:
+        return "<p>No memory curves logged for this run.</p>"
+    x0, x1 = min(steps), max(steps)
+    x1 = x1 if x1 > x0 else x0 + 1
+    y1 = max(values) * 1.05 or 1.0
+    plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
+
+    def x(step: float) -> float:
+        return LEFT + (step - x0) / (x1 - x0) * plot_w
+
+    def y(value: float) -> float:
+        return TOP + plot_h - value / y1 * plot_h
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" role="img">']
+    for tick in _ticks(0.0, y1):
+        parts.append(f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{y(tick):.1f}" y2="{y(tick):.1f}" stroke="#eee"/>')
+        parts.append(f'<text x="{LEFT - 6}" y="{y(tick) + 4:.1f}" text-anchor="end">{_label(tick)}</text>')
+    for tick in _ticks(x0, x1):
+        parts.append(f'<text x="{x(tick):.1f}" y="{HEIGHT - BOTTOM + 16}" text-anchor="middle">{_label(tick)}</text>')
+    parts.append(f'<text x="{LEFT + plot_w / 2}" y="{HEIGHT - 4}" text-anchor="middle">step</text>')
+    parts.append(f'<text x="12" y="{TOP + plot_h / 2}" transform="rotate(-90 12 {TOP + plot_h / 2})">GiB</text>')
+    axis = f"M{LEFT},{TOP} V{TOP + plot_h} H{WIDTH - RIGHT}"
+    parts.append(f'<path d="{axis}" fill="none" stroke="#999"/>')
+    for step in releases:
+        parts.append(
+            f'<line x1="{x(step):.1f}" x2="{x(step):.1f}" y1="{TOP}" y2="{TOP + plot_h}" stroke="{RELEASE_COLOR}"'
+            ' stroke-dasharray="2,3"><title>cache release at step ' + str(step) + "</title></line>"
+        )
+    for line, points in curves:
+        finite = [(s, v) for s, v in points if math.isfinite(v)]
+        if line.points_only:
+            parts.extend(
+                f'<circle cx="{x(s):.1f}" cy="{y(v):.1f}" r="3" fill="{line.color}"><title>{html.escape(line.label)}'
+                f" at step {s}: {v:.2f} GiB</title></circle>"
+                for s, v in finite
+            )
+            continue
+        if line.dashed:  # a level that holds until it changes: steps, drawn on to the last step
+            corners = [finite[0]]
+            for step, value in [*finite[1:], (x1, finite[-1][1])]:
+                corners += [(step, corners[-1][1]), (step, value)]
+            finite = corners
+        coords = " ".join(f"{x(s):.1f},{y(v):.1f}" for s, v in finite)
+        dash = ' stroke-dasharray="6,4"' if line.dashed else ""
+        parts.append(
+            f'<polyline points="{coords}" fill="none" stroke="{line.color}" stroke-width="1.5"{dash}>'
+            f"<title>{html.escape(line.label)}</title></polyline>"
+        )
+    parts.append("</svg>")
+    legend = [f'<span><i style="background:{line.color}"></i>{html.escape(line.label)}</span>' for line, _ in curves]
+    if releases:
+        legend.append(f'<span><i style="background:{RELEASE_COLOR}"></i>cache release ({len(releases)})</span>')
+    return "".join(parts) + f'<div class="legend">{"".join(legend)}</div>'
+
+
+def render_html(runs: Sequence[Run], logdir: str) -> str:
+    """The whole page for ``runs`` read from ``logdir``."""
+    body = [f"<h1>Memory report: {html.escape(logdir)}</h1>"]
+    for run in runs:
+        table = "".join(
+            f"<tr><td>{html.escape(label)}</td><td>{html.escape(value)}</td></tr>"
+            for label, value in rows(summarize(run))
+        )
+        body.append(f"<h2>{html.escape(title(run))}</h2><table>{table}</table>{timeline_svg(run)}")
+    return (
+        '<!doctype html><html lang="en"><head><meta charset="utf-8"><title>gpumem report</title>'
+        f"<style>{_STYLE}</style></head><body>{''.join(body)}</body></html>\n"
+    )
+
+
+def write_html(runs: Sequence[Run], logdir: str, path: str | os.PathLike[str]) -> Path:
+    """Write :func:`render_html` to ``path`` and return it."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render_html(runs, logdir), encoding="utf-8")
+    return out

@@ -1,0 +1,63 @@
+"""The memory timeline as a PNG, drawn with matplotlib (an optional extra: ``pip install lightning-gpumem[report]``)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from lightning_gpumem.report.runs import ReportError, Run
+from lightning_gpumem.report.timeline import RELEASE_COLOR, lines, release_steps, title
+
+WIDTH_IN, RUN_HEIGHT_IN, DPI = 10.0, 4.0, 100  # each run adds a 1000 x 400 pixel panel
+
+
+def write_png(runs: Sequence[Run], path: str | os.PathLike[str]) -> Path:
+    """Draw one panel per run (GiB against step) and save it as a PNG.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ReportError: matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ReportError(
+            "--png needs matplotlib: pip install 'lightning-gpumem[report]' (or pip install matplotlib)."
+        ) from None
+    figure, axes = plt.subplots(
+        len(runs), 1, figsize=(WIDTH_IN, RUN_HEIGHT_IN * len(runs)), dpi=DPI, squeeze=False, layout="constrained"
+    )
+    for ax, run in zip(axes[:, 0], runs, strict=True):
+        for line, points in lines(run):
+            steps, values = [s for s, _ in points], [v for _, v in points]
+            if line.points_only:
+                ax.plot(steps, values, "o", color=line.color, label=line.label, markersize=4)
+            else:
+                ax.plot(
+                    steps,
+                    values,
+                    color=line.color,
+                    label=line.label,
+                    linewidth=1.2,
+                    linestyle="--" if line.dashed else "-",
+                    drawstyle="steps-post" if line.dashed else "default",
+                )
+        for i, step in enumerate(release_steps(run)):
+            ax.axvline(step, color=RELEASE_COLOR, linestyle=":", linewidth=1, label="cache release" if i == 0 else None)
+        ax.set_title(title(run), fontsize=10, loc="left")
+        ax.set_xlabel("step")
+        ax.set_ylabel("GiB")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=DPI)
+    plt.close(figure)
+    return out

@@ -1,0 +1,150 @@
+"""Find the runs under a log directory and read their scalars (TensorBoard event files and ``CSVLogger`` CSVs).
+
+A *run* is one directory holding event files (``events.out.tfevents.*``) and/or a ``metrics.csv``, as Lightning's
+``TensorBoardLogger`` and ``CSVLogger`` write them (``<save_dir>/<name>/version_<n>/``). When both loggers write to
+the same directory, the event files' values are kept and the CSV adds only the keys they lack.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lightning_gpumem.report._events import CorruptEventFile, read_scalars
+
+PREFIX = "gpumem/"
+EVENT_FILE_MARK = "tfevents"
+CSV_NAME = "metrics.csv"
+
+Series = list[tuple[int, float]]
+
+
+class ReportError(Exception):
+    """A log directory that cannot be reported on: missing, or without any ``gpumem/`` metric."""
+
+
+@dataclass
+class Run:
+    """The ``gpumem/`` scalars of one run: ``{key: [(step, value), ...]}`` sorted by step.
+
+    Attributes:
+        name: the run's directory relative to the log directory (``"."`` for the log directory itself).
+        path: the run's directory.
+        series: every ``gpumem/`` key logged, with its ``(step, value)`` points in step order.
+        sources: the files read.
+    """
+
+    name: str
+    path: Path
+    series: dict[str, Series] = field(default_factory=dict)
+    sources: list[Path] = field(default_factory=list)
+
+    def values(self, key: str) -> list[float]:
+        """The finite values logged under ``key`` (empty if it was never logged)."""
+        return [value for _, value in self.series.get(key, []) if math.isfinite(value)]
+
+    def last(self, key: str) -> float | None:
+        """The last finite value logged under ``key``, or ``None``."""
+        values = self.values(key)
+        return values[-1] if values else None
+
+    def maximum(self, key: str) -> float | None:
+        """The largest finite value logged under ``key``, or ``None``."""
+        values = self.values(key)
+        return max(values) if values else None
+
+
+@dataclass
+class LoadResult:
+    """The runs found (those with at least one ``gpumem/`` key) and the files skipped, with why."""
+
+    runs: list[Run]
+    skipped: list[str]
+    files_read: int
+
+
+def load_runs(logdir: str | os.PathLike[str]) -> LoadResult:
+    """Read every run under ``logdir``.
+
+    Args:
+        logdir: a directory written by Lightning's ``TensorBoardLogger`` and/or ``CSVLogger`` (any level: the
+            ``save_dir``, a ``name`` directory or one ``version_<n>``).
+
+    Returns:
+        The runs with ``gpumem/`` metrics, in path order, and the files skipped (corrupt or unreadable) with why.
+
+    Raises:
+        ReportError: ``logdir`` does not exist or is not a directory, or no file under it holds a ``gpumem/`` metric.
+    """
+    root = Path(logdir)
+    if not root.exists():
+        raise ReportError(f"LOGDIR '{root}' does not exist.")
+    if not root.is_dir():
+        raise ReportError(f"LOGDIR '{root}' is not a directory.")
+    runs: list[Run] = []
+    skipped: list[str] = []
+    files_read = 0
+    for directory, _, names in sorted(os.walk(root)):
+        events = sorted(name for name in names if EVENT_FILE_MARK in name and name.startswith("events.out"))
+        has_csv = CSV_NAME in names
+        if not events and not has_csv:
+            continue
+        path = Path(directory)
+        run = Run(name=str(path.relative_to(root)), path=path)
+        for name in events:
+            file = path / name
+            try:
+                scalars = read_scalars(file)
+            except (CorruptEventFile, OSError) as error:
+                skipped.append(f"{file}: {error}" if str(file) not in str(error) else str(error))
+                continue
+            files_read += 1
+            run.sources.append(file)
+            for key, points in scalars.items():
+                if key.startswith(PREFIX):
+                    run.series.setdefault(key, []).extend(points)
+        if has_csv:
+            file = path / CSV_NAME
+            try:
+                table = _read_csv(file)
+            except (OSError, ValueError, csv.Error) as error:
+                skipped.append(f"{file}: {error}")
+            else:
+                files_read += 1
+                run.sources.append(file)
+                for key, points in table.items():
+                    if key.startswith(PREFIX) and key not in run.series:
+                        run.series[key] = points
+        for points in run.series.values():
+            points.sort(key=lambda point: point[0])  # stable: equal steps keep the order written
+        if run.series:
+            runs.append(run)
+    if not runs:
+        detail = f"{files_read} readable log file(s)" + (f", {len(skipped)} skipped" if skipped else "")
+        raise ReportError(
+            f"No `gpumem/` metrics under '{root}' ({detail}). Log with `MemoryMonitor` (and a TensorBoardLogger"
+            " or CSVLogger) first; point LOGDIR at the logger's save_dir or a version directory."
+        )
+    return LoadResult(runs=runs, skipped=skipped, files_read=files_read)
+
+
+def _read_csv(path: Path) -> dict[str, Series]:
+    """``CSVLogger``'s ``metrics.csv``: one row per ``log_metrics`` call, a ``step`` column, empty cells."""
+    table: dict[str, Series] = {}
+    with path.open(newline="") as handle:
+        reader = csv.DictReader(handle)
+        if reader.fieldnames is None or "step" not in reader.fieldnames:
+            raise ValueError("not a CSVLogger metrics file (no `step` column)")
+        for row in reader:
+            step_text = row.get("step") or ""
+            if not step_text:
+                continue
+            step = int(float(step_text))
+            for key, text in row.items():
+                if key is None or key == "step" or not text or not key.startswith(PREFIX):
+                    continue
+                table.setdefault(key, []).append((step, float(text)))
+    return table

@@ -1,0 +1,237 @@
+"""`python -m lightning_gpumem report` on logs written by real CPU training runs (a fake allocator gives known GiB)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lightning_gpumem._units import GIB
+from lightning_gpumem.report import ReportError, load_runs, render_html, summarize, write_png
+from lightning_gpumem.report._events import read_scalars
+from lightning_gpumem.report.summary import rows
+from tests._fakes import FakeMonitor, FakeProbe, FakeRelease, SpikeModel
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _fit(loggers, steps: int = 8) -> FakeProbe:
+    """8 training batches on a fake 24 GiB allocator: 1 GiB base, a 2 GiB spike at step 3, 1 GiB in validation."""
+    probe = FakeProbe(base=GIB)
+    model = SpikeModel(probe, train_spikes={3: 2 * GIB}, val_spike=GIB)
+    trainer = Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        limit_train_batches=steps,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        logger=loggers,
+        callbacks=[
+            FakeMonitor(probe, nvml_host_interval_s=0),
+            FakeRelease(probe, threshold=2.5 / 24, min_steps_between=1),
+        ],
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        log_every_n_steps=1,
+    )
+    trainer.fit(model)
+    return probe
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("logs")
+    _fit([TensorBoardLogger(root, name="tb"), CSVLogger(root, name="csv")])
+    return root
+
+
+def _event_file(logs: Path) -> Path:
+    return next((logs / "tb").rglob("events.out.tfevents.*"))
+
+
+def test_our_event_reader_matches_tensorboards(logs):
+    ours = read_scalars(_event_file(logs))
+    accumulator = EventAccumulator(str(_event_file(logs)), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    tags = [tag for tag in accumulator.Tags()["scalars"] if tag.startswith("gpumem/")]
+    assert len(tags) >= 15
+    for tag in tags:
+        assert [(e.step, pytest.approx(e.value)) for e in accumulator.Scalars(tag)] == ours[tag]
+
+
+def test_the_table_equals_the_logged_scalars_and_the_known_numbers(logs):
+    loaded = load_runs(logs)
+    assert [run.name for run in loaded.runs] == ["csv/version_0", "tb/version_0"]
+    accumulator = EventAccumulator(str(_event_file(logs)), size_guidance={"scalars": 0})
+    accumulator.Reload()
+
+    def logged(tag: str) -> list[float]:
+        return [e.value for e in accumulator.Scalars(tag)]
+
+    for run in loaded.runs:
+        summary = summarize(run)
+        batch_peaks = logged("gpumem/train_peak_allocated_gib")
+        assert summary.logged_batches == len(batch_peaks) == 8
+        assert summary.batch_peak_max == pytest.approx(max(batch_peaks)) == pytest.approx(3.0)  # 1 + 2 GiB spike
+        assert summary.batch_peak_mean == pytest.approx(sum(batch_peaks) / 8) == pytest.approx(10 / 8)
+        assert summary.stage_peaks["train"][0] == pytest.approx(3.0)
+        assert summary.stage_peaks["val"][0] == pytest.approx(max(logged("gpumem/val_peak_allocated_gib")))
+        assert summary.stage_peaks["val"][0] == pytest.approx(2.0)  # 1 GiB base + 1 GiB validation spike
+        assert summary.nvml_process_peak == pytest.approx(max(logged("gpumem/nvml_process_gib")))
+        assert summary.nvml_process_peak == pytest.approx(3 + 300 / 1024)  # reserved 3 GiB + the fake's 300 MiB
+        assert summary.non_torch_peak == pytest.approx(300 / 1024)
+        assert summary.host_rss_peak == pytest.approx(2.0)
+        assert summary.nvml_total == pytest.approx(24.0)
+        assert summary.headroom == pytest.approx(24.0 - 3.0 - 300 / 1024)  # no budget: the device less both
+        assert summary.cache_releases == logged("gpumem/cache_releases")[-1] >= 1
+        assert summary.released == pytest.approx(logged("gpumem/released_gib")[-1])
+        assert summary.steps == (0, 7)
+    table = dict(rows(summarize(loaded.runs[1])))
+    assert table["per-batch peak"] == "mean 1.25 GiB, max 3.00 GiB over 8 logged batches"
+    assert table["NVML process peak"] == "3.29 GiB; non-PyTorch 0.29 GiB (9%)"
+    assert table["headroom at the highest peak"] == "20.71 GiB (86% of the device)"
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_gpumem", *args], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_cli_prints_a_table_per_run_and_writes_png_and_html(logs, tmp_path):
+    pytest.importorskip("matplotlib")
+    png, page = tmp_path / "memory.png", tmp_path / "memory.html"
+    result = _run_cli("report", str(logs), "--png", str(png), "--html", str(page))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("run ") == 2
+    assert "per-batch peak" in result.stdout
+    assert re.search(r"train peak\s+3\.00 GiB allocated", result.stdout)
+    assert _png_size(png) == (1000, 800)  # 10 x 4 inches per run at 100 dpi, two runs
+    text = page.read_text()
+    assert text.count("<svg") == 2
+    assert "<script" not in text
+    assert "cache release" in text
+
+
+def test_console_script_is_declared():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'gpumem = "lightning_gpumem.cli:main"' in pyproject
+
+
+def test_missing_directory_is_a_clear_error(tmp_path):
+    result = _run_cli("report", str(tmp_path / "nope"))
+    assert result.returncode == 1
+    assert f"LOGDIR '{tmp_path / 'nope'}' does not exist" in result.stderr
+
+
+def test_directory_without_gpumem_metrics_is_a_clear_error(tmp_path):
+    logger = TensorBoardLogger(tmp_path, name="plain")
+    logger.log_metrics({"loss": 1.0}, step=0)
+    logger.finalize("success")
+    result = _run_cli("report", str(tmp_path))
+    assert result.returncode == 1
+    assert "No `gpumem/` metrics under" in result.stderr
+    assert "1 readable log file(s)" in result.stderr
+    with pytest.raises(ReportError, match="No `gpumem/` metrics"):
+        load_runs(tmp_path)
+
+
+def test_corrupt_event_file_is_skipped_and_named(logs, tmp_path):
+    good = tmp_path / "good"
+    shutil.copytree(logs / "tb", good)
+    bad_dir = tmp_path / "bad"
+    bad_dir.mkdir()
+    data = bytearray(_event_file(logs).read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte in the middle of a record
+    bad = bad_dir / "events.out.tfevents.123.host.1.0"
+    bad.write_bytes(bytes(data))
+    result = _run_cli("report", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert f"skipped {bad}" in result.stderr
+    assert "checksum" in result.stderr
+    assert "run good/version_0" in result.stdout
+
+
+def test_a_record_cut_short_at_the_end_is_read_up_to_it(logs, tmp_path):
+    data = _event_file(logs).read_bytes()
+    cut = tmp_path / "events.out.tfevents.1.host.1.0"
+    cut.write_bytes(data[: len(data) - 7])  # a run still writing its last record
+    whole, partial = read_scalars(_event_file(logs)), read_scalars(cut)
+    assert sum(map(len, partial.values())) == sum(map(len, whole.values())) - 1
+
+
+def test_png_without_matplotlib_says_how_to_install(logs, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ReportError, match=r"pip install 'lightning-gpumem\[report\]'"):
+        write_png(load_runs(logs).runs, tmp_path / "x.png")
+
+
+def test_tensorboard_layout_puts_each_stage_in_one_chart(logs):
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    from lightning_gpumem.report._events import _fields, _records
+
+    layouts = []
+    for record in _records(_event_file(logs).read_bytes(), _event_file(logs)):
+        for number, _, summary in _fields(record):
+            if number != 5:
+                continue
+            for _, _, value in _fields(summary):
+                fields = {n: v for n, _, v in _fields(value)}
+                if fields.get(1) == b"custom_scalars__config__":
+                    tensor = {n: v for n, _, v in _fields(fields[8])}
+                    layouts.append(layout_pb2.Layout.FromString(tensor[8]))
+    assert len(layouts) == 1
+    charts = {chart.title: list(chart.multiline.tag) for c in layouts[0].category for chart in c.chart}
+    train = next(tags for title, tags in charts.items() if title.startswith("train"))
+    val = next(tags for title, tags in charts.items() if title.startswith("validation"))
+    logged = list(read_scalars(_event_file(logs)))
+
+    def drawn(tags: list[str]) -> set[str]:
+        return {key for key in logged if any(re.search(tag, key) for tag in tags)}
+
+    assert {
+        "gpumem/train_peak_allocated_gib",
+        "gpumem/train_peak_reserved_gib",
+        "gpumem/train_allocated_gib",
+        "gpumem/train_reserved_gib",
+        "gpumem/nvml_process_gib",
+    } <= drawn(train)
+    assert {"gpumem/val_peak_allocated_gib", "gpumem/val_reserved_gib", "gpumem/nvml_process_gib"} <= drawn(val)
+    assert not any(key.startswith("gpumem/val_") for key in drawn(train))
+
+
+def test_html_page_escapes_names_and_is_self_contained(logs):
+    runs = load_runs(logs).runs
+    page = render_html(runs, "<logs>")
+    assert "&lt;logs&gt;" in page
+    assert "http" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
+
+
+def test_released_and_budget_rows(logs):
+    run = load_runs(logs).runs[1]
+    run.series["gpumem/budget_gib"] = [(0, 4.0)]
+    run.series["gpumem/batch_size"] = [(0, 48.0)]
+    run.series["gpumem/leak_warnings"] = [(5, 1.0)]
+    run.series["gpumem/leak_mib_per_step"] = [(4, 2.0), (6, 6.5)]
+    table = dict(rows(summarize(run)))
+    assert table["budget"] == "4.0 GiB"
+    assert table["headroom at the highest peak"] == "1.00 GiB (25% of the budget)"
+    assert table["tuned batch size"] == "48"
+    assert table["leak warnings"] == "1 (highest rate 6.50 MiB/step)"
