@@ -55,7 +55,8 @@ def write_png(runs: Sequence[Run], path: str | os.PathLike[str]) -> Path:
         ax.set_ylabel("GiB")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=DPI)

@@ -31,7 +31,7 @@ class Run:
     """The ``gpumem/`` scalars of one run: ``{key: [(step, value), ...]}`` sorted by step.
 
     Attributes:
-        name: the run's directory relative to the log directory (``"."`` for the log directory itself).
+        name: the run's directory relative to the log directory (its own name where it is the log directory).
         path: the run's directory.
         series: every ``gpumem/`` key logged, with its ``(step, value)`` points in step order.
         sources: the files read.
@@ -93,7 +93,8 @@ def load_runs(logdir: str | os.PathLike[str]) -> LoadResult:
         if not events and not has_csv:
             continue
         path = Path(directory)
-        run = Run(name=str(path.relative_to(root)), path=path)
+        name = str(path.relative_to(root)) if path != root else (root.resolve().name or str(root))
+        run = Run(name=name, path=path)
         for name in events:
             file = path / name
             try:

@@ -26,12 +26,16 @@ LINES = (
     Line("gpumem/budget_gib", "budget", "#000000", dashed=True),
     Line("gpumem/val_peak_allocated_gib", "validation peak allocated", "#ff7f0e", points_only=True),
 )
+HOST_LINE = Line("gpumem/host_rss_gib", "host RSS (no device memory logged)", "#8c564b")
 RELEASE_COLOR = "#7f7f7f"
 
 
 def lines(run: Run) -> list[tuple[Line, Series]]:
-    """The curves this run has data for."""
-    return [(line, run.series[line.key]) for line in LINES if run.series.get(line.key)]
+    """The curves this run has data for; host memory only where no device memory was logged (a CPU run)."""
+    found = [(line, run.series[line.key]) for line in LINES if run.series.get(line.key)]
+    if not any(line.key != "gpumem/budget_gib" for line, _ in found) and run.series.get(HOST_LINE.key):
+        found.append((HOST_LINE, run.series[HOST_LINE.key]))
+    return found
 
 
 def release_steps(run: Run) -> list[int]:

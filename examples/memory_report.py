@@ -1,0 +1,107 @@
+"""A run with every lightning-gpumem curve, then its report: table, PNG and HTML (CPU or GPU).
+
+    python examples/memory_report.py                       # GPU: ~1 min on an H200; CPU: host memory only
+    python -m lightning_gpumem report lightning_logs/memory_report --png memory.png   # the same report again
+    tensorboard --logdir lightning_logs                    # then the "Custom Scalars" tab
+
+On a GPU: `MemoryBudget("8GiB")` caps the process as if the card had 8 GiB; `BatchSizeTuner` finds the largest
+batch size whose training and validation steps fit that budget (less 5% headroom); every validation allocates a
+2 GiB buffer (think: larger shapes in evaluation) that `EmptyCacheOnThreshold` gives back to the device afterwards;
+`MemoryMonitor` logs the per-batch peak, allocated, reserved, NVML and the budget to TensorBoard and writes the
+custom-scalars layout. The report at the end reads those logs back. `examples/make_pictures.sh` turns them into the
+README's pictures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_gpumem import BatchSizeTuner, EmptyCacheOnThreshold, MemoryBudget, MemoryMonitor
+from lightning_gpumem._units import GIB
+from lightning_gpumem.cli import report
+
+
+class WideMLP(L.LightningModule):
+    """A wide MLP (about 0.3 GiB of weights and AdamW state at width 4096) with a validation spike."""
+
+    def __init__(self, batch_size: int = 2, width: int = 4096, samples: int = 65_536, val_spike_gib: float = 2.0):
+        super().__init__()
+        self.save_hyperparameters()  # BatchSizeTuner writes the size found to hparams.batch_size
+        self.net = nn.Sequential(
+            nn.Linear(1024, width), nn.GELU(), nn.Linear(width, width), nn.GELU(), nn.Linear(width, 10)
+        )
+        generator = torch.Generator().manual_seed(0)
+        self.data = TensorDataset(torch.randn(samples, 1024, generator=generator), torch.randint(0, 10, (samples,)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        if self.device.type == "cuda" and batch_idx == 0:
+            spike = torch.empty(int(self.hparams.val_spike_gib * GIB), dtype=torch.uint8, device=self.device)
+            spike.fill_(1)
+            del spike  # freed to the cache, which keeps it reserved
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    def train_dataloader(self):
+        return DataLoader(self.data, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True)
+
+    def val_dataloader(self):
+        return DataLoader(self.data, batch_size=self.hparams.batch_size)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budget", default="8GiB", help="memory budget: '24GiB', '16GB', bytes, or a fraction")
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--logdir", default="lightning_logs")
+    parser.add_argument("--png", default=None, help="where to draw the timeline (default: in the run's directory)")
+    args = parser.parse_args()
+    logging.getLogger("lightning.pytorch").setLevel(logging.INFO)
+    gpu = torch.cuda.is_available()
+
+    L.seed_everything(0)
+    logger = TensorBoardLogger(args.logdir, name="memory_report")
+    trainer = L.Trainer(
+        max_steps=args.steps,
+        val_check_interval=max(1, args.steps // 4),
+        limit_val_batches=4,
+        check_val_every_n_epoch=None,
+        logger=logger,
+        log_every_n_steps=5,
+        callbacks=[
+            MemoryBudget(args.budget),
+            BatchSizeTuner(max_val=None if gpu else 64),
+            EmptyCacheOnThreshold(threshold=0.5, min_steps_between=1),
+            MemoryMonitor(log_every_n_steps=5),
+        ],
+        enable_checkpointing=False,
+    )
+    model = WideMLP(width=4096 if gpu else 256, samples=65_536 if gpu else 2_048)
+    trainer.fit(model)
+    print()
+    png = args.png or f"{logger.log_dir}/memory.png"
+    report(
+        logger.log_dir,
+        png=png if importlib.util.find_spec("matplotlib") else None,
+        html=f"{logger.log_dir}/memory.html",
+    )
+
+
+if __name__ == "__main__":
+    main()
