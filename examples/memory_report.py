@@ -30,7 +30,7 @@ from lightning_gpumem.cli import report
 
 
 class WideMLP(L.LightningModule):
-    """A wide MLP (about 0.3 GiB of weights and AdamW state at width 4096) with a validation spike."""
+    """A wide MLP (about 1.2 GiB of weights, gradients and AdamW state at width 8192) with a validation spike."""
 
     def __init__(self, batch_size: int = 2, width: int = 4096, samples: int = 65_536, val_spike_gib: float = 2.0):
         super().__init__()
@@ -92,7 +92,7 @@ def main() -> None:
         ],
         enable_checkpointing=False,
     )
-    model = WideMLP(width=4096 if gpu else 256, samples=65_536 if gpu else 2_048)
+    model = WideMLP(width=8192 if gpu else 256, samples=65_536 if gpu else 2_048)
     trainer.fit(model)
     print()
     png = args.png or f"{logger.log_dir}/memory.png"
