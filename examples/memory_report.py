@@ -29,15 +29,22 @@ from lightning_gpumem._units import GIB
 from lightning_gpumem.cli import report
 
 
-class WideMLP(L.LightningModule):
-    """A wide MLP (about 1.2 GiB of weights, gradients and AdamW state at width 8192) with a validation spike."""
+class DeepMLP(L.LightningModule):
+    """An 8-layer MLP (about 2 GiB of weights, gradients and AdamW state at width 4096) with a validation spike.
 
-    def __init__(self, batch_size: int = 2, width: int = 4096, samples: int = 65_536, val_spike_gib: float = 2.0):
+    Eight layers keep each activation a small share of the budget: with two or three layers the few activation
+    blocks are so large (1.4 GiB each at the size that fits 8 GiB) that fragmentation alone can exhaust the budget.
+    """
+
+    def __init__(
+        self, batch_size: int = 2, width: int = 4096, depth: int = 8, samples: int = 65_536, val_spike_gib: float = 2.0
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()  # BatchSizeTuner writes the size found to hparams.batch_size
-        self.net = nn.Sequential(
-            nn.Linear(1024, width), nn.GELU(), nn.Linear(width, width), nn.GELU(), nn.Linear(width, 10)
-        )
+        layers: list[nn.Module] = [nn.Linear(1024, width), nn.GELU()]
+        for _ in range(depth - 1):
+            layers += [nn.Linear(width, width), nn.GELU()]
+        self.net = nn.Sequential(*layers, nn.Linear(width, 10))
         generator = torch.Generator().manual_seed(0)
         self.data = TensorDataset(torch.randn(samples, 1024, generator=generator), torch.randint(0, 10, (samples,)))
 
@@ -92,8 +99,11 @@ def main() -> None:
         ],
         enable_checkpointing=False,
     )
-    model = WideMLP(width=8192 if gpu else 256, samples=65_536 if gpu else 2_048)
+    model = DeepMLP(width=4096 if gpu else 256, samples=65_536 if gpu else 2_048)
     trainer.fit(model)
+    tuner = next(c for c in trainer.callbacks if isinstance(c, BatchSizeTuner))  # type: ignore[attr-defined]
+    print("\ntuner trials (batch size, ran, peak reserved GiB):")
+    print(", ".join(f"({t.batch_size}, {t.fits}, {(t.peak_bytes or 0) / GIB:.2f})" for t in tuner.trials))
     print()
     png = args.png or f"{logger.log_dir}/memory.png"
     report(

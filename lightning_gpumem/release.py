@@ -90,7 +90,8 @@ class EmptyCacheOnThreshold(Callback):
     seen below the mark again, or ``min_steps_between`` training steps have passed, before the next. Each rank
     decides for itself, with no collective. Without an accelerator it warns once and does nothing.
 
-    **Logged metrics** (on Lightning's logging steps, to every logger; under DDP each key gets ``_rank<r>``)
+    **Logged metrics** (to every logger on Lightning's logging steps, at the end of each validation during fit and
+    at the end of training; under DDP each key gets ``_rank<r>``)
 
     ===========================  =======  ======================================================
     Key                          Unit     Meaning
@@ -226,6 +227,12 @@ class EmptyCacheOnThreshold(Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if "validation_end" in self.on:
             self._check(trainer)
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self._log(trainer, now=True)  # every rank ends validation together: a release there shows at once
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log(trainer, now=True)  # the releases since the last logging step
 
     @override
     def on_test_batch_end(
@@ -314,12 +321,13 @@ class EmptyCacheOnThreshold(Callback):
         self.released_bytes += max(0, before - after)
         policy.released(step)
 
-    def _log(self, trainer: pl.Trainer) -> None:
+    def _log(self, trainer: pl.Trainer, now: bool = False) -> None:
         # Logging steps by the step count alone (not `should_stop`, which one rank may set alone): under DDP every
-        # rank must reach the gather below together.
+        # rank must reach the gather below together. `now`: a point every rank reaches together (validation end,
+        # train end).
         if self._probe is None or not trainer.loggers or self._every_n <= 0:
             return
-        if (batches_that_stepped(trainer) + 1) % self._every_n or is_accumulating(trainer):
+        if not now and ((batches_that_stepped(trainer) + 1) % self._every_n or is_accumulating(trainer)):
             return  # the cheap test first: this runs after every training batch
         values = [float(self.releases), self.released_bytes / GIB, self.release_seconds]
         names = ("gpumem/cache_releases", "gpumem/released_gib", "gpumem/release_seconds")
