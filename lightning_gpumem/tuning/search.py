@@ -238,8 +238,11 @@ def _predict(trials: Iterable[Trial], limit_bytes: int | None, below: int, kind:
         if p2 <= 0 or kind == "allocated":
             return None
         # No usable slope (one point, or peaks that did not move: allocator granularity at small sizes): all of
-        # the memory counted as per-sample overestimates the slope, so this undershoots safely.
+        # the memory counted as per-sample overestimates the slope, so this undershoots safely. Where the peak did
+        # not move at all, fixed memory dominates and the per-sample part is unmeasurably small: at least double.
         guess = math.floor(limit_bytes * b2 / p2)
+        if len(points) >= 2 and points[-2][1] >= p2:
+            guess = max(guess, 2 * b2)
     else:
         guess = b2 + math.floor((limit_bytes - p2) / slope)
     return min(guess, below - 1) if guess >= 1 else None

@@ -299,3 +299,19 @@ def test_slope_from_neighbouring_sizes_is_not_used_when_a_farther_point_exists()
     assert sizes[3] == sizes[2] + 1  # lo + 1 ran: the allocated line guides from here
     assert best < sizes[4] <= 1.03 * best  # from the neighbours' slope (negative) it would have doubled
     assert len(result.trials) <= 10
+
+
+def test_flat_peaks_at_small_sizes_at_least_double():
+    """Measured on the H200 (8-layer MLP, 8 GiB budget): 4.33 GiB reserved at 2, 3, 5 and 8, where the fixed memory
+    (weights, AdamW state, a validation buffer) hides the per-sample part. Two equal peaks mean "unmeasurably small
+    per sample", so the next size at least doubles instead of creeping by the line through the origin."""
+    calls = []
+
+    def run(bs):
+        calls.append(bs)
+        peak = 4.33 * GIB if bs < 64 else 4.33 * GIB + bs * 0.23 * 2**20
+        return Trial(bs, fits=peak <= 7.6 * GIB, peak_bytes=int(peak) if peak <= 7.6 * GIB else None)
+
+    result = search_batch_size(run, init_val=2, upper=65536, limit_bytes=int(7.6 * GIB))
+    assert calls[:3] == [2, 3, 6]
+    assert result.batch_size == true_max(run, int(7.6 * GIB), 20000)
