@@ -1,6 +1,6 @@
 """A run with every lightning-gpumem curve, then its report: table, PNG and HTML (CPU or GPU).
 
-    python examples/memory_report.py                       # GPU: under a minute on an H200; CPU: host memory only
+    python examples/memory_report.py                       # GPU: tuning, then 300 steps; CPU: host memory only
     python -m lightning_gpumem report lightning_logs/memory_report --png memory.png   # the same report again
     tensorboard --logdir lightning_logs                    # then the "Custom Scalars" tab
 
@@ -23,11 +23,33 @@ import lightning as L
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset
 
 from lightning_gpumem import BatchSizeTuner, EmptyCacheOnThreshold, MemoryBudget, MemoryMonitor
 from lightning_gpumem._units import GIB
 from lightning_gpumem.cli import report
+
+
+class Tensors(Dataset):
+    """Samples of ``x`` and ``y``, fetched a whole batch at a time (``__getitems__``): batches of tens of thousands
+    of samples would otherwise spend most of each step indexing and collating one sample at a time."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[index], self.y[index]
+
+    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
+        index = torch.as_tensor(indices)
+        return [self.x[index], self.y[index]]
+
+
+def _batch(data: list[torch.Tensor]) -> list[torch.Tensor]:
+    return data  # already a batch: `Tensors.__getitems__` stacked it
 
 
 class DeepMLP(L.LightningModule):
@@ -48,7 +70,7 @@ class DeepMLP(L.LightningModule):
             layers += [nn.Linear(width, width), nn.GELU()]
         self.net = nn.Sequential(*layers, nn.Linear(width, 10))
         generator = torch.Generator().manual_seed(0)
-        self.data = TensorDataset(torch.randn(samples, 1024, generator=generator), torch.randint(0, 10, (samples,)))
+        self.data = Tensors(torch.randn(samples, 1024, generator=generator), torch.randint(0, 10, (samples,)))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -68,10 +90,12 @@ class DeepMLP(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
     def train_dataloader(self):
-        return DataLoader(self.data, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True)
+        return DataLoader(
+            self.data, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True, collate_fn=_batch
+        )
 
     def val_dataloader(self):
-        return DataLoader(self.data, batch_size=self.hparams.batch_size)
+        return DataLoader(self.data, batch_size=self.hparams.batch_size, collate_fn=_batch)
 
 
 def main() -> None:
