@@ -1,9 +1,10 @@
 """TensorBoard's *Custom Scalars* layout for the monitor's keys: one chart per stage with its curves together.
 
 TensorBoard draws every scalar key in its own chart. The custom-scalars dashboard instead draws the charts a layout
-names, each with all the keys its regular expressions match (``gpumem/train_.*_gib`` also matches the cross-rank
-``..._max``/``..._min`` keys). :class:`~lightning_gpumem.MemoryMonitor` writes this layout once per run to every
-TensorBoard logger; other loggers have no such dashboard and are left alone.
+names, each with all the keys its regular expressions match (TensorBoard joins a chart's expressions and applies
+them with ``re.match``, so ``gpumem/train_.*_gib.*`` also matches the cross-rank ``..._max``/``..._min`` keys).
+:class:`~lightning_gpumem.MemoryMonitor` writes this layout to every TensorBoard logger; other loggers have no such
+dashboard and are left alone.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ _STAGE_CHARTS = {
 _FN_STAGES = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
 
 
-def memory_layout(fn: str) -> dict[str, dict[str, list[Any]]]:
-    """The layout for a run of ``trainer.fit``/``validate``/``test``/``predict`` (``fn``)."""
+def memory_layout(stages: tuple[str, ...] = ("train", "val")) -> dict[str, dict[str, list[Any]]]:
+    """The layout with one chart per stage in ``stages`` (``train``, ``val``, ``test``, ``predict``)."""
     charts: dict[str, list[Any]] = {}
-    for stage in _FN_STAGES.get(fn, ("train", "val")):
+    for stage in stages:
         tags = [rf"gpumem/{stage}_.*_gib.*", r"gpumem/nvml_process_gib.*", r"gpumem/budget_gib"]
         charts[_STAGE_CHARTS[stage]] = ["Multiline", tags]
     charts["device: NVML used, total, this process, non-PyTorch (GiB)"] = [
@@ -42,23 +43,28 @@ def memory_layout(fn: str) -> dict[str, dict[str, list[Any]]]:
     return {CATEGORY: charts}
 
 
-def write_layout(trainer: pl.Trainer, written: set[tuple[int, str]]) -> None:
-    """Write :func:`memory_layout` to each TensorBoard logger, once per logger and trainer function, on rank zero.
+def write_layout(trainer: pl.Trainer, written: dict[int, tuple[str, ...]]) -> None:
+    """Write :func:`memory_layout` to each TensorBoard logger, on global rank zero, when its stages grow.
 
-    ``written`` holds the ``(id(logger), fn)`` pairs already written and is updated.
+    TensorBoard shows only the layout written last in a run, so each write covers every stage this monitor has
+    run with that logger (a ``fit`` then a ``test`` gives train, validation and test charts). ``written`` maps
+    ``id(logger)`` to the stages written and is updated.
     """
     if not trainer.is_global_zero:
         return
     fn = str(trainer.state.fn.value) if trainer.state.fn else "fit"
-    layout = memory_layout(fn)
     for logger in trainer.loggers:
-        if not isinstance(logger, TensorBoardLogger) or (id(logger), fn) in written:
+        if not isinstance(logger, TensorBoardLogger):
+            continue
+        before = written.get(id(logger), ())
+        stages = tuple(s for s in _STAGE_CHARTS if s in before or s in _FN_STAGES.get(fn, ("train", "val")))
+        if stages == before:
             continue
         add_custom_scalars = getattr(logger.experiment, "add_custom_scalars", None)
         if not callable(add_custom_scalars):
             continue
-        written.add((id(logger), fn))
+        written[id(logger)] = stages
         try:
-            add_custom_scalars(layout)
+            add_custom_scalars(memory_layout(stages))
         except Exception as error:  # a layout is a convenience: never fail the run for it
             rank_zero_warn(f"MemoryMonitor: could not write the TensorBoard custom-scalars layout ({error!r}).")

@@ -33,10 +33,15 @@ def report(logdir: str, png: str | None = None, html: str | None = None) -> int:
     for line in loaded.skipped:
         print(f"gpumem report: skipped {line}", file=sys.stderr)
     print("\n\n".join(format_table(summarize(run)) for run in loaded.runs))
-    if png:
-        print(f"\nPNG:  {write_png(loaded.runs, png)}")
-    if html:
-        print(f"{'' if png else chr(10)}HTML: {write_html(loaded.runs, logdir, html)}")
+    if png or html:
+        print()
+    try:
+        if html:  # first: it needs nothing optional
+            print(f"HTML: {write_html(loaded.runs, logdir, html)}")
+        if png:
+            print(f"PNG:  {write_png(loaded.runs, png)}")
+    except OSError as error:
+        raise ReportError(f"cannot write {error.filename or 'the output'}: {error.strerror or error}") from None
     return 0
 
 

@@ -184,7 +184,7 @@ class MemoryMonitor(Callback):
         self._leak_threshold_bytes = int(leak_threshold_mib * MIB)
         self._leak_warmup_steps = leak_warmup_steps
         self._tensorboard_layout = tensorboard_layout
-        self._layouts_written: set[tuple[int, str]] = set()
+        self._layouts_written: dict[int, tuple[str, ...]] = {}
         self._leaks: LeakDetector | None = None
         self._census_at_start: Any = None
         self.leak: LeakVerdict | None = None

@@ -4,13 +4,14 @@ An event file is a sequence of TFRecords (``uint64`` length, masked CRC-32C of t
 protobuf, masked CRC-32C of the data). Only the fields scalars use are decoded: ``Event.wall_time`` (1),
 ``Event.step`` (2), ``Event.summary`` (5) -> ``Summary.value`` (1) -> ``Value.tag`` (1) and ``Value.simple_value`` (2),
 or ``Value.tensor`` (8) holding one float or double (TensorBoard's newer scalar format). Both CRCs are checked, so a
-damaged file is reported rather than read as wrong numbers; a record cut short at the end of the file (a run still
-writing) ends the file quietly, as in TensorBoard.
+damaged record is reported rather than read as wrong numbers (the records before it are kept); a record cut short
+at the end of the file (a run still writing) ends the file quietly, as in TensorBoard.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 _CRC_TABLE: list[int] = []
@@ -24,7 +25,15 @@ _DT_FLOAT, _DT_DOUBLE = 1, 2
 
 
 class CorruptEventFile(ValueError):
-    """An event file whose records fail their checksums or do not decode."""
+    """An event file whose records fail their checksums or do not decode.
+
+    Attributes:
+        scalars: what the records before the damage held (``{tag: [(step, value), ...]}``).
+    """
+
+    def __init__(self, message: str, scalars: dict[str, list[tuple[int, float]]] | None = None) -> None:
+        super().__init__(message)
+        self.scalars = scalars or {}
 
 
 def _crc32c(data: bytes) -> int:
@@ -115,8 +124,7 @@ def _unpack_floats(content: bytes, dtype: object) -> tuple[float, ...]:
     return ()
 
 
-def _records(data: bytes, path: Path) -> list[bytes]:
-    records = []
+def _records(data: bytes, path: Path) -> Iterator[bytes]:
     pos = 0
     while pos + 12 <= len(data):
         header = data[pos : pos + 8]
@@ -126,48 +134,59 @@ def _records(data: bytes, path: Path) -> list[bytes]:
             raise CorruptEventFile(f"{path}: record header at byte {pos} fails its checksum")
         start, end = pos + 12, pos + 12 + length
         if end + 4 > len(data):
-            break  # cut short at the end: a run still writing
+            return  # cut short at the end: a run still writing
         (data_crc,) = struct.unpack_from("<I", data, end)
         if _masked_crc(data[start:end]) != data_crc:
             raise CorruptEventFile(f"{path}: record at byte {pos} fails its checksum")
-        records.append(data[start:end])
+        yield data[start:end]
         pos = end + 4
-    return records
+
+
+def _signed(value: int) -> int:
+    """A varint read as unsigned, as the int64 it encodes."""
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def read_scalars(path: str | Path) -> dict[str, list[tuple[int, float]]]:
     """Every scalar in one event file: ``{tag: [(step, value), ...]}`` in the order written.
 
     Raises:
-        CorruptEventFile: a record fails its checksum or does not decode.
+        CorruptEventFile: a record fails its checksum or does not decode; its ``scalars`` hold what the records
+            before it held.
         OSError: the file cannot be read.
     """
     path = Path(path)
     scalars: dict[str, list[tuple[int, float]]] = {}
-    for record in _records(path.read_bytes(), path):
-        try:
-            step = 0
-            summary: bytes | None = None
-            for number, _, value in _fields(record):
-                if number == 2 and isinstance(value, int):
-                    step = value
-                elif number == 5 and isinstance(value, bytes):
-                    summary = value
-            if summary is None:
-                continue
-            for number, _, entry in _fields(summary):
-                if number != 1 or not isinstance(entry, bytes):
-                    continue
-                tag, scalar = None, None
-                for field_number, _, value in _fields(entry):
-                    if field_number == 1 and isinstance(value, bytes):
-                        tag = value.decode("utf-8", errors="replace")
-                    elif field_number == 2 and isinstance(value, float):
-                        scalar = value
-                    elif field_number == 8 and isinstance(value, bytes):
-                        scalar = _tensor_scalar(value)
-                if tag is not None and scalar is not None:
-                    scalars.setdefault(tag, []).append((step, scalar))
-        except CorruptEventFile as error:
-            raise CorruptEventFile(f"{path}: an event does not decode ({error})") from None
+    position = 0
+    try:
+        for position, record in enumerate(_records(path.read_bytes(), path)):  # noqa: B007  # used in `except`
+            _add_event(record, scalars)
+    except CorruptEventFile as error:
+        message = str(error) if str(path) in str(error) else f"{path}: event {position} does not decode ({error})"
+        raise CorruptEventFile(message, scalars) from None
     return scalars
+
+
+def _add_event(record: bytes, scalars: dict[str, list[tuple[int, float]]]) -> None:
+    step = 0
+    summary: bytes | None = None
+    for number, _, value in _fields(record):
+        if number == 2 and isinstance(value, int):
+            step = _signed(value)
+        elif number == 5 and isinstance(value, bytes):
+            summary = value
+    if summary is None:
+        return
+    for number, _, entry in _fields(summary):
+        if number != 1 or not isinstance(entry, bytes):
+            continue
+        tag, scalar = None, None
+        for field_number, _, value in _fields(entry):
+            if field_number == 1 and isinstance(value, bytes):
+                tag = value.decode("utf-8", errors="replace")
+            elif field_number == 2 and isinstance(value, float):
+                scalar = value
+            elif field_number == 8 and isinstance(value, bytes):
+                scalar = _tensor_scalar(value)
+        if tag is not None and scalar is not None:
+            scalars.setdefault(tag, []).append((step, scalar))

@@ -40,7 +40,9 @@ def _ticks(low: float, high: float, count: int = 5) -> list[float]:
 
 
 def _label(value: float) -> str:
-    return f"{value:g}" if abs(value) < 1e6 else f"{value:.3g}"
+    if value == int(value):
+        return f"{int(value):,}" if abs(value) >= 1e6 else str(int(value))  # steps: every digit, ticks differ
+    return f"{value:g}"
 
 
 def timeline_svg(run: Run) -> str:
@@ -79,7 +81,9 @@ def timeline_svg(run: Run) -> str:
         )
     for line, points in curves:
         finite = [(s, v) for s, v in points if math.isfinite(v)]
-        if line.points_only:
+        if not finite:
+            continue
+        if line.points_only or len(finite) == 1:  # one point draws no line: a marker
             parts.extend(
                 f'<circle cx="{x(s):.1f}" cy="{y(v):.1f}" r="3" fill="{line.color}"><title>{html.escape(line.label)}'
                 f" at step {s}: {v:.2f} GiB</title></circle>"

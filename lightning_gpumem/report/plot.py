@@ -15,28 +15,29 @@ WIDTH_IN, RUN_HEIGHT_IN, DPI = 10.0, 4.0, 100  # each run adds a 1000 x 400 pixe
 def write_png(runs: Sequence[Run], path: str | os.PathLike[str]) -> Path:
     """Draw one panel per run (GiB against step) and save it as a PNG.
 
+    The figure is drawn without ``pyplot``, so the caller's matplotlib backend and figures are left alone.
+
     Returns:
         The path written.
 
     Raises:
-        ReportError: matplotlib is not installed.
+        ReportError: matplotlib is not installed, or ``path`` does not end in ``.png``.
     """
+    out = Path(path)
+    if out.suffix.lower() != ".png":
+        raise ReportError(f"--png {str(path)!r}: expected a file name ending in .png.")
     try:
-        import matplotlib
-
-        matplotlib.use("Agg", force=True)
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError:
         raise ReportError(
             "--png needs matplotlib: pip install 'lightning-gpumem[report]' (or pip install matplotlib)."
         ) from None
-    figure, axes = plt.subplots(
-        len(runs), 1, figsize=(WIDTH_IN, RUN_HEIGHT_IN * len(runs)), dpi=DPI, squeeze=False, layout="constrained"
-    )
+    figure = Figure(figsize=(WIDTH_IN, RUN_HEIGHT_IN * len(runs)), dpi=DPI, layout="constrained")
+    axes = figure.subplots(len(runs), 1, squeeze=False)
     for ax, run in zip(axes[:, 0], runs, strict=True):
         for line, points in lines(run):
             steps, values = [s for s, _ in points], [v for _, v in points]
-            if line.points_only:
+            if line.points_only or len(points) == 1:  # one point draws no line: a marker
                 ax.plot(steps, values, "o", color=line.color, label=line.label, markersize=4)
             else:
                 ax.plot(
@@ -57,8 +58,6 @@ def write_png(runs: Sequence[Run], path: str | os.PathLike[str]) -> Path:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
-    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=DPI)
-    plt.close(figure)
+    figure.savefig(out, dpi=DPI, format="png")
     return out

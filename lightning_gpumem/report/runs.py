@@ -33,7 +33,8 @@ class Run:
     Attributes:
         name: the run's directory relative to the log directory (its own name where it is the log directory).
         path: the run's directory.
-        series: every ``gpumem/`` key logged, with its ``(step, value)`` points in step order.
+        series: every ``gpumem/`` key logged, with its ``(step, value)`` points in step order, one per step (the
+            last written where a step was logged twice, as by a run resumed from a checkpoint).
         sources: the files read.
     """
 
@@ -99,8 +100,12 @@ def load_runs(logdir: str | os.PathLike[str]) -> LoadResult:
             file = path / name
             try:
                 scalars = read_scalars(file)
-            except (CorruptEventFile, OSError) as error:
-                skipped.append(f"{file}: {error}" if str(file) not in str(error) else str(error))
+            except CorruptEventFile as error:
+                scalars = error.scalars
+                kept = sum(map(len, scalars.values()))
+                skipped.append(f"{error}; the rest of the file is skipped ({kept} scalars before it are kept)")
+            except OSError as error:
+                skipped.append(f"{file}: {error}")
                 continue
             files_read += 1
             run.sources.append(file)
@@ -119,15 +124,21 @@ def load_runs(logdir: str | os.PathLike[str]) -> LoadResult:
                 for key, points in table.items():
                     if key.startswith(PREFIX) and key not in run.series:
                         run.series[key] = points
-        for points in run.series.values():
-            points.sort(key=lambda point: point[0])  # stable: equal steps keep the order written
+        for key, points in run.series.items():
+            # One value per step, the last written: a run resumed from a checkpoint logs its steps again.
+            run.series[key] = sorted(dict(points).items())
         if run.series:
             runs.append(run)
     if not runs:
-        detail = f"{files_read} readable log file(s)" + (f", {len(skipped)} skipped" if skipped else "")
+        if skipped:
+            raise ReportError(
+                f"No readable `gpumem/` metrics under '{root}': {len(skipped)} file(s) skipped:\n  "
+                + "\n  ".join(skipped)
+            )
         raise ReportError(
-            f"No `gpumem/` metrics under '{root}' ({detail}). Log with `MemoryMonitor` (and a TensorBoardLogger"
-            " or CSVLogger) first; point LOGDIR at the logger's save_dir or a version directory."
+            f"No `gpumem/` metrics under '{root}' ({files_read} readable log file(s)). Log with `MemoryMonitor`"
+            " (and a TensorBoardLogger or CSVLogger) first; point LOGDIR at the logger's save_dir or a version"
+            " directory."
         )
     return LoadResult(runs=runs, skipped=skipped, files_read=files_read)
 

@@ -17,8 +17,10 @@ class RunSummary:
     Attributes:
         name: the run's directory relative to the log directory.
         steps: first and last step with a ``gpumem/`` value.
-        stage_peaks: per stage (``train``, ``val``, ...): the highest logged peak allocated and peak reserved.
-        batch_peak_mean: mean of the per-batch peaks (``train_peak_allocated_gib``) over the logged batches.
+        stage_peaks: per stage (``train``, ``val``, ...): the highest logged peak allocated and peak reserved (over
+            ranks, where the ``_max`` keys were logged; likewise the other peaks).
+        batch_peak_mean: mean of the per-batch peaks (``train_peak_allocated_gib``, rank zero's) over the logged
+            batches.
         batch_peak_max: the largest of them.
         logged_batches: how many training batches were logged.
         nvml_process_peak: the highest NVML reading for the process (what ``nvidia-smi`` lists for it).
@@ -36,6 +38,7 @@ class RunSummary:
         leak_rate_max: the highest growth rate logged, MiB per step.
         alloc_retries: allocator retries (cumulative count, last value).
         ooms: out-of-memory errors (cumulative count, last value).
+        over_ranks: cross-rank ``_max`` keys were logged (DDP/FSDP): the peaks above are the highest over ranks.
     """
 
     name: str
@@ -58,6 +61,7 @@ class RunSummary:
     leak_rate_max: float | None = None
     alloc_retries: int | None = None
     ooms: int | None = None
+    over_ranks: bool = False
 
     @property
     def peak_reserved(self) -> float | None:
@@ -70,7 +74,7 @@ def summarize(run: Run) -> RunSummary:
     """Reduce a run's series to its :class:`RunSummary`."""
     steps = [step for points in run.series.values() for step, _ in points]
     peaks = {
-        stage: (run.maximum(f"gpumem/{stage}_peak_allocated_gib"), run.maximum(f"gpumem/{stage}_peak_reserved_gib"))
+        stage: (_highest(run, f"gpumem/{stage}_peak_allocated_gib"), _highest(run, f"gpumem/{stage}_peak_reserved_gib"))
         for stage in STAGES
     }
     peaks = {stage: pair for stage, pair in peaks.items() if pair != (None, None)}
@@ -86,13 +90,13 @@ def summarize(run: Run) -> RunSummary:
         steps=(min(steps), max(steps)) if steps else None,
         stage_peaks=peaks,
         batch_peak_mean=statistics.fmean(batch_peaks) if batch_peaks else None,
-        batch_peak_max=max(batch_peaks) if batch_peaks else None,
+        batch_peak_max=_highest(run, "gpumem/train_peak_allocated_gib"),
         logged_batches=len(batch_peaks),
-        nvml_process_peak=run.maximum("gpumem/nvml_process_gib"),
+        nvml_process_peak=_highest(run, "gpumem/nvml_process_gib"),
         nvml_used_peak=run.maximum("gpumem/nvml_used_gib"),
         nvml_total=nvml_total,
         non_torch_peak=run.maximum("gpumem/non_torch_gib"),
-        host_rss_peak=run.maximum("gpumem/host_rss_gib"),
+        host_rss_peak=_highest(run, "gpumem/host_rss_gib"),
         budget=budget,
         headroom=_headroom(
             budget, nvml_total, max(reserved) if reserved else None, run.maximum("gpumem/non_torch_gib")
@@ -104,7 +108,14 @@ def summarize(run: Run) -> RunSummary:
         leak_rate_max=run.maximum("gpumem/leak_mib_per_step"),
         alloc_retries=None if retries is None else round(retries),
         ooms=None if ooms is None else round(ooms),
+        over_ranks=any(key.endswith("_max") for key in run.series),
     )
+
+
+def _highest(run: Run, key: str) -> float | None:
+    """The largest value of ``key`` and, under DDP/FSDP, of its cross-rank maximum ``key_max``."""
+    values = [v for v in (run.maximum(key), run.maximum(f"{key}_max")) if v is not None]
+    return max(values) if values else None
 
 
 def _headroom(budget: float | None, total: float | None, peak: float | None, non_torch: float | None) -> float | None:
@@ -138,6 +149,8 @@ def rows(summary: RunSummary) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     if summary.steps is not None:
         out.append(("steps logged", f"{summary.steps[0]}-{summary.steps[1]}"))
+    if summary.over_ranks:
+        out.append(("ranks", "peaks and headroom: the highest over ranks; per-batch mean: rank 0's"))
     for stage, (allocated, reserved) in summary.stage_peaks.items():
         out.append((f"{stage} peak", f"{_gib(allocated)} allocated, {_gib(reserved)} reserved"))
     if summary.batch_peak_max is not None:

@@ -177,7 +177,8 @@ def test_a_record_cut_short_at_the_end_is_read_up_to_it(logs, tmp_path):
 
 
 def test_png_without_matplotlib_says_how_to_install(logs, tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    for name in [name for name in sys.modules if name.split(".")[0] == "matplotlib"] + ["matplotlib"]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if never installed, even when imported before
     with pytest.raises(ReportError, match=r"pip install 'lightning-gpumem\[report\]'"):
         write_png(load_runs(logs).runs, tmp_path / "x.png")
 
@@ -235,3 +236,142 @@ def test_released_and_budget_rows(logs):
     assert table["headroom at the highest peak"] == "1.00 GiB (25% of the budget)"
     assert table["tuned batch size"] == "48"
     assert table["leak warnings"] == "1 (highest rate 6.50 MiB/step)"
+
+
+def _layouts(event_files) -> list:
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    from lightning_gpumem.report._events import _fields, _records
+
+    found = []
+    for file in event_files:
+        for record in _records(file.read_bytes(), file):
+            for number, _, summary in _fields(record):
+                if number != 5:
+                    continue
+                for _, _, value in _fields(summary):
+                    fields = {n: v for n, _, v in _fields(value)}
+                    if fields.get(1) == b"custom_scalars__config__":
+                        tensor = {n: v for n, _, v in _fields(fields[8])}
+                        found.append(layout_pb2.Layout.FromString(tensor[8]))
+    return found
+
+
+def test_the_last_layout_keeps_every_stage_run_so_far(tmp_path):
+    """TensorBoard shows only a run's last layout: after fit then test it must still hold the train charts."""
+    probe = FakeProbe(base=GIB)
+    trainer = Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        limit_train_batches=2,
+        limit_val_batches=1,
+        limit_test_batches=1,
+        num_sanity_val_steps=0,
+        logger=TensorBoardLogger(tmp_path, name="tb"),
+        callbacks=[FakeMonitor(probe)],
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        log_every_n_steps=1,
+    )
+    model = SpikeModel(probe)
+    trainer.fit(model)
+    trainer.test(model)
+    trainer.test(model)  # nothing new: no third layout
+    files = sorted((tmp_path / "tb").rglob("events.out.tfevents.*"), key=lambda f: f.stat().st_mtime_ns)
+    layouts = _layouts(files)
+    assert len(layouts) == 2
+    titles = [chart.title.split(":")[0] for category in layouts[-1].category for chart in category.chart]
+    assert titles[:3] == ["train", "validation", "test"]
+
+
+def test_a_directory_whose_only_file_is_damaged_names_it(logs, tmp_path):
+    data = bytearray(_event_file(logs).read_bytes())
+    data[-6] ^= 0xFF  # the last record's data
+    bad = tmp_path / "events.out.tfevents.9.host.1.0"
+    bad.write_bytes(bytes(data))
+    result = _run_cli("report", str(tmp_path))
+    assert result.returncode == 0, result.stderr  # what came before the damage is kept and reported
+    assert f"skipped {bad}: record at byte" in result.stderr
+    assert "scalars before it are kept" in result.stderr
+    data[30] ^= 0xFF  # now the first record too
+    bad.write_bytes(bytes(data))
+    result = _run_cli("report", str(tmp_path))
+    assert result.returncode == 1
+    assert "No readable `gpumem/` metrics" in result.stderr
+    assert f"{bad}: record" in result.stderr
+
+
+def test_a_resumed_run_keeps_the_last_value_of_each_step(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    for start, value in ((0, 1.0), (5, 2.0)):  # the second writer re-logs steps 5-9, as after a resume
+        writer = SummaryWriter(tmp_path / "run")
+        for step in range(start, start + 10):
+            writer.add_scalar("gpumem/train_peak_allocated_gib", value, step)
+        writer.close()
+    (run,) = load_runs(tmp_path).runs
+    points = run.series["gpumem/train_peak_allocated_gib"]
+    assert [s for s, _ in points] == list(range(15))
+    assert [v for _, v in points] == [1.0] * 5 + [2.0] * 10
+    assert summarize(run).logged_batches == 15
+
+
+def test_negative_steps_and_new_style_scalars_read_as_tensorboard_does(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(tmp_path)
+    writer.add_scalar("gpumem/x_gib", 1.5, -5)
+    writer.add_scalar("gpumem/y_gib", 2.5, 2**40, new_style=True)
+    writer.close()
+    scalars = read_scalars(next(tmp_path.glob("events.out.tfevents.*")))
+    assert scalars["gpumem/x_gib"] == [(-5, 1.5)]
+    assert scalars["gpumem/y_gib"] == [(2**40, 2.5)]
+
+
+def test_cross_rank_maxima_set_the_peaks_and_the_headroom(logs):
+    run = load_runs(logs).runs[1]
+    run.series["gpumem/train_peak_allocated_gib_max"] = [(0, 7.0), (1, 7.5)]
+    run.series["gpumem/train_peak_reserved_gib_max"] = [(0, 9.0)]
+    summary = summarize(run)
+    assert summary.over_ranks
+    assert summary.stage_peaks["train"] == (7.5, 9.0)
+    assert summary.batch_peak_max == 7.5
+    assert summary.batch_peak_mean == pytest.approx(10 / 8)  # rank 0's batches
+    assert summary.headroom == pytest.approx(24.0 - 9.0 - 300 / 1024)
+    assert dict(rows(summary))["ranks"].startswith("peaks and headroom: the highest over ranks")
+
+
+def test_output_errors_are_clear_and_html_comes_first(logs, tmp_path):
+    result = _run_cli("report", str(logs), "--png", str(tmp_path / "memory"))
+    assert result.returncode == 1
+    assert "expected a file name ending in .png" in result.stderr
+    (tmp_path / "page").mkdir()
+    result = _run_cli("report", str(logs), "--html", str(tmp_path / "page"))
+    assert result.returncode == 1
+    assert "gpumem report: error: cannot write" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_html_survives_nan_and_single_points(logs):
+    import xml.etree.ElementTree as ET
+
+    def svg_of(series):
+        run = load_runs(logs).runs[1]
+        run.series = series
+        page = render_html([run], "logs")
+        return ET.fromstring(page[page.index("<svg") : page.index("</svg>") + 6])
+
+    ns = "{http://www.w3.org/2000/svg}"
+    root = svg_of({"gpumem/budget_gib": [(0, float("nan"))], "gpumem/train_peak_allocated_gib": [(5, 1.0)]})
+    assert len(root.findall(f"{ns}circle")) == 1  # the single point is a marker; the NaN budget is left out
+    root = svg_of({"gpumem/train_reserved_gib": [(2**40, 2.0), (2**40 + 10, 2.0)]})
+    labels = [t.text for t in root.findall(f"{ns}text") if t.text and t.text.startswith("1,099,511,627,7")]
+    assert len(set(labels)) == len(labels) >= 2  # large steps keep distinct tick labels
+
+
+def test_write_png_leaves_the_callers_matplotlib_backend_alone(logs, tmp_path):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("svg")
+    write_png(load_runs(logs).runs, tmp_path / "x.png")
+    assert matplotlib.get_backend().lower() == "svg"
