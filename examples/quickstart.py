@@ -1,7 +1,8 @@
 """Quickstart: a small real training run with MemoryMonitor and TensorBoard logging (CPU or GPU).
 
     python examples/quickstart.py            # ~20 s on 2 CPU cores; uses the GPU if there is one
-    tensorboard --logdir lightning_logs      # then open the "gpumem" section
+    tensorboard --logdir lightning_logs      # then open the "gpumem" section, or the "Custom Scalars" tab
+    python -m lightning_gpumem report lightning_logs --png memory.png   # a table and a picture of the run
 
 On a GPU you get per-batch peak / allocated / reserved curves, NVML (nvidia-smi) numbers, the non-PyTorch share
 and utilisation; on CPU, host memory only. A summary table with advice is printed when the fit ends.
@@ -72,7 +73,11 @@ def main() -> None:
         enable_checkpointing=False,
     )
     trainer.fit(Classifier(), train, val)
-    print(f"\nTensorBoard logs in {logger.log_dir}\nView them with: tensorboard --logdir {args.logdir}")
+    print(
+        f"\nTensorBoard logs in {logger.log_dir}\nView them with: tensorboard --logdir {args.logdir}"
+        " (the Custom Scalars tab puts each stage's curves in one chart)"
+        f"\nSummarize them with: python -m lightning_gpumem report {args.logdir} --png memory.png"
+    )
 
 
 if __name__ == "__main__":
