@@ -184,20 +184,7 @@ def test_png_without_matplotlib_says_how_to_install(logs, tmp_path, monkeypatch)
 
 
 def test_tensorboard_layout_puts_each_stage_in_one_chart(logs):
-    from tensorboard.plugins.custom_scalar import layout_pb2
-
-    from lightning_gpumem.report._events import _fields, _records
-
-    layouts = []
-    for record in _records(_event_file(logs).read_bytes(), _event_file(logs)):
-        for number, _, summary in _fields(record):
-            if number != 5:
-                continue
-            for _, _, value in _fields(summary):
-                fields = {n: v for n, _, v in _fields(value)}
-                if fields.get(1) == b"custom_scalars__config__":
-                    tensor = {n: v for n, _, v in _fields(fields[8])}
-                    layouts.append(layout_pb2.Layout.FromString(tensor[8]))
+    layouts = _layouts([_event_file(logs)])
     assert len(layouts) == 1
     charts = {chart.title: list(chart.multiline.tag) for c in layouts[0].category for chart in c.chart}
     train = next(tags for title, tags in charts.items() if title.startswith("train"))
