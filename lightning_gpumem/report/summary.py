@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
+from lightning_gpumem._units import GIB, format_gib
 from lightning_gpumem.report.runs import Run
 
 STAGES = ("train", "val", "test", "predict")
@@ -141,7 +142,8 @@ def _per_rank_total(run: Run, key: str) -> float | None:
 
 
 def _gib(value: float | None, digits: int = 2) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f} GiB"
+    """A value logged in GiB, formatted as the rest of the package formats bytes."""
+    return format_gib(None if value is None else value * GIB, digits)
 
 
 def rows(summary: RunSummary) -> list[tuple[str, str]]:
