@@ -9,6 +9,8 @@ sizes to try from the measured peaks.
 from __future__ import annotations
 
 import gc
+import math
+import os
 import time
 from typing import Any
 
@@ -16,86 +18,52 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.callbacks.callback import Callback
-from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_gpumem._checks import require_flags, require_int
 from lightning_gpumem._distributed import gather_values, max_min
 from lightning_gpumem._logging import log_text, log_to_loggers
-from lightning_gpumem._oom import expecting_oom, is_oom_error
+from lightning_gpumem._oom import expecting_oom
 from lightning_gpumem._units import GIB, format_gib, parse_budget
 from lightning_gpumem.budget import budget_bytes
 from lightning_gpumem.probe import MemoryProbe
-from lightning_gpumem.tuning import _loops
+from lightning_gpumem.tuning import _session
+from lightning_gpumem.tuning._session import TrialSession
 from lightning_gpumem.tuning.search import SearchResult, Trial, search_batch_size
 
 MAX_TRIALS = 25
-MAX_VERIFICATIONS = 3  # sizes tried under the fit's own cap after the search, from the largest accepted down
-CPU_MAX_VAL = 8192  # upper bound without a device to run out of (and no max_val, no dataset length)
-
-
-class _PeerFailed(Exception):
-    """Another rank ran out of memory in this trial: leave it at the same collective."""
-
-
-class _TrialCallback(Callback):
-    """The only callback during a trial: counts steps, runs one validation batch, agrees across ranks."""
-
-    def __init__(self, steps: int, include_validation: bool) -> None:
-        self.steps = steps
-        self.include_validation = include_validation
-        self.done = 0
-
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
-    ) -> None:
-        _agree_or_raise(trainer)
-        self.done += 1
-        if self.done < self.steps and batch_idx + 1 < trainer.num_training_batches:
-            return
-        if self.include_validation and trainer.limit_val_batches and trainer.val_dataloaders is not None:
-            _loops.run_validation(trainer)
-        raise _loops.TrialStop
-
-    @override
-    def on_validation_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: STEP_OUTPUT,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        _agree_or_raise(trainer)
-
-
-def _agree_or_raise(trainer: pl.Trainer) -> None:
-    # Collective: every rank calls it once per training and validation batch; a rank that ran out of memory calls
-    # it once from its exception handler instead, so the counts match and nobody waits forever.
-    if trainer.world_size > 1 and not trainer.strategy.reduce_boolean_decision(True, all=True):
-        raise _PeerFailed
 
 
 class BatchSizeTuner(Callback):
     r"""Find the largest batch size whose training and validation steps fit a memory budget, then fit with it.
 
-    On fit start (or whenever :meth:`scale` is called, also mid-training) it runs *trials*: ``steps_per_trial`` real
-    training steps (forward, backward, optimizer step) and one validation step at a batch size, each starting from the
-    run's own state (the optimizer state is put back before every trial, so a trial's first step allocates what the
-    fit's first step will). The search runs with the allocator capped at the budget less the headroom
-    (``torch.cuda.set_per_process_memory_fraction``), so tuning on an 80 GiB card for a 24 GiB one is exact, and a size
-    is accepted if it runs there, with whatever the allocator does to make room (free its cache, cuDNN algorithms with
-    smaller workspaces). Peaks guide it (``tuning/search.py``): the reserved peak (an overestimate of the need) gives a
-    safe jump, the allocated peak (an underestimate) an optimistic one, bisection settles the rest, within 1% for
-    sizes over 100; typically 5-8 trials. The size found then runs once more under the full budget, which is the fit's
-    first steps allocation for allocation; if it fails there, the next smaller accepted size is checked. Afterwards the
-    weights, optimizer and LR-scheduler states, RNG states, step and epoch counters, callback states and loggers are as
-    if no trial had run, and the cache is emptied. The size found is written where Lightning's ``BatchSizeFinder``
-    writes it (``model.<batch_arg_name>``, ``model.hparams``, the datamodule or its hparams) and the fit continues with
-    it. Under DDP every rank runs every trial; the out-of-memory flag and the peaks are agreed across ranks, so all
-    ranks pick the same size and none hangs.
+    At fit start it runs *trials*: ``steps_per_trial`` real optimizer steps (with gradient accumulation, all the
+    accumulated micro-batches and the step) and, where the fit validates, one validation batch, at a candidate batch
+    size, each from the run's own starting state. The search runs with the allocator capped at the budget less the
+    headroom (``torch.cuda.set_per_process_memory_fraction``), so tuning on an 80 GiB card for a 24 GiB one is exact;
+    measured peaks guide it (``tuning/search.py``). The size found runs once more under the full budget, the fit's
+    first steps allocation for allocation; where it fails there the search goes on under the full budget.
+
+    **What is guaranteed.** A tuned fit equals a fit with the chosen size set by hand: same weights, optimizer,
+    LR-scheduler and precision states, step and epoch counters, RNG streams (also the dataloaders' own
+    ``torch.Generator``), logged metrics, checkpoints kept and hook calls. No trial value reaches a logger,
+    ``ModelCheckpoint``, ``EarlyStopping`` or an epoch aggregate; user callbacks and the module's once-per-loop hooks
+    (``on_train_start``, ``on_train_epoch_start``, ...) do not run during trials. What the fit derived from the batch
+    size is derived again: ``configure_optimizers`` runs once more after tuning, so ``estimated_stepping_batches`` and
+    the schedulers built from it use the size chosen. ``tests/integration/test_tuner_conformance.py`` checks this
+    across Lightning set-ups. The size found is written where Lightning's ``BatchSizeFinder`` writes it
+    (``model.<batch_arg_name>``, ``model.hparams``, the datamodule or its hparams). An error or Ctrl-C in a trial puts
+    the original size back. Under DDP every rank runs every trial and the OOM verdicts and peaks are agreed, so all
+    ranks pick the same size; ``self.log(..., sync_dist=True)`` does not synchronise during trials.
+
+    **Resume.** The size chosen is saved in checkpoints (``state_dict``). On ``fit(ckpt_path=...)`` it is applied
+    without trials and Lightning restores the training state untouched; ``retune_on_resume=True`` tunes again (the
+    restored state is kept all the same).
+
+    **What is refused** (``ValueError`` at fit start): dataloaders passed straight to ``trainer.fit`` (the batch size
+    cannot be applied to a built loader), and a training dataset without a length (an ``IterableDataset``) unless
+    ``max_val`` bounds the search. :meth:`scale` runs only from ``on_fit_start`` (where the tuner calls it) or
+    ``on_train_epoch_start``.
 
     **Logged metrics**
 
@@ -107,6 +75,8 @@ class BatchSizeTuner(Callback):
 
     The trials (batch size, outcome, peak) are also written as a text table to TensorBoard loggers and kept in
     :attr:`trials`; rank zero prints one line, e.g. ``BatchSizeTuner: batch_size=53 (peak 22.6/24.0 GiB, ...)``.
+    Under ``LightningCLI`` the size chosen is also written next to the saved ``config.yaml``, as
+    ``gpumem_batch_size.yaml``.
 
     Args:
         budget: memory the run may use: ``None`` for the budget of a :class:`~lightning_gpumem.MemoryBudget` among
@@ -117,17 +87,24 @@ class BatchSizeTuner(Callback):
             CUDA: whose peak reserved memory stays under it). What is left covers what trials do not show: batches of
             other shapes (a smaller last batch, varying lengths) and fragmentation over a long run.
         init_val: first batch size tried.
-        max_val: largest batch size tried; the result never exceeds it. ``None``: the training dataset's size.
-        steps_per_trial: training steps per trial (the first step also creates optimizer state).
-        include_validation: also run one validation step per trial, so the size found fits validation too.
+        max_val: largest batch size tried; the result never exceeds it. ``None``: the training dataset's size per
+            rank (and at most the size that still gives an integer ``val_check_interval`` its batches).
+        steps_per_trial: optimizer steps per trial (the first step also creates optimizer state).
+        include_validation: also run one validation batch per trial where the fit validates, so the size found
+            fits validation too.
         batch_arg_name: attribute holding the batch size, looked up like Lightning's ``BatchSizeFinder`` does.
-        keep_effective_batch: scale ``Trainer.accumulate_grad_batches`` so that batch size times accumulation
-            stays as configured (rounded to at least 1).
+        keep_effective_batch: search over the micro-batch with ``Trainer.accumulate_grad_batches`` scaled in every
+            trial so that batch size times accumulation stays as configured (rounded, at least 1); the fit uses the
+            accumulation of the size chosen.
+        retune_on_resume: on ``fit(ckpt_path=...)``, tune again instead of applying the size saved in the
+            checkpoint.
 
     Raises:
-        ValueError: on an invalid argument, or (at fit start) a budget larger than the device.
+        ValueError: on an invalid argument, or (at fit start) a budget larger than the device, dataloaders passed
+            to ``trainer.fit``, or a training dataset without a length and no ``max_val``.
         AttributeError: (at fit start) if nothing holds an attribute named ``batch_arg_name``.
-        RuntimeError: (at fit start) if even a batch size of 1 does not fit the budget.
+        RuntimeError: (at fit start) if even a batch size of 1 does not fit the budget, or :meth:`scale` is called
+            from a hook it cannot run from.
 
     Example::
 
@@ -148,6 +125,7 @@ class BatchSizeTuner(Callback):
         include_validation: bool = True,
         batch_arg_name: str = "batch_size",
         keep_effective_batch: bool = False,
+        retune_on_resume: bool = False,
     ) -> None:
         if budget is not None:
             parse_budget(budget, 1, "BatchSizeTuner")  # type and format now; the size against the device at fit
@@ -163,7 +141,10 @@ class BatchSizeTuner(Callback):
         if not isinstance(batch_arg_name, str) or not batch_arg_name:
             raise ValueError(f"`BatchSizeTuner(batch_arg_name={batch_arg_name!r})` is not valid. Expected a name.")
         require_flags(
-            "BatchSizeTuner", include_validation=include_validation, keep_effective_batch=keep_effective_batch
+            "BatchSizeTuner",
+            include_validation=include_validation,
+            keep_effective_batch=keep_effective_batch,
+            retune_on_resume=retune_on_resume,
         )
         self.budget = budget
         self.headroom = float(headroom)
@@ -173,13 +154,17 @@ class BatchSizeTuner(Callback):
         self.include_validation = include_validation
         self.batch_arg_name = batch_arg_name
         self.keep_effective_batch = keep_effective_batch
+        self.retune_on_resume = retune_on_resume
 
         self.optimal_batch_size: int | None = None
-        """The batch size chosen by the last search (``None`` before one ran)."""
+        """The batch size chosen by the last search (or restored from a checkpoint; ``None`` before either)."""
         self.result: SearchResult | None = None
         """The last search's trials and stop reason."""
         self.budget_bytes: int | None = None
         """The budget the last search used, in bytes (``None`` on CPU)."""
+        self._accumulation: int | None = None
+        self._restored: dict[str, Any] | None = None
+        self._tuning = False
 
     @property
     def trials(self) -> tuple[Trial, ...]:
@@ -188,7 +173,20 @@ class BatchSizeTuner(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        restored, self._restored = self._restored, None
+        if restored is not None and not self.retune_on_resume:
+            self._apply_restored(trainer, restored)
+            return
         self.scale(trainer, pl_module)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"batch_size": self.optimal_batch_size, "accumulate_grad_batches": self._accumulation}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not self._tuning and state_dict.get("batch_size") is not None:
+            self._restored = dict(state_dict)
 
     def _make_probe(self, device: torch.device) -> MemoryProbe:
         """Create the probe for ``device`` (tests override this to inject a fake sample source)."""
@@ -197,56 +195,65 @@ class BatchSizeTuner(Callback):
     def scale(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int | None:
         """Search now and switch the run to the size found; returns it (``None`` if skipped).
 
-        Call it from any hook of a running fit (e.g. ``on_train_epoch_start``) to re-tune mid-training; trial steps
-        count from the current step and leave no trace.
+        The tuner calls it at fit start. Call it from ``on_train_epoch_start`` (of a callback or the module) to
+        re-tune mid-training: the new size applies from that epoch, trial steps count from the current step and
+        leave no trace. Mid-training, ``configure_optimizers`` is not run again (the optimizer state is kept).
         """
+        hook = _session.current_hook(trainer)
+        if hook not in _session.SCALE_HOOKS:
+            raise RuntimeError(
+                f"`BatchSizeTuner.scale()` was called from `{hook}`. It runs only from `on_fit_start` (where the tuner"
+                " calls it) or `on_train_epoch_start`, before an epoch's batches are drawn; call it from there."
+            )
         if trainer.fast_dev_run:  # type: ignore[attr-defined]
             rank_zero_warn("BatchSizeTuner: skipped because `fast_dev_run` is enabled.")
             return None
-        if not _loops.has_batch_arg(trainer, self.batch_arg_name):
-            raise AttributeError(
-                f"`BatchSizeTuner(batch_arg_name={self.batch_arg_name!r})`: neither the LightningModule, its hparams,"
-                f" the datamodule nor its hparams has an attribute `{self.batch_arg_name}`. Add it (and use it in your"
-                " dataloaders), or pass the name your code uses."
+        if trainer.limit_train_batches == 0:
+            rank_zero_warn("BatchSizeTuner: skipped because `limit_train_batches=0` runs no training step.")
+            return None
+        self._check_setup(trainer)
+        length = _session.train_dataset_length(trainer)
+        if length is None and self.max_val is None:
+            raise ValueError(
+                "`BatchSizeTuner(max_val=None)`: the training dataset has no length (an `IterableDataset`), so no"
+                " batch size is known to exist in it. Pass `max_val`, the largest batch size the dataset can fill."
             )
         probe = self._make_probe(trainer.strategy.root_device)
-        rng = _loops.capture_rng()  # loading data may draw random numbers too: restore them at the very end
-        original_size = _loops.get_batch_size(trainer, self.batch_arg_name)
-        was_loaded = _loops.dataloaders_loaded(trainer)
-        limit = self._limit_bytes(probe, trainer)
-        _loops.reload_dataloaders(trainer)
-        upper = self._upper_bound(trainer)
-
+        limit = self._limit_bytes(probe, trainer)  # budget
+        upper = self._upper_bound(trainer, length)
         start = time.perf_counter()
-        snapshot = _loops.TrainerSnapshot(trainer)
-        previous_fraction = None
         total = probe.total_bytes() if limit is not None and probe.device.type == "cuda" else None
-        if total:
-            # The search runs under the budget less the headroom: a size is accepted if it runs there, with whatever
-            # the allocator must do to make room (free its cache, pick cuDNN algorithms with smaller workspaces).
-            previous_fraction = probe.set_memory_fraction(min(1.0, limit / total))  # type: ignore[operator]
+        previous_fraction = None
+        self._tuning = True
         try:
-            with expecting_oom():  # trials that run out of memory are the search's plan, not failures to report
-                result = search_batch_size(
-                    lambda size: self._run_trial(trainer, snapshot, probe, size),
-                    init_val=self.init_val,
-                    upper=upper,
-                    limit_bytes=limit,
-                    max_trials=MAX_TRIALS,
-                )
-                if total and self.budget_bytes is not None and result.batch_size is not None:
-                    probe.set_memory_fraction(min(1.0, self.budget_bytes / total))
-                    result = self._verify(trainer, snapshot, probe, result)
+            with TrialSession(trainer, self.batch_arg_name) as session:
+                self._original = session.original
+                self._seen: dict[int, int] = {}
+                if total:  # cap: a size is accepted if it runs under the budget less the headroom
+                    previous_fraction = probe.set_memory_fraction(min(1.0, limit / total))  # type: ignore[operator]
+                try:
+                    with expecting_oom():  # trials that run out of memory are the search's plan, not failures
+                        result = search_batch_size(  # search
+                            lambda size: self._run_trial(session, probe, size),
+                            init_val=self.init_val,
+                            upper=upper,
+                            limit_bytes=limit,
+                            max_trials=MAX_TRIALS,
+                        )
+                        if total and self.budget_bytes is not None and result.batch_size is not None:  # check
+                            probe.set_memory_fraction(min(1.0, self.budget_bytes / total))
+                            result = self._check(session, probe, result)
+                finally:
+                    if previous_fraction is not None:
+                        probe.set_memory_fraction(previous_fraction)
+                if result.batch_size is not None:  # apply (when the session is left)
+                    session.choose(result.batch_size, self._accumulation_for(result.batch_size))
         finally:
-            snapshot.restore()
-            if previous_fraction is not None:
-                probe.set_memory_fraction(previous_fraction)
+            self._tuning = False
             _release(probe)
         seconds = time.perf_counter() - start
         self.result = result
         if result.batch_size is None:
-            _loops.set_batch_size(trainer, self.batch_arg_name, original_size)
-            self._finish_dataloaders(trainer, was_loaded, rng)
             if any(t.fits for t in result.trials):
                 raise RuntimeError(
                     f"BatchSizeTuner: the sizes the search accepted under {format_gib(limit)} ran out of memory when"
@@ -259,22 +266,51 @@ class BatchSizeTuner(Callback):
                 " checkpointing) or raise `budget`."
             )
         self.optimal_batch_size = result.batch_size
-        _loops.set_batch_size(trainer, self.batch_arg_name, result.batch_size)
-        self._finish_dataloaders(trainer, was_loaded, rng)
-        if self.keep_effective_batch:
-            self._keep_effective_batch(trainer, original_size, result.batch_size)
+        self._accumulation = trainer.accumulate_grad_batches
+        if self.keep_effective_batch and self._accumulation != self._original[1]:
+            rank_zero_info(
+                f"BatchSizeTuner: accumulate_grad_batches {self._original[1]} -> {self._accumulation} to keep the"
+                f" effective batch near {self._original[0] * self._original[1]} (now {result.batch_size} x"
+                f" {self._accumulation} = {result.batch_size * self._accumulation})."
+            )
         self._report(trainer, result, seconds, upper)
         return result.batch_size
 
     # ------------------------------------------------------------------ helpers
-    @staticmethod
-    def _finish_dataloaders(trainer: pl.Trainer, was_loaded: bool, rng: dict[str, Any]) -> None:
-        """Leave the dataloaders as they were: unbuilt at fit start, rebuilt at the new size mid-training."""
-        if was_loaded:
-            _loops.reload_dataloaders(trainer)
-        else:
-            _loops.unload_dataloaders(trainer)
-        _loops.restore_rng(rng)
+    def _check_setup(self, trainer: pl.Trainer) -> None:
+        """Refuse set-ups where a batch size cannot be applied, before any trial runs."""
+        if not _session.has_batch_arg(trainer, self.batch_arg_name):
+            raise AttributeError(
+                f"`BatchSizeTuner(batch_arg_name={self.batch_arg_name!r})`: neither the LightningModule, its hparams,"
+                f" the datamodule nor its hparams has an attribute `{self.batch_arg_name}`. Add it (and use it in your"
+                " dataloaders), or pass the name your code uses."
+            )
+        if not _session.train_source_is_module(trainer):
+            raise ValueError(
+                "BatchSizeTuner cannot change the batch size of dataloaders passed straight to `trainer.fit(...)`:"
+                " they are built already. Build them in `train_dataloader()` / `val_dataloader()` of your"
+                f" LightningModule or LightningDataModule from `{self.batch_arg_name}`, or remove the tuner."
+            )
+
+    def _accumulation_for(self, size: int) -> int:
+        original_size, original_accumulation = self._original
+        if not self.keep_effective_batch:
+            return original_accumulation
+        return max(1, round(original_size * original_accumulation / size))
+
+    def _apply_restored(self, trainer: pl.Trainer, state: dict[str, Any]) -> None:
+        size = int(state["batch_size"])
+        accumulation = state.get("accumulate_grad_batches") if self.keep_effective_batch else None
+        accumulation = int(accumulation or trainer.accumulate_grad_batches)
+        current = (_session.get_batch_size(trainer, self.batch_arg_name), trainer.accumulate_grad_batches)
+        _session.apply_batch_size(
+            trainer, self.batch_arg_name, size, accumulation, rebuild_optimizers=current != (size, accumulation)
+        )
+        self.optimal_batch_size, self._accumulation = size, accumulation
+        rank_zero_info(
+            f"BatchSizeTuner: batch_size={size} restored from the checkpoint; no trials ran"
+            " (`retune_on_resume=True` tunes again)."
+        )
 
     def _limit_bytes(self, probe: MemoryProbe, trainer: pl.Trainer) -> int | None:
         total = probe.total_bytes()
@@ -292,44 +328,26 @@ class BatchSizeTuner(Callback):
                 )
         return int(self.budget_bytes * (1.0 - self.headroom))
 
-    def _upper_bound(self, trainer: pl.Trainer) -> int:
-        size = _loops.train_dataset_size(trainer)
-        candidates = [v for v in (self.max_val, size) if v is not None]
-        interval = trainer.val_check_interval
-        if size is not None and isinstance(interval, int) and trainer.check_val_every_n_epoch is not None:
-            # Lightning refuses a `val_check_interval` larger than the number of batches per epoch.
-            candidates.append(max(1, size // interval))
-        if not candidates:
-            candidates = [CPU_MAX_VAL]
+    def _upper_bound(self, trainer: pl.Trainer, length: int | None) -> int:
+        candidates = [] if self.max_val is None else [self.max_val]
+        if length is not None:
+            per_rank = math.ceil(length / max(1, trainer.world_size))  # Lightning's DistributedSampler pads
+            need = 1
+            interval = trainer.val_check_interval
+            if isinstance(interval, int) and trainer.check_val_every_n_epoch is not None and trainer.enable_validation:
+                need = interval  # Lightning refuses an epoch with fewer batches than `val_check_interval`
+            candidates.append(_largest_size_with_batches(per_rank, trainer.limit_train_batches, need))
         return max(1, min(candidates))
 
-    def _run_trial(self, trainer: pl.Trainer, snapshot: _loops.TrainerSnapshot, probe: MemoryProbe, size: int) -> Trial:
-        _loops.set_batch_size(trainer, self.batch_arg_name, size)
-        # Limits first: the reload fixes how many validation batches the loop will run.
-        snapshot.prepare_trial(_TrialCallback(self.steps_per_trial, self.include_validation), self.include_validation)
-        _loops.reload_dataloaders(trainer)
-        snapshot.reset_optimizers()
+    def _run_trial(self, session: TrialSession, probe: MemoryProbe, size: int) -> Trial:
+        trainer = session.trainer
+        session.prepare(size, self._accumulation_for(size), self.steps_per_trial, self.include_validation)
         probe.release_cache()  # the peak reserved of this trial must not include the last one's cache
         probe.reset_peaks()
         start = time.perf_counter()
-        fits = True
-        try:
-            _loops.run_trial_loop(trainer)
-        except _loops.TrialStop:
-            pass
-        except _PeerFailed:
-            fits = False
-        except Exception as error:
-            if not is_oom_error(error):
-                raise  # the user's own error: never swallowed
-            fits = False
-            del error  # drop the traceback, which holds the trial's tensors
-            if trainer.world_size > 1:
-                trainer.strategy.reduce_boolean_decision(False, all=True)  # matches the peers' `_agree_or_raise`
-        finally:
-            _zero_grad(trainer)
-            _loops.drop_trial_references(trainer)
+        fits = session.run()
         seconds = time.perf_counter() - start
+        self._check_batches(size, session.batches_seen)
         peak_allocated, peak_reserved = probe.read_peaks()
         if not fits:
             gc.collect()  # an OOM's traceback frames hold tensors in reference cycles
@@ -341,33 +359,43 @@ class BatchSizeTuner(Callback):
             peak_allocated = peak_reserved = None
         return Trial(size, fits=fits, peak_bytes=peak_reserved, seconds=seconds, allocated_bytes=peak_allocated)
 
-    def _verify(
-        self, trainer: pl.Trainer, snapshot: _loops.TrainerSnapshot, probe: MemoryProbe, result: SearchResult
-    ) -> SearchResult:
+    def _check_batches(self, size: int, seen: list[int]) -> None:
+        """Refuse to report sizes that never ran: the attribute must feed the training dataloader."""
+        largest = max(seen, default=-1)
+        if largest < 1 or largest == size:
+            return
+        for other, other_largest in self._seen.items():
+            if other != size and other_largest == largest:
+                raise ValueError(
+                    f"BatchSizeTuner: setting `{self.batch_arg_name}` to {other} and to {size} gave training batches of"
+                    f" {largest} samples both times, so `{self.batch_arg_name}` does not set the training"
+                    " dataloader's batch size. Build the dataloader from it (`DataLoader(...,"
+                    f" batch_size=self.{self.batch_arg_name})`), or pass the name your code uses as `batch_arg_name`."
+                )
+        self._seen[size] = largest
+
+    def _check(self, session: TrialSession, probe: MemoryProbe, result: SearchResult) -> SearchResult:
         """Run the size found once more under the fit's own cap, from the fit's own starting state.
 
-        That trial is the fit's first steps, allocation for allocation; where the allocator's layout under the
-        search's tighter cap differed and the size does not run here, the next smaller accepted size is tried.
+        That trial is the fit's first steps, allocation for allocation. Where the allocator's layout under the
+        search's tighter cap differed and the size does not run here, the search goes on under the full budget,
+        below that size.
         """
         found = result.batch_size or 0
-        accepted = sorted({t.batch_size for t in result.trials if t.fits and t.batch_size <= found}, reverse=True)
-        checks: list[Trial] = []
-        for size in accepted[:MAX_VERIFICATIONS]:
-            trial = self._run_trial(trainer, snapshot, probe, size)
-            checks.append(trial)
-            if trial.fits:
-                return SearchResult(size, result.trials + tuple(checks), result.reason)
-        return SearchResult(None, result.trials + tuple(checks), result.reason)
-
-    def _keep_effective_batch(self, trainer: pl.Trainer, original_size: int, new_size: int) -> None:
-        effective = original_size * trainer.accumulate_grad_batches
-        accumulate = max(1, round(effective / new_size))
-        if accumulate != trainer.accumulate_grad_batches:
-            rank_zero_info(
-                f"BatchSizeTuner: accumulate_grad_batches {trainer.accumulate_grad_batches} -> {accumulate} to keep"
-                f" the effective batch near {effective} (now {new_size} x {accumulate} = {new_size * accumulate})."
-            )
-        trainer.accumulate_grad_batches = accumulate
+        trial = self._run_trial(session, probe, found)
+        if trial.fits:
+            return SearchResult(found, (*result.trials, trial), result.reason)
+        left = MAX_TRIALS - len(result.trials) - 1
+        if found <= 1 or left < 1:
+            return SearchResult(None, (*result.trials, trial), result.reason)
+        again = search_batch_size(
+            lambda size: self._run_trial(session, probe, size),
+            init_val=max(1, found - math.ceil(0.01 * found)),
+            upper=found - 1,
+            limit_bytes=self.budget_bytes,
+            max_trials=left,
+        )
+        return SearchResult(again.batch_size, (*result.trials, trial, *again.trials), again.reason)
 
     def _report(self, trainer: pl.Trainer, result: SearchResult, seconds: float, upper: int) -> None:
         chosen = next(t for t in reversed(result.trials) if t.batch_size == result.batch_size)
@@ -382,8 +410,8 @@ class BatchSizeTuner(Callback):
         )
         if result.reason == "upper_bound":
             rank_zero_warn(
-                f"BatchSizeTuner: stopped at the upper bound {upper} (max_val or the dataset size) without running out"
-                " of memory; the device could take more."
+                f"BatchSizeTuner: stopped at the upper bound {upper} (max_val, the dataset size per rank or"
+                " `val_check_interval`) without running out of memory; the device could take more."
             )
         if not trainer.is_global_zero:
             return
@@ -395,15 +423,44 @@ class BatchSizeTuner(Callback):
         table = f"| batch size | outcome | peak reserved GiB | seconds |\n|---|---|---|---|\n{rows}"
         log_to_loggers(trainer, {"gpumem/batch_size": float(result.batch_size or 0)}, step=trainer.global_step)
         log_text(trainer, "gpumem/batch_size_trials", table, step=trainer.global_step)
+        self._write_next_to_cli_config(trainer)
+
+    def _write_next_to_cli_config(self, trainer: pl.Trainer) -> None:
+        """Under LightningCLI, write the size chosen next to ``config.yaml`` (which keeps the initial one)."""
+        if not any(type(c).__name__ == "SaveConfigCallback" for c in trainer.callbacks):  # type: ignore[attr-defined]
+            return
+        log_dir = trainer.log_dir
+        if log_dir is None:
+            return
+        lines = [
+            "# Chosen by BatchSizeTuner at fit start; config.yaml holds the value the run started with.",
+            f"{self.batch_arg_name}: {self.optimal_batch_size}",
+        ]
+        if self.keep_effective_batch:
+            lines.append(f"accumulate_grad_batches: {self._accumulation}")
+        os.makedirs(log_dir, exist_ok=True)
+        with open(os.path.join(log_dir, "gpumem_batch_size.yaml"), "w", encoding="utf-8") as file:
+            file.write("\n".join(lines) + "\n")
+
+
+def _largest_size_with_batches(samples: int, limit: int | float, need: int) -> int:
+    """The largest batch size whose epoch of ``samples`` still has ``need`` batches after ``limit_train_batches``."""
+
+    def batches(size: int) -> float:
+        length = math.ceil(samples / size)
+        return int(length * limit) if isinstance(limit, float) else min(length, limit)  # Lightning's rule
+
+    lo, hi = 1, max(1, samples)
+    if batches(hi) >= need:
+        return hi
+    while hi - lo > 1:  # batches(lo) >= need > batches(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if batches(mid) >= need else (lo, mid)
+    return lo
 
 
 def _int_or_none(value: float | None) -> int | None:
     return None if value is None else int(value)
-
-
-def _zero_grad(trainer: pl.Trainer) -> None:
-    for optimizer in trainer.optimizers:
-        optimizer.zero_grad(set_to_none=True)
 
 
 def _release(probe: MemoryProbe) -> None:

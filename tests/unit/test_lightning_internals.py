@@ -65,11 +65,14 @@ def test_is_accumulating_matches_lightning_optimizer_steps():
     assert trainer.global_step == 3
 
 
+_METRIC_DICTS = ("_callback_metrics", "_logged_metrics", "_progress_bar_metrics")
+
+
 def test_private_loop_attributes_the_tuner_uses_exist():
-    """`lightning_gpumem/tuning/_loops.py` relies on these; a Lightning upgrade that renames one fails here."""
+    """`lightning_gpumem/tuning/_session.py` relies on these; a Lightning upgrade that renames one fails here."""
     import lightning.pytorch as pl
 
-    from lightning_gpumem.tuning import _loops
+    from lightning_gpumem.tuning import _session
 
     trainer = Trainer(
         accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False
@@ -80,15 +83,23 @@ def test_private_loop_attributes_the_tuner_uses_exist():
     assert hasattr(fit_loop.epoch_loop.val_loop, "_combined_loader")
     assert callable(trainer._checkpoint_connector.restore)
     assert isinstance(fit_loop, pl.loops.loop._Loop)
-    flags = _loops._loop_flags(fit_loop)
+    flags = _session._loop_flags(fit_loop)
     assert {fit_loop, fit_loop.epoch_loop, fit_loop.epoch_loop.val_loop} <= set(flags)
     assert all(len(v) == 3 and all(isinstance(b, bool) for b in v) for v in flags.values())
     assert hasattr(fit_loop.epoch_loop._results, "batch")
     assert hasattr(fit_loop.epoch_loop.val_loop._results, "batch")
-    _loops.drop_trial_references(trainer)
-    assert _loops.dataloaders_loaded(trainer)
-    _loops.unload_dataloaders(trainer)
-    assert not _loops.dataloaders_loaded(trainer)
+    _session._drop_trial_references(trainer)
+    assert hasattr(trainer.lightning_module, "_current_fx_name")
+    assert hasattr(trainer.lightning_module, "_param_requires_grad_state")
+    assert hasattr(trainer._checkpoint_connector, "_loaded_checkpoint")
+    connector = trainer._logger_connector
+    assert all(isinstance(getattr(connector, n), dict) for n in _METRIC_DICTS)
+    assert _session.train_source_is_module(trainer)
+    assert hasattr(fit_loop, "_data_fetcher")
+    assert hasattr(fit_loop.epoch_loop.val_loop, "_data_fetcher")
+    assert _session.dataloaders_loaded(trainer)
+    _session.unload_dataloaders(trainer)
+    assert not _session.dataloaders_loaded(trainer)
 
 
 def test_ddp_strategy_keeps_its_ddp_kwargs():
@@ -96,3 +107,31 @@ def test_ddp_strategy_keeps_its_ddp_kwargs():
     from lightning.pytorch.strategies import DDPStrategy
 
     assert DDPStrategy(gradient_as_bucket_view=True)._ddp_kwargs == {"gradient_as_bucket_view": True}
+
+
+def test_current_fx_name_names_the_running_hook():
+    """`BatchSizeTuner.scale` reads `LightningModule._current_fx_name` to refuse hooks it cannot run from."""
+    from lightning_gpumem.tuning import _session
+
+    seen = {}
+
+    class Spy(Callback):
+        def on_fit_start(self, trainer, pl_module):
+            seen["on_fit_start"] = _session.current_hook(trainer)
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            seen["on_train_epoch_start"] = _session.current_hook(trainer)
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen["on_train_batch_start"] = _session.current_hook(trainer)
+
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        callbacks=[Spy()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    trainer.fit(BoringModel())
+    assert seen == {name: name for name in ("on_fit_start", "on_train_epoch_start", "on_train_batch_start")}

@@ -320,10 +320,10 @@ def test_flags_must_be_bool(name):
 def test_snapshot_restores_weights_optimizer_and_scheduler_mid_training(monkeypatch, tmp_path, in_memory):
     from copy import deepcopy
 
-    from lightning_gpumem.tuning import _loops
+    from lightning_gpumem.tuning import _state
 
     if not in_memory:
-        monkeypatch.setattr(_loops, "_host_has_room", lambda nbytes: False)
+        monkeypatch.setattr(_state, "_host_has_room", lambda nbytes: False)
 
     class AdamModel(BoringModel):
         def configure_optimizers(self):
@@ -336,8 +336,8 @@ def test_snapshot_restores_weights_optimizer_and_scheduler_mid_training(monkeypa
                 return
             optimizer, scheduler = trainer.optimizers[0], trainer.lr_scheduler_configs[0].scheduler
             self.expected = deepcopy((pl_module.state_dict(), optimizer.state_dict(), scheduler.state_dict()))
-            snapshot = _loops.TrainerSnapshot(trainer)
-            self.kept_in_memory = snapshot.checkpoint is not None and snapshot.ckpt_path is None
+            snapshot = _state.ModelState(trainer)
+            self.kept_in_memory = snapshot.in_memory and snapshot.ckpt_path is None
             for p in pl_module.parameters():  # what a trial does: steps that change everything
                 p.grad = torch.randn_like(p)
             optimizer.step()

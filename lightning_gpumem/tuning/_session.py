@@ -1,0 +1,575 @@
+"""Trials on the user's own Trainer: every private Lightning access of the tuner lives in this module.
+
+Why the real loop: a trial must cost what training costs (precision plugin, strategy wrapper, closures, gradient
+accumulation and clipping, the optimizer step, ``self.log`` in the user's steps), and only Lightning's loop does all
+of that. Lightning has no public API to run a few steps at another batch size and undo them, so, like its own
+``BatchSizeFinder`` (``lightning/pytorch/tuner/batch_size_scaling.py``), this module reaches into loop attributes.
+Each access carries a ``# private:`` comment, and ``tests/unit/test_lightning_internals.py`` fails loudly when an
+upgrade breaks one.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from copy import deepcopy
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.callbacks.callback import Callback
+from lightning.pytorch.loggers.logger import DummyLogger
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from typing_extensions import override
+
+from lightning_gpumem._oom import is_oom_error
+from lightning_gpumem.tuning._state import ModelState, keeps_whole_model
+
+try:
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
+    np = None  # type: ignore[assignment]
+
+SCALE_HOOKS = ("on_fit_start", "on_train_epoch_start")
+"""The hooks ``BatchSizeTuner.scale`` may run from: before the fit loop, or before an epoch's data is iterated."""
+
+# Module hooks the fit runs once per fit, epoch or validation run; a trial must not run them again.
+_ONCE_PER_LOOP_HOOKS = (
+    "on_train_start",
+    "on_train_end",
+    "on_train_epoch_start",
+    "on_train_epoch_end",
+    "on_validation_start",
+    "on_validation_end",
+    "on_validation_epoch_start",
+    "on_validation_epoch_end",
+)
+_LOG_SYNC_DIST_POSITION = 8  # `LightningModule.log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx,
+# enable_graph, sync_dist, ...)`
+
+
+class TrialStop(Exception):
+    """Raised from the trial callback to leave the fit loop once a trial's steps are done."""
+
+
+class PeerFailed(Exception):
+    """Another rank ran out of memory in this trial: leave it at the same collective."""
+
+
+class TrialSession:
+    """Runs trials on the user's Trainer and, on leaving, puts everything back: the fit cannot tell they ran.
+
+    Life cycle: ``with TrialSession(trainer, name) as session:`` saves the run's state; each
+    ``session.prepare(size)`` then ``session.run()`` is one trial (``run`` returns whether it fitted and lets any
+    other error through); ``session.choose(size)`` picks the size the fit continues with. Leaving the block,
+    normally or by an exception (the user's error, Ctrl-C), restores:
+
+    - weights, buffers, optimizer, LR-scheduler and precision-plugin states, loop progress, ``should_stop``;
+    - train/eval mode and ``requires_grad`` of every module and parameter (an OOM between ``toggle_optimizer`` and
+      ``untoggle_optimizer``, or in validation, leaves them changed);
+    - the RNG states of Python, NumPy, torch, CUDA and of every ``torch.Generator`` the dataloaders hold;
+    - the logged, callback and progress-bar metrics, the loops' result collections and every torchmetrics state, so
+      no trial value reaches a logger, ``ModelCheckpoint``, ``EarlyStopping`` or an epoch aggregate;
+    - loggers, callbacks, limits and the pending checkpoint of ``fit(ckpt_path=...)``;
+    - the batch size and ``accumulate_grad_batches``: the chosen ones, or the original ones if none was chosen.
+
+    During trials only the trial callback runs (no user callback, no logger), the module's once-per-loop hooks
+    (``on_train_start``, ``on_train_epoch_start``, ``on_validation_epoch_end``, ...) are skipped, ``self.log`` does
+    not synchronise across ranks, and DDP skips its gradient all-reduce, so a rank that runs out of memory leaves its
+    peers at the same collective. Dataloader workers of a trial are shut down when it ends. After the fit's size is
+    set, what the fit derived from the batch size is derived again: at fit start the dataloaders are rebuilt and
+    ``configure_optimizers`` runs again (``estimated_stepping_batches``, schedulers built from it).
+    """
+
+    def __init__(self, trainer: pl.Trainer, batch_arg_name: str) -> None:
+        self.trainer = trainer
+        self.batch_arg_name = batch_arg_name
+        self.original = (get_batch_size(trainer, batch_arg_name), trainer.accumulate_grad_batches)
+        self.chosen: tuple[int, int] | None = None
+        self.validates = trainer.enable_validation
+        self.callback: _TrialCallback | None = None
+        self._saved: dict[str, Any] = {}
+        self._state: ModelState | None = None
+        self._patches: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ life cycle
+    def __enter__(self) -> TrialSession:
+        trainer = self.trainer
+        module = trainer.lightning_module
+        fit_loop = trainer.fit_loop
+        connector = trainer._checkpoint_connector  # private: holds the pending checkpoint of `fit(ckpt_path=...)`
+        self._saved = {
+            "hook": module._current_fx_name,  # private attribute of LightningModule, set by Lightning's hook calls
+            "rng": _capture_rng(trainer),
+            "loaded": dataloaders_loaded(trainer),
+            "loaded_checkpoint": connector._loaded_checkpoint,  # private
+            "loggers": trainer.loggers,
+            "callbacks": trainer.callbacks,  # type: ignore[attr-defined]
+            "limits": (trainer.limit_train_batches, trainer.limit_val_batches),
+            "should_stop": trainer.should_stop,
+            "max": (fit_loop.epoch_loop.max_steps, fit_loop.max_epochs),
+            "loop_state": deepcopy(fit_loop.state_dict()),
+            "loop_flags": _loop_flags(fit_loop),
+            "modes": {m: m.training for m in module.modules()},
+            "requires_grad": {p: p.requires_grad for p in module.parameters()},
+            "metrics": _logged_metrics(trainer),
+            "torchmetrics": _torchmetrics_states(module),
+        }
+        self._state = ModelState(trainer)
+        self._patch_module(module)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        trainer = self.trainer
+        saved = self._saved
+        try:
+            self._unpatch_module(trainer.lightning_module)
+            unload_dataloaders(trainer)
+            trainer.loggers = saved["loggers"]
+            trainer.callbacks = saved["callbacks"]  # type: ignore[attr-defined]
+            trainer.limit_train_batches, trainer.limit_val_batches = saved["limits"]
+            fit_loop = trainer.fit_loop
+            fit_loop.epoch_loop.max_steps, fit_loop.max_epochs = saved["max"]
+            if self._state is not None:
+                self._state.restore()
+            fit_loop.load_state_dict(deepcopy(saved["loop_state"]))
+            _set_loop_flags(saved["loop_flags"])  # `load_state_dict` marked the loops as restarting
+            trainer.should_stop = saved["should_stop"]
+            for module, training in saved["modes"].items():
+                module.training = training
+            for param, flag in saved["requires_grad"].items():
+                param.requires_grad_(flag)
+            _restore_logged_metrics(trainer, saved["metrics"])
+            _restore_torchmetrics_states(saved["torchmetrics"])
+            trainer._checkpoint_connector._loaded_checkpoint = saved["loaded_checkpoint"]  # private
+            trainer.lightning_module._current_fx_name = saved["hook"]  # private, see `__enter__`
+        finally:
+            size, accumulation = self.chosen if self.chosen is not None and exc[0] is None else self.original
+            apply_batch_size(
+                trainer,
+                self.batch_arg_name,
+                size,
+                accumulation,
+                rebuild_optimizers=self.chosen is not None and self.chosen != self.original,
+                rng=saved["rng"],
+                was_loaded=saved["loaded"],
+            )
+
+    def choose(self, size: int, accumulation: int) -> None:
+        """The size (and accumulation) the fit continues with once the session is left."""
+        self.chosen = (size, accumulation)
+
+    # ------------------------------------------------------------------ trials
+    def prepare(self, size: int, accumulation: int, steps: int, validate: bool) -> None:
+        """Point the loop at one trial of ``steps`` optimizer steps at ``size`` (and one validation batch)."""
+        trainer = self.trainer
+        set_batch_size(trainer, self.batch_arg_name, size)
+        trainer.accumulate_grad_batches = accumulation
+        validate = validate and self.validates
+        self.callback = _TrialCallback(steps * accumulation, validate)
+        trainer.loggers = [DummyLogger()] if self._saved["loggers"] else []
+        trainer.callbacks = [self.callback]  # type: ignore[attr-defined]
+        trainer.limit_train_batches = 1.0
+        trainer.limit_val_batches = 1 if validate else 0
+        trainer.should_stop = False
+        fit_loop = trainer.fit_loop
+        fit_loop.load_state_dict(deepcopy(self._saved["loop_state"]))
+        fit_loop.epoch_loop.max_steps = -1  # the trial stops itself; user limits are absolute (Lightning #21903)
+        _set_loop_flags({loop: (False, False, False) for loop in self._saved["loop_flags"]})  # run as a fresh run
+        fit_loop.max_epochs = max(fit_loop.max_epochs or 0, trainer.current_epoch + 2)
+        for module, training in self._saved["modes"].items():
+            module.training = training  # a validation OOM in the trial before left them in eval mode
+        for param, flag in self._saved["requires_grad"].items():
+            param.requires_grad_(flag)  # an OOM between toggle_optimizer and untoggle_optimizer left them off
+        trainer.lightning_module._param_requires_grad_state = {}  # private: what untoggle_optimizer restores from
+        _reload_dataloaders(trainer, validate)
+        if self._state is not None:
+            self._state.reset_optimizers()
+
+    def run(self) -> bool:
+        """Run the prepared trial: ``True`` if it fitted, ``False`` on an OOM (on any rank); other errors propagate."""
+        trainer = self.trainer
+        fits = True
+        try:
+            with _no_gradient_sync(trainer):
+                trainer.fit_loop.run()
+        except TrialStop:
+            pass
+        except PeerFailed:
+            fits = False
+        except Exception as error:
+            if not is_oom_error(error):
+                raise  # the user's own error: never swallowed
+            fits = False
+            del error  # drop the traceback, which holds the trial's tensors
+            if trainer.world_size > 1:
+                trainer.strategy.reduce_boolean_decision(False, all=True)  # matches the peers' `agree_or_raise`
+        finally:
+            for optimizer in trainer.optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            _drop_trial_references(trainer)
+            unload_dataloaders(trainer)
+        return fits
+
+    @property
+    def batches_seen(self) -> list[int]:
+        """Samples in each training batch of the last trial (what ran, not what was asked for)."""
+        return self.callback.batch_sizes if self.callback is not None else []
+
+    # ------------------------------------------------------------------ module patches
+    def _patch_module(self, module: pl.LightningModule) -> None:
+        def skip(*args: Any, **kwargs: Any) -> None:
+            return None
+
+        for name in (*_ONCE_PER_LOOP_HOOKS, "log"):
+            if name in vars(module):
+                self._patches[name] = vars(module)[name]
+        for name in _ONCE_PER_LOOP_HOOKS:
+            setattr(module, name, skip)
+        bound_log = module.log
+
+        def log(*args: Any, **kwargs: Any) -> None:
+            # A trial's logged values are discarded; synchronising them would pair a peer's logging all-reduce with
+            # the OOM agreement of a rank that ran out of memory.
+            if len(args) > _LOG_SYNC_DIST_POSITION:
+                args = (*args[:_LOG_SYNC_DIST_POSITION], False, *args[_LOG_SYNC_DIST_POSITION + 1 :])
+            else:
+                kwargs["sync_dist"] = False
+            bound_log(*args, **kwargs)
+
+        module.log = log  # type: ignore[method-assign]
+
+    def _unpatch_module(self, module: pl.LightningModule) -> None:
+        for name in (*_ONCE_PER_LOOP_HOOKS, "log"):
+            if name in self._patches:
+                setattr(module, name, self._patches[name])
+            else:
+                vars(module).pop(name, None)
+        self._patches = {}
+
+
+class _TrialCallback(Callback):
+    """The only callback during a trial: counts batches, runs one validation batch, agrees across ranks."""
+
+    def __init__(self, batches: int, validate: bool) -> None:
+        self.batches = batches
+        self.validate = validate
+        self.batch_sizes: list[int] = []
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self.batch_sizes.append(_batch_size(batch))
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
+    ) -> None:
+        agree_or_raise(trainer)
+        if len(self.batch_sizes) < self.batches and batch_idx + 1 < trainer.num_training_batches:
+            return
+        if self.validate:
+            _run_validation(trainer)
+        raise TrialStop
+
+    @override
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: STEP_OUTPUT,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        agree_or_raise(trainer)
+
+
+def agree_or_raise(trainer: pl.Trainer) -> None:
+    """Collective: every rank calls it once per trial batch, a rank that ran out of memory once from its handler."""
+    if trainer.world_size > 1 and not trainer.strategy.reduce_boolean_decision(True, all=True):
+        raise PeerFailed
+
+
+def _batch_size(batch: Any) -> int:
+    from lightning.pytorch.utilities.data import extract_batch_size
+
+    try:
+        return int(extract_batch_size(batch))
+    except Exception:  # a batch without tensors: nothing to count
+        return -1
+
+
+# ---------------------------------------------------------------------- batch size and dataloaders
+def has_batch_arg(trainer: pl.Trainer, name: str) -> bool:
+    """Whether the model, its hparams, the datamodule or its hparams has ``name`` (Lightning's own lookup)."""
+    return bool(lightning_hasattr(trainer.lightning_module, name))
+
+
+def get_batch_size(trainer: pl.Trainer, name: str) -> int:
+    """The current batch size, read where Lightning's finder reads it."""
+    value = lightning_getattr(trainer.lightning_module, name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"The batch size attribute `{name}` holds {value!r}; expected an integer.")
+    return value
+
+
+def set_batch_size(trainer: pl.Trainer, name: str, value: int) -> None:
+    """Write the batch size everywhere Lightning's finder writes it."""
+    lightning_setattr(trainer.lightning_module, name, value)
+
+
+def current_hook(trainer: pl.Trainer) -> str | None:
+    """The Lightning hook running now (``None`` outside one)."""
+    return trainer.lightning_module._current_fx_name  # private attribute, set by Lightning's hook calls
+
+
+def train_source_is_module(trainer: pl.Trainer) -> bool:
+    """Whether the training dataloader comes from a LightningModule or DataModule method (so it can be rebuilt)."""
+    return bool(trainer.fit_loop._data_source.is_module())  # private: the fit loop's `_DataLoaderSource`
+
+
+def train_dataset_length(trainer: pl.Trainer) -> int | None:
+    """Samples in the first training dataset, asked from the user's ``train_dataloader`` (``None``: no length)."""
+    loaders = trainer.fit_loop._data_source.dataloader()  # private, see `train_source_is_module`
+    first = _first_loader(loaders)
+    dataset = getattr(first, "dataset", None)
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return None
+    try:
+        return len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _first_loader(loaders: Any) -> Any:
+    if isinstance(loaders, dict):
+        return _first_loader(next(iter(loaders.values()), None))
+    if isinstance(loaders, (list, tuple)):
+        return _first_loader(loaders[0]) if loaders else None
+    if hasattr(loaders, "iterables"):  # a CombinedLoader
+        return _first_loader(loaders.iterables)
+    return loaders
+
+
+def dataloaders_loaded(trainer: pl.Trainer) -> bool:
+    """Whether the fit loop has built its training dataloader yet (not before the loop starts running)."""
+    return trainer.fit_loop._combined_loader is not None  # private attribute of the fit loop
+
+
+def unload_dataloaders(trainer: pl.Trainer) -> None:
+    """Stop the loaders' iterators and workers (an OOM skips the loops' own teardown) and drop the loaders.
+
+    The fit loop then builds them itself when it starts, as it would have without tuning.
+    """
+    for loop in (trainer.fit_loop, trainer.fit_loop.epoch_loop.val_loop):
+        fetcher = getattr(loop, "_data_fetcher", None)  # private: the loop's `_DataFetcher`
+        if fetcher is not None:
+            fetcher.teardown()
+            loop._data_fetcher = None  # private: `setup_data` makes a new one with the new loader
+        combined = loop._combined_loader  # private
+        if combined is not None:
+            combined.reset()
+        loop._combined_loader = None  # private: force a reload (Lightning's `_reset_dataloaders` does the same)
+
+
+def _reload_dataloaders(trainer: pl.Trainer, validation: bool) -> None:
+    """Rebuild the train (and val) dataloaders so they use the batch size just written."""
+    unload_dataloaders(trainer)
+    trainer.fit_loop.setup_data()  # Lightning's `_reset_dataloaders` does the same
+    if validation:
+        trainer.fit_loop.epoch_loop.val_loop.setup_data()
+
+
+def apply_batch_size(
+    trainer: pl.Trainer,
+    name: str,
+    size: int,
+    accumulation: int,
+    *,
+    rebuild_optimizers: bool,
+    rng: dict[str, Any] | None = None,
+    was_loaded: bool | None = None,
+) -> None:
+    """Set the fit's batch size and re-derive what the fit derived from it, leaving the RNG streams as they were.
+
+    The dataloaders end as they were (built or not) but at the new size; at fit start ``configure_optimizers`` runs
+    again when ``rebuild_optimizers`` (schedulers built from ``estimated_stepping_batches``).
+    """
+    rng = _capture_rng(trainer) if rng is None else rng
+    was_loaded = dataloaders_loaded(trainer) if was_loaded is None else was_loaded
+    set_batch_size(trainer, name, size)
+    trainer.accumulate_grad_batches = accumulation
+    unload_dataloaders(trainer)
+    if rebuild_optimizers and current_hook(trainer) == "on_fit_start":
+        _rebuild_optimizers(trainer)
+    if was_loaded and not dataloaders_loaded(trainer):
+        _reload_dataloaders(trainer, validation=False)
+        epoch = trainer.fit_loop.epoch_progress.current.processed  # type: ignore[attr-defined]
+        for loader in trainer.fit_loop._combined_loader.flattened:  # type: ignore[union-attr]  # private
+            _set_sampler_epoch(loader, epoch)  # the loop set it on the loaders it built before
+    _restore_rng(rng)
+
+
+def _rebuild_optimizers(trainer: pl.Trainer) -> None:
+    """Run ``configure_optimizers`` again, as the strategy did at setup (before the batch size was known)."""
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+    strategy = trainer.strategy
+    if not keeps_whole_model(strategy):
+        rank_zero_warn(
+            f"BatchSizeTuner: `configure_optimizers` was not run again under {type(strategy).__name__}; anything it"
+            " derived from the batch size (e.g. `estimated_stepping_batches`) keeps the initial size's value."
+        )
+        return
+    strategy.setup_optimizers(trainer)
+    _optimizers_to_device(strategy.optimizers, strategy.root_device)
+
+
+# ---------------------------------------------------------------------- RNG
+def _capture_rng(trainer: pl.Trainer) -> dict[str, Any]:
+    """RNG states of Python, NumPy, torch, every CUDA device and every generator the dataloaders hold."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if np is not None:
+        state["numpy"] = np.random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    state["generators"] = [(g, g.get_state()) for g in _loader_generators(trainer)]
+    return state
+
+
+def _restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if np is not None and "numpy" in state:
+        np.random.set_state(state["numpy"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    for generator, generator_state in state["generators"]:
+        generator.set_state(generator_state)
+
+
+def _loader_generators(trainer: pl.Trainer) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects of the user's train and val dataloaders (and their samplers)."""
+    sources = [trainer.fit_loop._data_source]  # private, see `train_source_is_module`
+    if trainer.enable_validation:
+        sources.append(trainer.fit_loop.epoch_loop.val_loop._data_source)  # private
+    found: dict[int, torch.Generator] = {}
+    for source in sources:
+        if not source.is_module():
+            continue
+        try:
+            loaders = source.dataloader()
+        except Exception:  # noqa: S112 - a loader that cannot be built now holds no generator to keep
+            continue
+        for loader in _flatten_loaders(loaders):
+            for owner in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
+                for candidate in (
+                    getattr(owner, "generator", None),
+                    getattr(getattr(owner, "sampler", None), "generator", None),
+                ):
+                    if isinstance(candidate, torch.Generator):
+                        found[id(candidate)] = candidate
+    return list(found.values())
+
+
+def _flatten_loaders(loaders: Any) -> Iterator[Any]:
+    if isinstance(loaders, dict):
+        for value in loaders.values():
+            yield from _flatten_loaders(value)
+    elif isinstance(loaders, (list, tuple)):
+        for value in loaders:
+            yield from _flatten_loaders(value)
+    elif hasattr(loaders, "flattened"):
+        yield from loaders.flattened
+    elif loaders is not None:
+        yield loaders
+
+
+# ---------------------------------------------------------------------- metrics
+def _logged_metrics(trainer: pl.Trainer) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    connector = trainer._logger_connector  # private: the dicts behind `trainer.callback_metrics` and friends
+    return dict(connector._callback_metrics), dict(connector._logged_metrics), dict(connector._progress_bar_metrics)
+
+
+def _restore_logged_metrics(trainer: pl.Trainer, saved: tuple[dict[str, Any], ...]) -> None:
+    connector = trainer._logger_connector  # private, see `_logged_metrics`
+    connector._callback_metrics, connector._logged_metrics, connector._progress_bar_metrics = (dict(d) for d in saved)
+    for loop in (trainer.fit_loop.epoch_loop, trainer.fit_loop.epoch_loop.val_loop):
+        results = getattr(loop, "_results", None)  # private: the loop's `_ResultCollection`
+        if results is not None:
+            results.reset()  # epoch aggregates must not count trial batches
+
+
+def _torchmetrics_states(module: torch.nn.Module) -> list[tuple[Any, dict[str, Any]]]:
+    """The accumulated state of every torchmetrics ``Metric`` in ``module`` (duck-typed: ``_defaults``)."""
+    states = []
+    for child in module.modules():
+        defaults = getattr(child, "_defaults", None)
+        if isinstance(defaults, dict) and hasattr(child, "reset"):
+            names = [*defaults, "_update_count", "_computed", "_forward_cache"]
+            states.append((child, {n: deepcopy(getattr(child, n)) for n in names if hasattr(child, n)}))
+    return states
+
+
+def _restore_torchmetrics_states(states: list[tuple[Any, dict[str, Any]]]) -> None:
+    for metric, state in states:
+        for name, value in state.items():
+            setattr(metric, name, value)
+
+
+# ---------------------------------------------------------------------- loops
+def _loop_flags(loop: Any) -> dict[Any, tuple[bool, bool, bool]]:
+    """The restart flags of ``loop`` and every loop inside it (private attributes of Lightning's `_Loop`)."""
+    flags = {loop: (loop._restarting, loop._loaded_from_state_dict, loop._resuming_from_checkpoint)}
+    for child in vars(loop).values():
+        if isinstance(child, pl.loops.loop._Loop):
+            flags.update(_loop_flags(child))
+    return flags
+
+
+def _set_loop_flags(flags: dict[Any, tuple[bool, bool, bool]]) -> None:
+    # Set the attributes directly: `_FitLoop.restarting`'s setter forces True for step-based runs (`max_steps`).
+    for loop, (restarting, loaded, resuming) in flags.items():
+        loop._restarting, loop._loaded_from_state_dict, loop._resuming_from_checkpoint = restarting, loaded, resuming
+
+
+def _drop_trial_references(trainer: pl.Trainer) -> None:
+    """Forget the batch a trial left in the loops' result collections (an OOM skips the batch-end cleanup)."""
+    for loop in (trainer.fit_loop.epoch_loop, trainer.fit_loop.epoch_loop.val_loop):
+        results = getattr(loop, "_results", None)  # private: `_ResultCollection` of the loop
+        if results is not None:
+            results.batch = None
+            results.batch_size = None
+
+
+def _run_validation(trainer: pl.Trainer) -> None:
+    """Run the fit's validation loop now (one batch, as the trial set ``limit_val_batches``)."""
+    # What Lightning's loop does before validating: free the gradients (`on_validation_model_zero_grad`).
+    trainer.lightning_module.on_validation_model_zero_grad()
+    trainer.validating = True
+    try:
+        trainer.fit_loop.epoch_loop.val_loop.run()  # private attribute of the epoch loop
+    finally:
+        trainer.training = True
+
+
+@contextmanager
+def _no_gradient_sync(trainer: pl.Trainer) -> Iterator[None]:
+    """Under DDP, skip the gradient all-reduce during trials.
+
+    Without it, a rank that runs out of memory in its forward pass leaves the others waiting forever in the
+    backward all-reduce. The memory is the same: DDP's buckets exist either way.
+    """
+    model = trainer.strategy.model
+    no_sync = getattr(model, "no_sync", None)
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and no_sync is not None:
+        with no_sync():
+            yield
+    else:
+        yield

@@ -1,0 +1,130 @@
+"""What a trial changes in the model and its optimizers, kept before the trials and put back after them.
+
+Why not Lightning's checkpoint dict: ``dump_checkpoint`` and ``restore`` call the user's ``on_save_checkpoint`` /
+``on_load_checkpoint`` and every callback's ``state_dict`` / ``load_state_dict``, which would be hook calls the fit
+without trials never makes. Trials run no user callback, so only the module, the optimizers, the LR schedulers and
+the precision plugin change; those are copied to host memory directly. Under a strategy where a rank does not hold
+the whole model (FSDP, DeepSpeed), or when the host lacks room, the copy goes through a checkpoint file with
+Lightning's own connector instead, as Lightning's ``BatchSizeFinder`` does.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from copy import deepcopy
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+
+class ModelState:
+    """Weights, buffers, optimizer, LR-scheduler and precision-plugin states of ``trainer``, restorable exactly."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
+        self.ckpt_path: str | None = None
+        self.optimizers_empty = all(not optimizer.state for optimizer in trainer.optimizers)
+        module = trainer.lightning_module
+        in_memory = keeps_whole_model(trainer.strategy) and _host_has_room(
+            _tensor_bytes(module.state_dict()) * 3 * _local_world_size(trainer)  # weights + e.g. Adam's two moments
+        )
+        self.in_memory = bool(trainer.strategy.reduce_boolean_decision(in_memory, all=True))
+        if self.in_memory:
+            self.weights = _copy_to_host(module.state_dict())
+            self.optimizers = [_copy_to_host(optimizer.state_dict()) for optimizer in trainer.optimizers]
+            self.schedulers = [deepcopy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs]
+            self.precision = deepcopy(trainer.precision_plugin.state_dict())
+        else:
+            path = os.path.join(trainer.default_root_dir, f".gpumem_tuner_{uuid.uuid4().hex}.ckpt")
+            self.ckpt_path = trainer.strategy.broadcast(path)  # one file: rank zero writes, every rank reads
+            trainer.save_checkpoint(self.ckpt_path)
+
+    def reset_optimizers(self) -> None:
+        """Give each trial the optimizer state the run has now, so its first step allocates what the fit's will.
+
+        At fit start the state is empty and the first step creates it (AdamW: two tensors per parameter), carving it
+        out of whatever the allocator has cached then; a trial that inherited the state of the trial before would
+        miss that, and with it the fragmentation the fit's second step meets.
+        """
+        if self.optimizers_empty:
+            for optimizer in self.trainer.optimizers:
+                optimizer.state.clear()
+        elif self.in_memory:
+            for optimizer, state in zip(self.trainer.optimizers, self.optimizers, strict=True):
+                optimizer.load_state_dict(_copy_to_host(state))  # loading may keep CPU tensors: copy first
+        # else: a sharded strategy mid-training: trials keep the state of the trial before (same sizes).
+
+    def restore(self) -> None:
+        """Put the states back exactly as they were."""
+        trainer = self.trainer
+        if self.in_memory:
+            trainer.lightning_module.load_state_dict(self.weights)
+            for optimizer, state in zip(trainer.optimizers, self.optimizers, strict=True):
+                optimizer.load_state_dict(state)
+                if self.optimizers_empty:
+                    optimizer.state.clear()
+            for config, state in zip(trainer.lr_scheduler_configs, self.schedulers, strict=True):
+                config.scheduler.load_state_dict(state)
+            if self.precision:
+                trainer.precision_plugin.load_state_dict(self.precision)
+        elif self.ckpt_path is not None:
+            connector = trainer._checkpoint_connector  # private: what Lightning's finder restores with
+            try:
+                connector.restore(self.ckpt_path)
+            finally:
+                trainer.strategy.barrier("gpumem_tuner_restored")  # every rank has read it before rank zero deletes it
+                trainer.strategy.remove_checkpoint(self.ckpt_path)
+                self.ckpt_path = None
+
+
+def keeps_whole_model(strategy: Any) -> bool:
+    """Whether each rank's ``state_dict`` is the whole model (so a host copy per rank restores it exactly)."""
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    return type(strategy) in (SingleDeviceStrategy, DDPStrategy)
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _local_world_size(trainer: pl.Trainer) -> int:
+    return max(1, int(getattr(trainer, "num_devices", 1) or 1))
+
+
+def _host_has_room(nbytes: int) -> bool:
+    """Whether ``nbytes`` take at most half of the host memory available now (unknown: assume not)."""
+    try:
+        import psutil
+
+        return nbytes <= psutil.virtual_memory().available // 2
+    except Exception:
+        return False
+
+
+def _copy_to_host(obj: Any) -> Any:
+    """A deep copy with every tensor copied to host memory (containers rebuilt, other leaves deep-copied)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        items = [(k, _copy_to_host(v)) for k, v in obj.items()]
+        try:
+            copy = type(obj)(items)  # OrderedDict, AttributeDict, ...
+        except Exception:
+            return dict(items)
+        if hasattr(obj, "_metadata"):  # a module's state_dict: versions that `load_state_dict` reads
+            copy._metadata = deepcopy(obj._metadata)  # type: ignore[attr-defined]
+        return copy
+    if isinstance(obj, list):
+        return [_copy_to_host(v) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_copy_to_host(v) for v in obj)
+    return deepcopy(obj)
