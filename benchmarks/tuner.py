@@ -18,9 +18,10 @@ vocabulary 32768, sequence 512) on random tokens, and torchvision's ResNet-50 on
    is the wall time of that hook, CUDA synchronised), then the same fit continues at the size found for 50 training
    steps and a validation pass of 5 batches at step 50 (``val_check_interval=50, check_val_every_n_epoch=None,
    limit_val_batches=5``); an OOM there is caught and reported. Trials and OOMs are counted inside the
-   LightningModule, because both finders replace the Trainer's callbacks while they search: ``on_train_start``
-   opens a trial (every trial is one run of the fit loop), a training step counts when its ``optimizer_step``
-   returns (that hook wraps forward, backward and the optimizer step), and an out-of-memory error raised through
+   LightningModule, because both finders replace the Trainer's callbacks while they search: the first training
+   batch (``on_train_batch_start`` at ``batch_idx`` 0) opens a trial (every trial runs the fit loop from batch 0), a
+   training step counts when its ``optimizer_step`` returns (that hook wraps forward, backward and the optimizer
+   step), and an out-of-memory error raised through
    ``optimizer_step`` or ``validation_step`` marks the trial as an OOM before it is re-raised to the finder. For the
    tuner the table shows its own ``tuner.trials`` and ``tuner.result.num_ooms``; the module's count is kept in the
    JSON as a cross-check.
@@ -238,18 +239,21 @@ def _lightning_classes() -> tuple[type, type, type]:
 
         def _trial(self) -> dict[str, Any]:
             if not self.trials:  # a step outside a fit-loop run (not expected): give it a trial of its own
-                self.on_train_start()
+                self._open_trial()
             return self.trials[-1]
 
         def _note(self, error: BaseException) -> None:
             if self.phase == "search" and M.is_oom(error):
                 self._trial()["oom"] = True
 
-        def on_train_start(self) -> None:
-            if self.phase == "search":  # every trial of both finders is one run of the fit loop
-                self.trials.append(
-                    {"batch_size": self.batch_size, "seen": None, "train_steps": 0, "val_batches": 0, "oom": False}
-                )
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            if self.phase == "search" and batch_idx == 0:  # every trial of both finders runs the loop from batch 0
+                self._open_trial()
+
+        def _open_trial(self) -> None:
+            self.trials.append(
+                {"batch_size": self.batch_size, "seen": None, "train_steps": 0, "val_batches": 0, "oom": False}
+            )
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             if self.phase == "search":

@@ -114,6 +114,8 @@ class TrialSession:
             "max": (fit_loop.epoch_loop.max_steps, fit_loop.max_epochs),
             "loop_state": deepcopy(fit_loop.state_dict()),
             "loop_flags": _loop_flags(fit_loop),
+            # private: ModelCheckpoint raises on a missing monitor key once validation has run
+            "val_has_run": getattr(fit_loop.epoch_loop.val_loop, "_has_run", False),
             "modes": {m: m.training for m in module.modules()},
             "requires_grad": {p: p.requires_grad for p in module.parameters()},
             "metrics": _logged_metrics(trainer),
@@ -138,6 +140,7 @@ class TrialSession:
                 self._state.restore()
             fit_loop.load_state_dict(deepcopy(saved["loop_state"]))
             _set_loop_flags(saved["loop_flags"])  # `load_state_dict` marked the loops as restarting
+            fit_loop.epoch_loop.val_loop._has_run = saved["val_has_run"]  # private, see `__enter__`
             trainer.should_stop = saved["should_stop"]
             for module, training in saved["modes"].items():
                 module.training = training
@@ -492,18 +495,41 @@ def _flatten_loaders(loaders: Any) -> Iterator[Any]:
 
 
 # ---------------------------------------------------------------------- metrics
-def _logged_metrics(trainer: pl.Trainer) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+def _result_collections(trainer: pl.Trainer) -> list[dict[str, Any]]:
+    """The training and validation loops' `_ResultCollection`s (private): dicts of key -> logged metric."""
+    loops = (trainer.fit_loop.epoch_loop, trainer.fit_loop.epoch_loop.val_loop)
+    return [results for loop in loops if (results := getattr(loop, "_results", None)) is not None]
+
+
+def _logged_metrics(trainer: pl.Trainer) -> dict[str, Any]:
+    """Save the metrics the fit logged so far and empty the result collections for the trials.
+
+    A result collection remembers the arguments a key was first logged with; trials log without ``sync_dist``, so a
+    key the fit logged with it, or a trial key the fit then logs with it, would make Lightning raise.
+    """
     connector = trainer._logger_connector  # private: the dicts behind `trainer.callback_metrics` and friends
-    return dict(connector._callback_metrics), dict(connector._logged_metrics), dict(connector._progress_bar_metrics)
+    collections = _result_collections(trainer)
+    saved = {
+        "dicts": (
+            dict(connector._callback_metrics),
+            dict(connector._logged_metrics),
+            dict(connector._progress_bar_metrics),
+        ),
+        "results": [(results, dict(results)) for results in collections],
+    }
+    for results in collections:
+        results.clear()
+    return saved
 
 
-def _restore_logged_metrics(trainer: pl.Trainer, saved: tuple[dict[str, Any], ...]) -> None:
+def _restore_logged_metrics(trainer: pl.Trainer, saved: dict[str, Any]) -> None:
     connector = trainer._logger_connector  # private, see `_logged_metrics`
-    connector._callback_metrics, connector._logged_metrics, connector._progress_bar_metrics = (dict(d) for d in saved)
-    for loop in (trainer.fit_loop.epoch_loop, trainer.fit_loop.epoch_loop.val_loop):
-        results = getattr(loop, "_results", None)  # private: the loop's `_ResultCollection`
-        if results is not None:
-            results.reset()  # epoch aggregates must not count trial batches
+    connector._callback_metrics, connector._logged_metrics, connector._progress_bar_metrics = (
+        dict(d) for d in saved["dicts"]
+    )
+    for results, entries in saved["results"]:
+        results.clear()  # no trial key, value or epoch aggregate reaches the fit
+        results.update(entries)
 
 
 def _torchmetrics_states(module: torch.nn.Module) -> list[tuple[Any, dict[str, Any]]]:

@@ -161,3 +161,55 @@ def test_real_out_of_memory_errors_are_caught_and_released():
     assert not tuner.trials[0].fits  # 8192 samples do not fit in 1 GiB: a real torch.OutOfMemoryError
     assert tuner.optimal_batch_size < 8192
     assert after.allocated - before.allocated < 2**20
+
+
+class OneCycleMLP(WideMLP):
+    """WideMLP whose schedule is built from `estimated_stepping_batches`, the pattern in Lightning's docs."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-4)
+        total = self.trainer.estimated_stepping_batches
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-3, total_steps=total)
+        return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
+
+
+def _plain_fit(model: LightningModule, callbacks: list, budget: int) -> Trainer:
+    torch.manual_seed(0)
+    trainer = Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_epochs=1,
+        limit_train_batches=6,
+        limit_val_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[*callbacks, CapDuringFit(budget)],
+    )
+    trainer.fit(model)
+    return trainer
+
+
+def test_a_tuned_fit_equals_the_fit_with_that_size_set_by_hand_after_real_ooms():
+    """The conformance contract on the GPU: real OOMs in trials, then the same weights, optimizer and schedule."""
+    budget = 2 * GIB
+    tuner = BatchSizeTuner(budget="2GiB", init_val=8192)  # the first trial runs out of memory for real
+    tuned = OneCycleMLP()
+    tuned_trainer = _plain_fit(tuned, [tuner], budget)
+    size = tuner.optimal_batch_size
+    assert tuner.result.num_ooms >= 1
+    gc.collect()
+    torch.cuda.empty_cache()
+    by_hand = OneCycleMLP(batch_size=size)
+    hand_trainer = _plain_fit(by_hand, [], budget)
+    assert tuned_trainer.global_step == hand_trainer.global_step > 0
+    for (name, a), (_, b) in zip(tuned.state_dict().items(), by_hand.state_dict().items()):
+        assert torch.equal(a, b), name
+    for a, b in zip(tuned_trainer.optimizers[0].state.values(), hand_trainer.optimizers[0].state.values()):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    sched_a = tuned_trainer.lr_scheduler_configs[0].scheduler.state_dict()
+    sched_b = hand_trainer.lr_scheduler_configs[0].scheduler.state_dict()
+    assert sched_a["total_steps"] == sched_b["total_steps"] == hand_trainer.estimated_stepping_batches
+    assert sched_a == sched_b
+    print(f"\nconformance on the GPU: batch_size={size}, {len(tuner.trials)} trials, {tuner.result.num_ooms} OOM")
