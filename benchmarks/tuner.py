@@ -2,7 +2,7 @@
 
 Run it from the repository root on one CUDA GPU (about 5-8 minutes on an H200; ``--time-limit`` bounds it)::
 
-    PYTHONPATH=. python3 benchmarks/tuner.py --json tuner.json          # gpt and resnet, 24 GiB budget
+    PYTHONPATH=. python3 benchmarks/tuner.py     # gpt and resnet, 24 GiB budget; JSON in benchmarks/results/tuner.json
     PYTHONPATH=. python3 benchmarks/tuner.py --models gpt --budget-gib 40
     PYTHONPATH=. python3 benchmarks/tuner.py --quick                     # CPU smoke run of the whole pipeline
 
@@ -826,8 +826,9 @@ def orchestrate(args: argparse.Namespace) -> int:
         for finder in [f for f in ("binsearch", "power") if f in finders]:
             entry["finders"][finder] = run_finder(runner, model, finder)
         print(_table(model, w, entry, budget_bytes, args.quick) + "\n", flush=True)
-        if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=2))
+        out = Path(args.json or f"benchmarks/results/tuner{'-quick' if args.quick else ''}.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2))
     _log(f"done in {time.perf_counter() - _T0:.1f} s")
     return 0
 
@@ -851,7 +852,9 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fit-val-batches", type=int, default=5, help="validation batches of that fit")
     parser.add_argument("--timeout", type=float, default=150.0, help="seconds before a subprocess is killed")
     parser.add_argument("--time-limit", type=float, default=500.0, help="no subprocess starts after this (seconds)")
-    parser.add_argument("--json", help="write every number to this file")
+    parser.add_argument(
+        "--json", help="write every number to this file (default: benchmarks/results/tuner.json, tuner-quick.json)"
+    )
     parser.add_argument("--log-dir", help="write each subprocess's output to a file here")
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: tiny models, simulated OOMs")
     # Internal: the worker subprocesses.

@@ -11,6 +11,7 @@ upgrade breaks one.
 from __future__ import annotations
 
 import random
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from copy import deepcopy
@@ -38,7 +39,8 @@ SCALE_HOOKS = ("on_fit_start", "on_train_epoch_start")
 """The hooks ``BatchSizeTuner.scale`` may run from: before the fit loop, or before an epoch's data is iterated."""
 
 # Module hooks the fit runs once per fit, epoch or validation run; a trial must not run them again.
-_ONCE_PER_LOOP_HOOKS = (
+_SKIPPED_HOOKS = (  # the module's once-per-loop hooks, and the scheduler step (a trial's schedule is discarded)
+    "lr_scheduler_step",
     "on_train_start",
     "on_train_end",
     "on_train_epoch_start",
@@ -78,9 +80,10 @@ class TrialSession:
     - the batch size and ``accumulate_grad_batches``: the chosen ones, or the original ones if none was chosen.
 
     During trials only the trial callback runs (no user callback, no logger), the module's once-per-loop hooks
-    (``on_train_start``, ``on_train_epoch_start``, ``on_validation_epoch_end``, ...) are skipped, ``self.log`` does
-    not synchronise across ranks, and DDP skips its gradient all-reduce, so a rank that runs out of memory leaves its
-    peers at the same collective. Dataloader workers of a trial are shut down when it ends. After the fit's size is
+    (``on_train_start``, ``on_train_epoch_start``, ``on_validation_epoch_end``, ...) are skipped and so is
+    ``lr_scheduler_step`` (a schedule sized for the initial batch size may be shorter than the trials), ``self.log``
+    does not synchronise across ranks, and DDP skips its gradient all-reduce, so a rank that runs out of memory leaves
+    its peers at the same collective. Dataloader workers of a trial are shut down when it ends. After the fit's size is
     set, what the fit derived from the batch size is derived again: at fit start the dataloaders are rebuilt and
     ``configure_optimizers`` runs again (``estimated_stepping_batches``, schedulers built from it).
     """
@@ -191,7 +194,7 @@ class TrialSession:
         trainer.lightning_module._param_requires_grad_state = {}  # private: what untoggle_optimizer restores from
         _reload_dataloaders(trainer, validate)
         if self._state is not None:
-            self._state.reset_optimizers()
+            self._state.reset_for_trial()
 
     def run(self) -> bool:
         """Run the prepared trial: ``True`` if it fitted, ``False`` on an OOM (on any rank); other errors propagate."""
@@ -208,7 +211,8 @@ class TrialSession:
             if not is_oom_error(error):
                 raise  # the user's own error: never swallowed
             fits = False
-            del error  # drop the traceback, which holds the trial's tensors
+            traceback.clear_frames(error.__traceback__)  # the frames' locals hold the trial's tensors, in a cycle
+            del error
             if trainer.world_size > 1:
                 trainer.strategy.reduce_boolean_decision(False, all=True)  # matches the peers' `agree_or_raise`
         finally:
@@ -228,10 +232,10 @@ class TrialSession:
         def skip(*args: Any, **kwargs: Any) -> None:
             return None
 
-        for name in (*_ONCE_PER_LOOP_HOOKS, "log"):
+        for name in (*_SKIPPED_HOOKS, "log"):
             if name in vars(module):
                 self._patches[name] = vars(module)[name]
-        for name in _ONCE_PER_LOOP_HOOKS:
+        for name in _SKIPPED_HOOKS:
             setattr(module, name, skip)
         bound_log = module.log
 
@@ -247,7 +251,7 @@ class TrialSession:
         module.log = log  # type: ignore[method-assign]
 
     def _unpatch_module(self, module: pl.LightningModule) -> None:
-        for name in (*_ONCE_PER_LOOP_HOOKS, "log"):
+        for name in (*_SKIPPED_HOOKS, "log"):
             if name in self._patches:
                 setattr(module, name, self._patches[name])
             else:

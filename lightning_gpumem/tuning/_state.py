@@ -31,30 +31,45 @@ class ModelState:
             _tensor_bytes(module.state_dict()) * 3 * _local_world_size(trainer)  # weights + e.g. Adam's two moments
         )
         self.in_memory = bool(trainer.strategy.reduce_boolean_decision(in_memory, all=True))
+        # small, and every trial starts from them: kept in memory under any strategy
+        self.schedulers = [deepcopy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs]
+        self.param_groups = [  # lr, momentum...: what a scheduler changes (the state dicts of sharded runs are files)
+            [
+                {key: deepcopy(value) for key, value in group.items() if key != "params"}
+                for group in optimizer.param_groups
+            ]
+            for optimizer in trainer.optimizers
+        ]
         if self.in_memory:
             self.weights = _copy_to_host(module.state_dict())
             self.optimizers = [_copy_to_host(optimizer.state_dict()) for optimizer in trainer.optimizers]
-            self.schedulers = [deepcopy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs]
             self.precision = deepcopy(trainer.precision_plugin.state_dict())
         else:
             path = os.path.join(trainer.default_root_dir, f".gpumem_tuner_{uuid.uuid4().hex}.ckpt")
             self.ckpt_path = trainer.strategy.broadcast(path)  # one file: rank zero writes, every rank reads
             trainer.save_checkpoint(self.ckpt_path)
 
-    def reset_optimizers(self) -> None:
-        """Give each trial the optimizer state the run has now, so its first step allocates what the fit's will.
+    def reset_for_trial(self) -> None:
+        """Give each trial the optimizer and LR-scheduler states the run has now.
 
-        At fit start the state is empty and the first step creates it (AdamW: two tensors per parameter), carving it
-        out of whatever the allocator has cached then; a trial that inherited the state of the trial before would
-        miss that, and with it the fragmentation the fit's second step meets.
+        At fit start the optimizer state is empty and the first step creates it (AdamW: two tensors per parameter),
+        carving it out of whatever the allocator has cached then; a trial that inherited the state of the trial
+        before would miss that, and with it the fragmentation the fit's second step meets. The schedulers start over
+        too: a schedule with a step limit (``OneCycleLR(total_steps=...)``) must not count every trial's steps.
         """
+        trainer = self.trainer
         if self.optimizers_empty:
-            for optimizer in self.trainer.optimizers:
+            for optimizer in trainer.optimizers:
                 optimizer.state.clear()
         elif self.in_memory:
-            for optimizer, state in zip(self.trainer.optimizers, self.optimizers, strict=True):
+            for optimizer, state in zip(trainer.optimizers, self.optimizers, strict=True):
                 optimizer.load_state_dict(_copy_to_host(state))  # loading may keep CPU tensors: copy first
         # else: a sharded strategy mid-training: trials keep the state of the trial before (same sizes).
+        for optimizer, groups in zip(trainer.optimizers, self.param_groups, strict=True):
+            for group, saved in zip(optimizer.param_groups, groups, strict=True):
+                group.update(deepcopy(saved))
+        for config, state in zip(trainer.lr_scheduler_configs, self.schedulers, strict=True):
+            config.scheduler.load_state_dict(deepcopy(state))
 
     def restore(self) -> None:
         """Put the states back exactly as they were."""
@@ -65,8 +80,6 @@ class ModelState:
                 optimizer.load_state_dict(state)
                 if self.optimizers_empty:
                     optimizer.state.clear()
-            for config, state in zip(trainer.lr_scheduler_configs, self.schedulers, strict=True):
-                config.scheduler.load_state_dict(state)
             if self.precision:
                 trainer.precision_plugin.load_state_dict(self.precision)
         elif self.ckpt_path is not None:
@@ -77,6 +90,8 @@ class ModelState:
                 trainer.strategy.barrier("gpumem_tuner_restored")  # every rank has read it before rank zero deletes it
                 trainer.strategy.remove_checkpoint(self.ckpt_path)
                 self.ckpt_path = None
+        for config, state in zip(trainer.lr_scheduler_configs, self.schedulers, strict=True):
+            config.scheduler.load_state_dict(deepcopy(state))
 
 
 def keeps_whole_model(strategy: Any) -> bool:

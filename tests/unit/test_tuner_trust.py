@@ -425,6 +425,27 @@ def test_estimated_stepping_batches_and_the_schedule_derived_from_it_follow_the_
     assert trainer.global_step == steps  # and the whole schedule ran: OneCycleLR raises past total_steps
 
 
+def test_each_trial_starts_the_schedule_over_so_a_step_limited_schedule_survives_the_trials():
+    # Found on the GPU: OneCycleLR sized for the initial 320 (2 steps) counted every trial's steps and raised
+    # "Tried to step 3 times" in the second trial; each trial now starts from the run's scheduler and LR.
+    model = OneCycleModel(batch_size=320, train_limit=41)
+    tuner = BatchSizeTuner()
+    trainer = _trainer(tuner, limit_val_batches=0)
+    trainer.fit(model)
+    assert len(tuner.trials) > 2
+    assert model.batch_size == 41
+    assert trainer.global_step == trainer.lr_scheduler_configs[0].scheduler.total_steps == math.ceil(640 / 41)
+
+
+def test_a_schedule_shorter_than_the_trials_does_not_stop_them():
+    # OneCycleLR(total_steps=1) at the initial 640 (one batch an epoch); every trial runs 2 optimizer steps.
+    model = OneCycleModel(batch_size=640, train_limit=41)
+    trainer = _trainer(BatchSizeTuner(), limit_val_batches=0)
+    trainer.fit(model)
+    assert model.batch_size == 41
+    assert trainer.lr_scheduler_configs[0].scheduler.total_steps == trainer.global_step == math.ceil(640 / 41)
+
+
 # --------------------------------------------------------------------------------------------------- finding 7
 def test_limit_val_batches_zero_means_validation_does_not_decide_the_size():
     # Finding 7: trials overrode `limit_val_batches=0` with 1, so validation that never runs set the size.
