@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import traceback
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from copy import deepcopy
 from typing import Any
 
@@ -98,6 +98,7 @@ class TrialSession:
         self._saved: dict[str, Any] = {}
         self._state: ModelState | None = None
         self._patches: dict[str, Any] = {}
+        self._stopping: list[Any] = []  # dataloader iterators whose workers were told to exit
 
     # ------------------------------------------------------------------ life cycle
     def __enter__(self) -> TrialSession:
@@ -134,6 +135,7 @@ class TrialSession:
         try:
             self._unpatch_module(trainer.lightning_module)
             unload_dataloaders(trainer)
+            join_workers(self._stopping)  # no trial's worker outlives the session
             trainer.loggers = saved["loggers"]
             trainer.callbacks = saved["callbacks"]  # type: ignore[attr-defined]
             trainer.limit_train_batches, trainer.limit_val_batches = saved["limits"]
@@ -219,7 +221,7 @@ class TrialSession:
             for optimizer in trainer.optimizers:
                 optimizer.zero_grad(set_to_none=True)
             _drop_trial_references(trainer)
-            unload_dataloaders(trainer)
+            unload_dataloaders(trainer, self._stopping)
         return fits
 
     @property
@@ -369,12 +371,16 @@ def dataloaders_loaded(trainer: pl.Trainer) -> bool:
     return trainer.fit_loop._combined_loader is not None  # private attribute of the fit loop
 
 
-def unload_dataloaders(trainer: pl.Trainer) -> None:
+def unload_dataloaders(trainer: pl.Trainer, stopping: list[Any] | None = None) -> None:
     """Stop the loaders' iterators and workers (an OOM skips the loops' own teardown) and drop the loaders.
 
-    The fit loop then builds them itself when it starts, as it would have without tuning.
+    The fit loop then builds them itself when it starts, as it would have without tuning. With ``stopping``, worker
+    processes are told to exit but not waited for (a worker finishes the batch it is collating first, 0.4 s for
+    ResNet-50's 531 images): their iterators go to ``stopping`` for :func:`join_workers` to reap later.
     """
     for loop in (trainer.fit_loop, trainer.fit_loop.epoch_loop.val_loop):
+        if stopping is not None:
+            stopping.extend(_signal_workers_to_exit(loop._combined_loader))  # private, see below
         fetcher = getattr(loop, "_data_fetcher", None)  # private: the loop's `_DataFetcher`
         if fetcher is not None:
             fetcher.teardown()
@@ -383,6 +389,42 @@ def unload_dataloaders(trainer: pl.Trainer) -> None:
         if combined is not None:
             combined.reset()
         loop._combined_loader = None  # private: force a reload (Lightning's `_reset_dataloaders` does the same)
+
+
+def _signal_workers_to_exit(combined: Any) -> list[Any]:
+    """Tell the worker processes of ``combined``'s iterators to exit, without joining them; return the iterators.
+
+    The first half of torch's ``_MultiProcessingDataLoaderIter._shutdown_workers`` (private; the second half, in
+    :func:`join_workers`, is that method itself). On any surprise in those internals nothing is signalled and the
+    loop's own teardown stops the workers, waiting for them.
+    """
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    if combined is None:
+        return []
+    mode_iterator = getattr(combined, "_iterator", None)  # private: Lightning's `_ModeIterator` of the running loop
+    candidates = list(getattr(mode_iterator, "iterators", None) or [])
+    for loader in combined.flattened:
+        if isinstance(getattr(loader, "_iterator", None), _MultiProcessingDataLoaderIter):  # persistent workers
+            candidates.append(loader._iterator)
+            loader._iterator = None
+    signalled = []
+    for iterator in {id(it): it for it in candidates}.values():
+        if not isinstance(iterator, _MultiProcessingDataLoaderIter) or iterator._shutdown:
+            continue
+        with suppress(Exception):  # torch internals: `join_workers` (or `__del__`) shuts the workers down in full
+            iterator._workers_done_event.set()
+            for worker_id in range(len(iterator._workers)):
+                if iterator._persistent_workers or iterator._workers_status[worker_id]:
+                    iterator._mark_worker_as_unavailable(worker_id, shutdown=True)
+        signalled.append(iterator)
+    return signalled
+
+
+def join_workers(stopping: list[Any]) -> None:
+    """Reap the worker processes :func:`unload_dataloaders` told to exit (by now, they have)."""
+    while stopping:
+        stopping.pop()._shutdown_workers()
 
 
 def _reload_dataloaders(trainer: pl.Trainer, validation: bool) -> None:

@@ -135,3 +135,32 @@ def test_current_fx_name_names_the_running_hook():
     )
     trainer.fit(BoringModel())
     assert seen == {name: name for name in ("on_fit_start", "on_train_epoch_start", "on_train_batch_start")}
+
+
+def test_dataloader_workers_told_to_exit_are_gone_without_a_join():
+    """`_session._signal_workers_to_exit` relies on torch's and Lightning's private iterator attributes."""
+    import time
+
+    import torch
+    from lightning.pytorch.utilities.combined_loader import CombinedLoader
+    from torch.utils.data import DataLoader
+
+    from lightning_gpumem.tuning import _session
+
+    loader = DataLoader(torch.arange(64.0), batch_size=4, num_workers=2)
+    combined = CombinedLoader(loader, "max_size_cycle")
+    iter(combined)
+    next(combined)
+    iterator = combined._iterator.iterators[0]  # private: the `_ModeIterator`'s DataLoader iterators
+    workers = list(iterator._workers)
+    assert all(w.is_alive() for w in workers)
+    stopping = _session._signal_workers_to_exit(combined)
+    assert stopping == [iterator]
+    deadline = time.monotonic() + 10
+    while any(w.is_alive() for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(w.is_alive() for w in workers), "the workers did not exit on the signal alone"
+    combined.reset()
+    _session.join_workers(stopping)
+    assert stopping == []
+    assert iterator._shutdown

@@ -727,14 +727,17 @@ def test_user_module_hooks_run_as_often_as_in_a_fit_with_the_size_set_by_hand():
 
 
 class WorkerModel(OOMModel):
-    def __init__(self, batch_size: int = 2):
-        super().__init__(batch_size=batch_size, train_limit=24)
+    def __init__(self, batch_size: int = 2, persistent: bool = True):
+        super().__init__(batch_size=batch_size, train_limit=20)
+        self.persistent = persistent
 
     def train_dataloader(self):
-        return DataLoader(self.train_data, batch_size=self.batch_size, num_workers=2, persistent_workers=True)
+        return DataLoader(
+            self.train_data, batch_size=self.batch_size, num_workers=2, persistent_workers=self.persistent
+        )
 
     def val_dataloader(self):
-        return DataLoader(self.val_data, batch_size=self.batch_size, num_workers=2, persistent_workers=True)
+        return DataLoader(self.val_data, batch_size=self.batch_size, num_workers=2, persistent_workers=self.persistent)
 
 
 class ChildProcesses(Callback):
@@ -763,12 +766,16 @@ def _new_workers(model, tuner) -> int:
     return after.counts["train_start"] - before.counts["fit_start"]
 
 
-def test_trial_dataloader_workers_are_not_alive_during_the_fit():
-    # Finding 13: the trials' persistent DataLoader workers stayed alive through the fit.
-    by_hand = _new_workers(WorkerModel(batch_size=24), None)
-    tuned_model = WorkerModel()
-    tuned = _new_workers(tuned_model, BatchSizeTuner(max_val=24))
-    assert tuned_model.batch_size == 24
+@pytest.mark.parametrize("persistent", [True, False])
+def test_trial_dataloader_workers_are_not_alive_during_the_fit(persistent):
+    # Finding 13: the trials' persistent DataLoader workers stayed alive through the fit. Workers are told to exit
+    # when a trial ends (an OOM included) and reaped when the trials end.
+    by_hand = _new_workers(WorkerModel(batch_size=20, persistent=persistent), None)
+    tuned_model = WorkerModel(persistent=persistent)
+    tuner = BatchSizeTuner(max_val=24)
+    tuned = _new_workers(tuned_model, tuner)
+    assert tuned_model.batch_size == 20
+    assert tuner.result.num_ooms >= 1
     assert tuned == by_hand, f"{tuned} worker processes alive when training starts, {by_hand} without the tuner"
 
 
