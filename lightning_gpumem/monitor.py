@@ -49,7 +49,9 @@ class MemoryMonitor(Callback):
     counters are reset at batch start and read at batch end, so ``*_peak_*`` is the peak of that batch alone.
     Validation, test and predict report the peak over the whole loop when it ends. Under DDP/FSDP every rank
     measures and the peaks are also logged as cross-rank ``_max``/``_min``. At fit end a summary table with advice
-    is printed on rank zero. On a machine without an accelerator only host memory is logged.
+    is printed on rank zero. On a machine without an accelerator only host memory is logged. The running maxima
+    behind the summary start over at each fit (a monitor reused for a second fit reports that fit only); on
+    ``fit(ckpt_path=...)`` they continue from the checkpoint.
 
     **Logged metrics** (GiB unless stated; ``<stage>`` is ``train`` on logging steps, ``val``/``test``/``predict``
     at the end of those loops):
@@ -219,6 +221,8 @@ class MemoryMonitor(Callback):
     # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":  # a new fit starts from nothing (a checkpoint's `state_dict` is loaded after this hook)
+            self._reset_run()
         device = trainer.strategy.root_device
         if self._probe is None or self._probe.device != device:
             self._probe = self._make_probe(device)
@@ -238,6 +242,15 @@ class MemoryMonitor(Callback):
                 "MemoryMonitor: the Trainer has no logger (`logger=False`); memory is shown in the progress bar"
                 " and the fit-end summary only."
             )
+
+    def _reset_run(self) -> None:
+        """Forget what an earlier fit measured: running maxima, the leak detector, the peak window, the summary."""
+        self._peaks = {}
+        self._maxima = {"non_torch_bytes": None, "host_rss_bytes": None}
+        self._last_sample = None
+        self._leaks = None
+        self._window_open = self._just_closed = self._train_active = False
+        self.summary_text = None
 
     def _make_probe(self, device: torch.device) -> MemoryProbe:
         """Create the probe for ``device`` (tests override this to inject a fake sample source)."""

@@ -200,3 +200,31 @@ def test_running_maxima_survive_a_checkpoint_resume(tmp_path):
     trainer.fit(SpikeModel(fresh_probe), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert resumed.peaks["train"][0] == 6 * GIB  # from the first run; the resumed epoch peaked at 1 GiB
     assert "6.00 GiB" in resumed.summary_text
+
+
+def test_a_monitor_reused_for_a_second_fit_reports_that_fit_only(tmp_path):
+    # A fit after one with a 4 GiB spike reported the first fit's peak in its summary (maxima set in __init__ only).
+    probe = FakeProbe(base=GIB)
+    monitor = FakeMonitor(probe)
+    _trainer(tmp_path / "first", monitor).fit(SpikeModel(probe, train_spikes={3: 4 * GIB}))
+    assert monitor.peaks["train"][0] == 5 * GIB
+    probe.release_cache()  # as `torch.cuda.empty_cache()` between the fits: the cache held 5 GiB reserved
+    _trainer(tmp_path / "second", monitor).fit(SpikeModel(probe))
+    assert monitor.peaks["train"] == (GIB, GIB)
+    assert monitor.summary_text is not None
+    assert "5.0" not in monitor.summary_text, monitor.summary_text
+
+
+def test_a_reused_monitor_resuming_from_a_checkpoint_continues_its_maxima(tmp_path):
+    # The reset at fit start comes before Lightning loads the callback's state from the checkpoint.
+    probe = FakeProbe(base=GIB)
+    monitor = FakeMonitor(probe)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    _trainer(tmp_path, None, callbacks=[monitor, ckpt], enable_checkpointing=True).fit(
+        SpikeModel(probe, train_spikes={2: 5 * GIB})
+    )
+    probe.release_cache()
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    trainer = _trainer(tmp_path, None, max_epochs=2, callbacks=[monitor, ckpt], enable_checkpointing=True)
+    trainer.fit(SpikeModel(probe), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert monitor.peaks["train"][0] == 6 * GIB
