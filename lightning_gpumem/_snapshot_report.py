@@ -9,12 +9,17 @@ is one file with inline SVG and no script. The pickle written next to it opens i
 from __future__ import annotations
 
 import html
+import re
 from dataclasses import dataclass
 from typing import Any
 
 _MIB = 2**20
-# Frames from these files are the machinery between the user's code and the allocation, not the cause.
-_NOISE = ("torch/nn/modules/module.py", "torch/autograd/", "lightning/pytorch/", "torch/_tensor.py", "<frozen ")
+# Frames in these paths are the machinery between the user's code and the allocation, not the cause: installed
+# packages, the standard library (`.../lib/python3.11/...`), and the libraries themselves run from a checkout.
+_LIBRARY = re.compile(
+    r"(/(site|dist)-packages/|/lib/python\d+(\.\d+)?t?/|(^|/)(torch|lightning|pytorch_lightning|lightning_fabric|"
+    r"lightning_utilities|torchmetrics|lightning_gpumem)/)"
+)
 
 
 @dataclass(frozen=True)
@@ -131,14 +136,22 @@ def _frames(frames: Any) -> tuple[str, ...]:
 
 
 def _where(allocation: Allocation) -> str:
-    """Where an allocation was made: the innermost Python frame outside PyTorch's and Lightning's machinery.
+    """Where an allocation was made: the innermost Python frame of the user's code.
 
-    Else the innermost Python frame, else the innermost frame (C++ only: autograd's backward thread).
+    Library frames (torch, Lightning, anything under ``site-packages`` or the standard library) are skipped. Where
+    no frame of the user's code exists, the outermost library frame (the one nearest the caller) is named and marked
+    so; with no Python frame at all, the innermost frame (C++ only: autograd's backward thread).
     """
     python = [frame for frame in allocation.frames if ".py:" in frame]
     for frame in python:
-        if not any(noise in frame for noise in _NOISE):
+        if not _is_library(frame):
             return frame
     if python:
-        return python[0]
+        return f"{python[-1]} (no frame of your code)"
     return allocation.frames[0] if allocation.frames else "(no stack recorded)"
+
+
+def _is_library(frame: str) -> bool:
+    """Whether ``frame`` (``path:line in name``) is in an installed package, PyTorch, Lightning or the stdlib."""
+    path = frame.rsplit(":", 1)[0].replace("\\", "/")
+    return path.startswith("<") or bool(_LIBRARY.search(path))

@@ -69,6 +69,42 @@ def test_report_points_at_the_users_line_not_the_machinery():
     assert "(no stack recorded)" in report
 
 
+@pytest.mark.parametrize(
+    "library",
+    [
+        "/opt/venv/lib/python3.12/site-packages/torch/nn/modules/linear.py",  # was reported as the user's line
+        "/opt/venv/lib/python3.12/site-packages/torch/nn/functional.py",
+        "/opt/venv/lib/python3.12/site-packages/lightning/fabric/utilities/apply_func.py",
+        "/usr/lib/python3/dist-packages/torchvision/models/resnet.py",
+        "/usr/lib/python3.12/contextlib.py",
+        "/home/me/src/pytorch/torch/_tensor.py",  # torch built from a checkout
+        "<frozen runpy>",
+    ],
+)
+def test_every_library_frame_is_skipped_for_the_users_line(library):
+    snapshot = {
+        "segments": [
+            {
+                "total_size": 8 * MIB,
+                "allocated_size": 8 * MIB,
+                "blocks": [
+                    {"size": 8 * MIB, "state": "active_allocated", "frames": [_frame(library, 134, "forward"), USER]}
+                ],
+            }
+        ]
+    }
+    assert "8.0 MiB  /home/me/model.py:42 in forward" in format_report(snapshot)
+
+
+def test_without_a_frame_of_the_users_code_the_outermost_library_frame_is_named_as_such():
+    inner = _frame("/venv/lib/python3.11/site-packages/torch/nn/functional.py", 2000, "linear")
+    outer = _frame("/venv/lib/python3.11/site-packages/lightning/pytorch/loops/fit_loop.py", 200, "run")
+    block = {"size": 4 * MIB, "state": "active_allocated", "frames": [inner, outer]}
+    report = format_report({"segments": [{"total_size": 4 * MIB, "allocated_size": 4 * MIB, "blocks": [block]}]})
+    assert "4.0 MiB  /venv/lib/python3.11/site-packages/lightning/pytorch/loops/fit_loop.py:200 in run" in report
+    assert "(no frame of your code)" in report
+
+
 def test_html_is_one_file_without_scripts():
     page = render_html(SNAPSHOT, "oom on rank 0 at step 3")
     assert "<script" not in page  # no CDN, nothing to fetch: opens offline
