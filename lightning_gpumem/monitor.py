@@ -50,8 +50,8 @@ class MemoryMonitor(Callback):
     Validation, test and predict report the peak over the whole loop when it ends. Under DDP/FSDP every rank
     measures and the peaks are also logged as cross-rank ``_max``/``_min``. At fit end a summary table with advice
     is printed on rank zero. On a machine without an accelerator only host memory is logged. The running maxima
-    behind the summary start over at each fit (a monitor reused for a second fit reports that fit only); on
-    ``fit(ckpt_path=...)`` they continue from the checkpoint.
+    behind the summary and leak detection start over at each fit (a monitor reused for a second fit reports that fit
+    only); on ``fit(ckpt_path=...)`` the maxima continue from the checkpoint.
 
     **Logged metrics** (GiB unless stated; ``<stage>`` is ``train`` on logging steps, ``val``/``test``/``predict``
     at the end of those loops):
@@ -125,6 +125,8 @@ class MemoryMonitor(Callback):
         trainer = Trainer(callbacks=[MemoryMonitor()], log_every_n_steps=10)
     """
 
+    _leaks: LeakDetector | None  # set per fit in `_reset_run`, created in `setup`
+
     def __init__(
         self,
         log_every_n_steps: int | None = None,
@@ -187,26 +189,11 @@ class MemoryMonitor(Callback):
         self._leak_warmup_steps = leak_warmup_steps
         self._tensorboard_layout = tensorboard_layout
         self._layouts_written: dict[int, tuple[str, ...]] = {}
-        self._leaks: LeakDetector | None = None
-        self._census_at_start: Any = None
-        self.leak: LeakVerdict | None = None
-        """The leak found (rate and steps), ``None`` if none was."""
-        self._last_slow_read = -math.inf  # time.monotonic() of the last NVML/host reading
-        self._last_host_rss: int | None = None
-        self._slow_next = True  # under DDP: whether the next logging step reads NVML and host (agreed by ranks)
-
         self._probe: MemoryProbe | None = None
         self._every_n = 0
-        self._window_open = False  # the peak counters were reset for a logged optimizer step still running
-        self._just_closed = False  # the previous batch closed a window: nothing unlogged to fold since
-        self._train_active = False
         self._announced = False
         self._total_bytes: int | None = None
-        self._peaks: dict[str, tuple[int | None, int | None]] = {}  # stage: (allocated, reserved), bytes
-        self._maxima: dict[str, int | None] = {"non_torch_bytes": None, "host_rss_bytes": None}
-        self._last_sample: MemorySample | None = None
-        self.summary_text: str | None = None
-        """The fit-end summary as printed (on rank zero), ``None`` before the end of a fit."""
+        self._reset_run()
 
     @property
     def peaks(self) -> dict[str, tuple[int | None, int | None]]:
@@ -244,13 +231,22 @@ class MemoryMonitor(Callback):
             )
 
     def _reset_run(self) -> None:
-        """Forget what an earlier fit measured: running maxima, the leak detector, the peak window, the summary."""
-        self._peaks = {}
-        self._maxima = {"non_torch_bytes": None, "host_rss_bytes": None}
-        self._last_sample = None
+        """The state of one fit, from nothing: running maxima, leak detection, the peak window, the summary."""
+        self._peaks: dict[str, tuple[int | None, int | None]] = {}  # stage: (allocated, reserved), bytes
+        self._maxima: dict[str, int | None] = {"non_torch_bytes": None, "host_rss_bytes": None}
+        self._last_sample: MemorySample | None = None
         self._leaks = None
-        self._window_open = self._just_closed = self._train_active = False
-        self.summary_text = None
+        self._census_at_start: Any = None
+        self.leak: LeakVerdict | None = None
+        """The leak found (rate and steps), ``None`` if none was."""
+        self._last_slow_read = -math.inf  # time.monotonic() of the last NVML/host reading
+        self._last_host_rss: int | None = None
+        self._slow_next = True  # under DDP: whether the next logging step reads NVML and host (agreed by ranks)
+        self._window_open = False  # the peak counters were reset for a logged optimizer step still running
+        self._just_closed = False  # the previous batch closed a window: nothing unlogged to fold since
+        self._train_active = False
+        self.summary_text: str | None = None
+        """The fit-end summary as printed (on rank zero), ``None`` before the end of a fit."""
 
     def _make_probe(self, device: torch.device) -> MemoryProbe:
         """Create the probe for ``device`` (tests override this to inject a fake sample source)."""
