@@ -1,7 +1,8 @@
 """Run by test_ddp_cpu.py: BatchSizeTuner under DDP with 2 CPU processes (gloo).
 
 Rank 1 runs out of memory above batch size 24 (in training) and rank 0 only above 40, so rank 1 fails trials
-alone: the tuner must agree on 24 on both ranks without leaving rank 0 waiting in a collective.
+alone: the tuner must agree on 24 on both ranks without leaving rank 0 waiting in a collective. Both steps log with
+`sync_dist=True`: the OOM rank's agreement collective must not pair with the other rank's logging all-reduce.
 
 Usage: python ddp_tuner_script.py OUT_DIR
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -17,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 from lightning_gpumem import BatchSizeTuner
@@ -31,7 +34,14 @@ class RankOOM(BoringModel):
     def training_step(self, batch, batch_idx):
         if batch.shape[0] > (24 if self.global_rank == 1 else 40):
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (simulated on rank {self.global_rank})")
-        return super().training_step(batch, batch_idx)
+        out = super().training_step(batch, batch_idx)
+        self.log("train_loss", out["loss"], sync_dist=True)
+        return out
+
+    def validation_step(self, batch, batch_idx):
+        out = super().validation_step(batch, batch_idx)
+        self.log("val_loss", out["x"], sync_dist=True)
+        return out
 
     def train_dataloader(self):
         return DataLoader(self.data, batch_size=self.batch_size)
@@ -46,8 +56,9 @@ def main(out_dir: str) -> None:
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
-        strategy="ddp",
+        strategy=DDPStrategy(timeout=timedelta(seconds=60)),  # a mismatched collective fails in a minute, not 30
         max_steps=3,
+        limit_val_batches=1,
         logger=False,
         callbacks=[tuner],
         enable_checkpointing=False,

@@ -61,6 +61,8 @@ def test_each_rank_releases_for_itself_and_rank_zero_logs_every_rank(ddp_run):
 
 
 def test_tuner_agrees_across_ranks_when_only_one_rank_runs_out_of_memory(tmp_path):
+    # Also the tuner review's finding 4: with `self.log(..., sync_dist=True)` in both steps, the OOM rank's agreement
+    # collective paired with the other rank's logging all-reduce and gloo aborted ("collective mismatch").
     script = Path(__file__).with_name("ddp_tuner_script.py")
     proc = subprocess.run(
         [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300, check=False

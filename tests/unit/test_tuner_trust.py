@@ -2,28 +2,22 @@
 
 One test (or a few) per finding of the tuner review; each names its finding. OOMs are simulated on CPU by raising
 the exception torch raises; the tuner picks the largest size whose trial raises none.
-
-Run as a script (``python -m tests.unit.test_tuner_trust OUT_DIR``) it is the 2-rank DDP run of finding 4.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import multiprocessing
-import os
 import signal
-import subprocess
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch import Callback, LightningModule, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+from lightning.pytorch.demos.boring_classes import RandomDataset
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -38,8 +32,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:.*You defined a `validation_step` but have no `val_dataloader`"),
     pytest.mark.filterwarnings("ignore:.*`training_step` returned `None`"),
 ]
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _oom(where: str = "") -> torch.cuda.OutOfMemoryError:
@@ -248,82 +240,8 @@ def test_keep_effective_batch_searches_the_micro_batch_with_accumulation_scaled_
 
 
 # --------------------------------------------------------------------------------------------------- finding 4
-class SyncDistModel(BoringModel):
-    """Rank 1 runs out of memory above 24, rank 0 above 40; every step logs with `sync_dist=True`."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.batch_size = 2
-        self.data = RandomDataset(32, 4096)
-
-    def training_step(self, batch, batch_idx):
-        if batch.shape[0] > (24 if self.global_rank == 1 else 40):
-            raise _oom(f" on rank {self.global_rank}")
-        out = super().training_step(batch, batch_idx)
-        self.log("train_loss", out["loss"], sync_dist=True)
-        return out
-
-    def validation_step(self, batch, batch_idx):
-        out = super().validation_step(batch, batch_idx)
-        self.log("val_loss", out["x"], sync_dist=True)
-        return out
-
-    def train_dataloader(self):
-        return DataLoader(self.data, batch_size=self.batch_size)
-
-    def val_dataloader(self):
-        return DataLoader(self.data, batch_size=self.batch_size)
-
-
-def _ddp_main(out_dir: str) -> None:
-    from datetime import timedelta
-
-    from lightning.pytorch.strategies import DDPStrategy
-
-    tuner = BatchSizeTuner()
-    model = SyncDistModel()
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=DDPStrategy(timeout=timedelta(seconds=60)),  # a mismatched collective fails in a minute, not 30
-        max_steps=3,
-        limit_val_batches=1,
-        logger=False,
-        callbacks=[tuner],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=out_dir,
-    )
-    trainer.fit(model)
-    result = {
-        "batch_size": model.batch_size,
-        "trials": [[t.batch_size, t.fits] for t in tuner.trials],
-        "global_step": trainer.global_step,
-    }
-    Path(out_dir, f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
-
-
-def test_ddp_oom_agreement_does_not_collide_with_sync_dist_logging(tmp_path):
-    # Finding 4: the OOM rank's agreement collective paired with the other rank's `self.log(sync_dist=True)`.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.unit.test_tuner_trust", str(tmp_path)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    causes = [line for line in proc.stderr.splitlines() if "mismatch" in line or "Exception:" in line]
-    assert proc.returncode == 0, "\n".join(causes[:4]) + "\n...\n" + proc.stderr[-2000:]
-    rank0 = json.loads((tmp_path / "rank0.json").read_text())
-    rank1 = json.loads((tmp_path / "rank1.json").read_text())
-    assert rank0["batch_size"] == rank1["batch_size"] == 24
-    assert rank0["trials"] == rank1["trials"]
-    assert any(size > 24 and not fits for size, fits in rank0["trials"])  # rank 1 alone ran out of memory
-    assert rank0["global_step"] == rank1["global_step"] == 3
+# `tests/integration/test_ddp_cpu.py::test_tuner_agrees_across_ranks_when_only_one_rank_runs_out_of_memory` (2 CPU
+# ranks, `sync_dist=True` logging in both steps, OOM on rank 1 only) and the DDP row of the conformance matrix.
 
 
 # --------------------------------------------------------------------------------------------------- finding 5
@@ -814,7 +732,3 @@ def test_lightning_cli_records_the_tuned_size_next_to_its_config(tmp_path, monke
     written = saved.with_name("gpumem_batch_size.yaml")
     assert written.is_file(), f"no {written.name} next to {saved}"
     assert yaml.safe_load(written.read_text()) == {"batch_size": 24}
-
-
-if __name__ == "__main__":
-    _ddp_main(sys.argv[1])
