@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from copy import deepcopy
 from typing import Any
@@ -172,13 +172,23 @@ class TrialSession:
         self.chosen = (size, accumulation)
 
     # ------------------------------------------------------------------ trials
-    def prepare(self, size: int, accumulation: int, steps: int, validate: bool) -> None:
-        """Point the loop at one trial of ``steps`` optimizer steps at ``size`` (and one validation batch)."""
+    def prepare(
+        self,
+        size: int,
+        accumulation: int,
+        steps: int,
+        validate: bool,
+        before_validation: Callable[[], None] | None = None,
+    ) -> None:
+        """Point the loop at one trial of ``steps`` optimizer steps at ``size`` (and one validation batch).
+
+        ``before_validation`` runs between the training steps and the validation batch.
+        """
         trainer = self.trainer
         set_batch_size(trainer, self.batch_arg_name, size)
         trainer.accumulate_grad_batches = accumulation
         validate = validate and self.validates
-        self.callback = _TrialCallback(steps * accumulation, validate)
+        self.callback = _TrialCallback(steps * accumulation, validate, before_validation)
         trainer.loggers = [DummyLogger()] if self._saved["loggers"] else []
         trainer.callbacks = [self.callback]  # type: ignore[attr-defined]
         trainer.limit_train_batches = 1.0
@@ -225,6 +235,11 @@ class TrialSession:
         return fits
 
     @property
+    def validated(self) -> bool:
+        """Whether the last trial reached its validation batch."""
+        return self.callback is not None and self.callback.validated
+
+    @property
     def batches_seen(self) -> list[int]:
         """Samples in each training batch of the last trial (what ran, not what was asked for)."""
         return self.callback.batch_sizes if self.callback is not None else []
@@ -264,10 +279,12 @@ class TrialSession:
 class _TrialCallback(Callback):
     """The only callback during a trial: counts batches, runs one validation batch, agrees across ranks."""
 
-    def __init__(self, batches: int, validate: bool) -> None:
+    def __init__(self, batches: int, validate: bool, before_validation: Callable[[], None] | None = None) -> None:
         self.batches = batches
         self.validate = validate
+        self.before_validation = before_validation  # e.g. read the training steps' peaks, then reset them
         self.batch_sizes: list[int] = []
+        self.validated = False
 
     @override
     def on_train_batch_start(
@@ -283,7 +300,8 @@ class _TrialCallback(Callback):
         if len(self.batch_sizes) < self.batches and batch_idx + 1 < trainer.num_training_batches:
             return
         if self.validate:
-            _run_validation(trainer)
+            self.validated = True
+            _run_validation(trainer, self.before_validation)
         raise TrialStop
 
     @override
@@ -620,10 +638,12 @@ def _drop_trial_references(trainer: pl.Trainer) -> None:
             results.batch_size = None
 
 
-def _run_validation(trainer: pl.Trainer) -> None:
+def _run_validation(trainer: pl.Trainer, before: Callable[[], None] | None = None) -> None:
     """Run the fit's validation loop now (one batch, as the trial set ``limit_val_batches``)."""
     # What Lightning's loop does before validating: free the gradients (`on_validation_model_zero_grad`).
     trainer.lightning_module.on_validation_model_zero_grad()
+    if before is not None:
+        before()
     trainer.validating = True
     try:
         trainer.fit_loop.epoch_loop.val_loop.run()  # private attribute of the epoch loop

@@ -2,10 +2,26 @@
 
 Why it is guided by memory and not only by pass/fail: peak memory is close to affine in the batch size
 (weights, gradients and optimizer state do not grow with it; activations grow linearly). Two measured peaks give
-the line, the line gives the largest size under the limit, and one more trial above it confirms the bracket.
-Bisection (what Lightning's ``BatchSizeFinder`` does) needs about ``2 * log2(B)`` trials, several of them OOMs;
-this needs about four on an affine curve, and falls back to doubling and bisection where peaks are not measured
-(CPU) or not affine (steps, noise).
+a line, the line gives the largest size under the limit. Bisection (what Lightning's ``BatchSizeFinder`` does)
+needs about ``2 * log2(B)`` trials, several of them out-of-memory errors; this needs three to six.
+
+The search is a *bracket*, ``lo`` (the largest size accepted so far) and ``hi`` (the smallest rejected), and a
+*model* of memory (:class:`Model`) built from the trials. Each step takes the first move that applies
+(:func:`next_move`), and each move is a small function with a one-line reason:
+
+- ``step_back``: the model's last size was just too large; 1% below it usually ends the search.
+- ``edge``: the safe prediction has nothing above ``lo`` (or ``lo`` is near the cap, where reserved peaks are
+  squeezed): try ``lo + 1``; if it fails the search is over.
+- ``optimistic``: ``lo + 1`` ran although the safe model said no: jump to where live tensors alone reach the limit.
+- ``safe``: the largest size the safe model predicts under the limit.
+- ``bisect`` / ``double``: no usable model (no peaks, as on CPU; or a model that a failure contradicted).
+
+The model: live tensors (allocated bytes) follow one line per stage, training and validation (a trial measures
+the two apart), and the size's need is the larger of the two, so a validation buffer that dominates small sizes
+does not bend the prediction. Reserved bytes (what the cap is about) are modelled as the last measured reserved
+peak plus the growth of that need times a factor ``g`` in [1, 1.5] (reserved grows faster than live tensors:
+fragmentation), the *safe* model; the *optimistic* model is live tensors alone. Without allocated peaks the model is
+a line through the reserved peaks. Slopes are exact fractions, so a cap exactly on a size's peak is hit exactly.
 
 A size is *accepted* when its trial ran without OOM and, if a limit is given, its measured peak is at most the
 limit. The result is always a size that was actually run and accepted.
@@ -15,11 +31,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Literal
 
 StopReason = Literal["bracketed", "predicted", "upper_bound", "max_trials", "nothing_fits"]
-PeakKind = Literal["reserved", "allocated"]
+
+SQUEEZE = 0.05  # a reserved peak within this fraction of the limit may have been squeezed by the cap
+MAX_GROWTH = Fraction(3, 2)  # reserved grows at most this much faster than live tensors in the safe model
+FAR = Fraction(95, 100)  # a line's second point is at most this fraction of its first, where one exists
 
 
 @dataclass(frozen=True)
@@ -32,8 +52,11 @@ class Trial:
         peak_bytes: peak memory reserved during the trial, in bytes (``None`` where not measurable); compared with
             the limit.
         seconds: wall time of the trial.
-        allocated_bytes: peak memory of live tensors during the trial, in bytes (``None`` where not measurable);
-            reported, not used by the search.
+        allocated_bytes: peak memory of live tensors during the trial, in bytes (``None`` where not measurable).
+        train_peak_bytes: peak memory of live tensors during the training steps, in bytes (``None`` where not
+            measured apart).
+        val_peak_bytes: peak memory of live tensors during the validation step, in bytes (``None`` where the trial
+            ran no validation or it was not measured apart).
     """
 
     batch_size: int
@@ -41,6 +64,8 @@ class Trial:
     peak_bytes: int | None = None
     seconds: float = 0.0
     allocated_bytes: int | None = None
+    train_peak_bytes: int | None = None
+    val_peak_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +82,216 @@ class SearchResult:
         return sum(not t.fits for t in self.trials)
 
 
+# ---------------------------------------------------------------------- the model
+@dataclass(frozen=True)
+class Line:
+    """``peak(b) = p0 + slope * (b - b0)`` through measured points; ``slope`` is exact and at least 0."""
+
+    b0: int
+    p0: int
+    slope: Fraction
+
+    def at(self, batch_size: int) -> Fraction:
+        """The line's peak at ``batch_size``."""
+        return self.p0 + self.slope * (batch_size - self.b0)
+
+    def largest_under(self, limit: Fraction | int) -> int | None:
+        """The largest size whose peak is at most ``limit`` (``None``: unbounded, a flat line under it)."""
+        if self.slope == 0:
+            return None if self.p0 <= limit else 0
+        return self.b0 + math.floor((limit - self.p0) / self.slope)
+
+
+def fit_line(points: Iterable[tuple[int, int]]) -> Line | None:
+    """The line through the largest size and the largest one at most 95% of it (neighbours are noisy).
+
+    ``None`` under two points. A falling pair (noise) gives a flat line: no measurable per-sample part.
+    """
+    points = sorted(points)
+    if len(points) < 2:
+        return None
+    b2, p2 = points[-1]
+    b1, p1 = next(((b, p) for b, p in reversed(points[:-1]) if b <= FAR * b2), points[-2])
+    return Line(b2, p2, max(Fraction(0), Fraction(p2 - p1, b2 - b1)))
+
+
+def _largest_where(lines: list[Line], limit: Fraction | int) -> int | None:
+    """The largest size at which every line is at most ``limit`` (``None``: no line bounds it)."""
+    bounds = [b for b in (line.largest_under(limit) for line in lines) if b is not None]
+    return min(bounds) if bounds else None
+
+
+@dataclass
+class Model:
+    """Memory as a function of the batch size, from the accepted trials (see the module docstring)."""
+
+    trials: list[Trial]
+    limit: int | None
+    reserved: Line | None = field(init=False)
+    need: list[Line] | None = field(init=False)  # lines of live tensors; the need is their maximum
+    growth: Fraction = field(init=False)
+
+    def __post_init__(self) -> None:
+        accepted = [t for t in self.trials if t.fits]
+        self.reserved = fit_line((t.batch_size, t.peak_bytes) for t in accepted if t.peak_bytes is not None)
+        allocated = fit_line((t.batch_size, t.allocated_bytes) for t in accepted if t.allocated_bytes is not None)
+        stages = [
+            fit_line((t.batch_size, t.train_peak_bytes) for t in accepted if t.train_peak_bytes is not None),
+            fit_line((t.batch_size, t.val_peak_bytes) for t in accepted if t.val_peak_bytes is not None),
+        ]
+        # Stage lines where every stage measured at the largest accepted size has one; else the overall line.
+        last = max(accepted, key=lambda t: t.batch_size, default=None)
+        measured = [last.train_peak_bytes, last.val_peak_bytes] if last is not None else [None, None]
+        usable = [line for line, value in zip(stages, measured, strict=True) if value is not None]
+        if usable and all(line is not None for line in usable):
+            self.need = [line for line in usable if line is not None]
+        else:
+            self.need = [allocated] if allocated is not None else None
+        self.growth = Fraction(1)
+        if self.reserved is not None and allocated is not None and allocated.slope > 0:
+            self.growth = min(MAX_GROWTH, max(Fraction(1), self.reserved.slope / allocated.slope))
+
+    def need_at(self, batch_size: int) -> Fraction | None:
+        """Live tensors at ``batch_size``: the larger stage (``None`` without allocated peaks)."""
+        return max(line.at(batch_size) for line in self.need) if self.need else None
+
+    def safe_size(self, lo: Trial) -> int | None:
+        """The largest size the safe model keeps under the limit (``None``: the model cannot say)."""
+        if self.limit is None or lo.peak_bytes is None:
+            return None
+        need_lo = self.need_at(lo.batch_size)
+        if self.need is not None and need_lo is not None:  # reserved(b) = reserved(lo) + g * (need(b) - need(lo))
+            bound = _largest_where(self.need, (self.limit - lo.peak_bytes) / self.growth + need_lo)
+            if bound is not None:
+                return bound
+        if self.reserved is not None and self.reserved.slope > 0:
+            return self.reserved.largest_under(self.limit)
+        # One point, or peaks that did not move (allocator granularity at small sizes): all of the memory counted as
+        # per-sample overestimates the slope and undershoots safely; where the peak did not move, fixed memory
+        # dominates and the per-sample part is unmeasurably small: at least double.
+        guess = math.floor(self.limit * lo.batch_size / lo.peak_bytes) if lo.peak_bytes > 0 else None
+        if self.reserved is not None and guess is not None:
+            guess = max(guess, 2 * lo.batch_size)
+        return guess
+
+    def optimistic_size(self) -> int | None:
+        """The largest size whose live tensors alone stay under the limit."""
+        if self.limit is None or not self.need:
+            return None
+        return _largest_where(self.need, self.limit)
+
+    def next_one_crosses(self, lo: Trial) -> bool:
+        """One more sample than ``lo`` cannot fit, even with no waste at all: the search can stop."""
+        if self.limit is None:
+            return False
+        need = self.need_at(lo.batch_size + 1)
+        if need is not None:
+            return need > self.limit
+        if self.reserved is not None and self.reserved.slope > 0 and lo.peak_bytes is not None:
+            return lo.peak_bytes + self.reserved.slope > self.limit
+        return False
+
+
+# ---------------------------------------------------------------------- the moves
+@dataclass
+class Bracket:
+    """``lo`` ran and was accepted, ``hi`` failed or was rejected (``None``: nothing yet); sizes up to ``upper``."""
+
+    lo: int
+    hi: int | None
+    upper: int
+    last_move: str = ""
+    last_accepted: bool = False
+    last_size: int = 0
+    edge_at: int | None = None  # the lo whose lo + 1 was tried
+    refuted: bool = False  # an edge ran where a fitted safe model said it would not: no more edges
+
+    @property
+    def top(self) -> int:
+        """The largest size still open."""
+        return self.upper if self.hi is None else self.hi - 1
+
+
+Move = tuple[str, int, str]  # name, size, reason
+
+
+def _step_back(b: Bracket, model: Model, tolerance: float) -> Move | None:
+    # After the optimistic model failed, or the safe one ran but peaked over the limit (it was close); a safe guess
+    # that ran out of memory may have been far off: bisection then.
+    last = next((t for t in model.trials if t.batch_size == b.last_size), None)
+    close = b.last_move == "optimistic" or (b.last_move == "safe" and last is not None and last.fits)
+    if b.last_accepted or not close:
+        return None
+    size = b.last_size - max(1, math.ceil(tolerance * b.last_size))
+    if not b.lo < size <= b.top:
+        return None
+    return "step_back", size, f"{b.last_size} was just too large: 1% below it usually ends the search"
+
+
+def _edge(b: Bracket, model: Model, tolerance: float) -> Move | None:
+    lo = _lo_trial(model, b)
+    if b.refuted or b.edge_at == b.lo or b.lo + 1 > b.top:
+        return None  # the safe model's "nothing above" was wrong once: no crawling one size per trial
+    safe = model.safe_size(lo)
+    squeezed = model.need is not None and _near_limit(lo, model.limit)
+    if not squeezed and safe is not None and safe > b.lo:
+        return None
+    if safe is None and model.reserved is None and model.need is None:
+        return None  # no model at all: doubling and bisection decide
+    why = "reserved peaks near the cap are squeezed" if squeezed else "the safe model has nothing above it"
+    return "edge", b.lo + 1, f"{why}: if {b.lo + 1} fails the search is over"
+
+
+def _optimistic(b: Bracket, model: Model, tolerance: float) -> Move | None:
+    if not b.refuted:  # only once an edge has shown that the safe model overstates the need
+        return None
+    size = model.optimistic_size()
+    if size is None or size <= b.lo or (b.hi is not None and size >= b.hi):
+        return None
+    return "optimistic", size, f"the safe model overstated the need: live tensors alone reach the limit at {size}"
+
+
+def _safe(b: Bracket, model: Model, tolerance: float) -> Move | None:
+    lo = _lo_trial(model, b)
+    if b.refuted and _near_limit(lo, model.limit):
+        return None  # near the cap the reserved peaks are squeezed, and an edge showed they overstate the need
+    size = model.safe_size(lo)
+    if size is None or size <= b.lo:
+        return None
+    if b.hi is not None and size >= b.hi:
+        return None  # contradicted: the model says a size that failed fits
+    return "safe", min(size, b.top), f"the safe model's largest size under the limit is {size}"
+
+
+def _fallback(b: Bracket, model: Model, tolerance: float) -> Move:
+    if b.hi is None:
+        return "double", min(2 * b.lo, b.top), "no usable model: double"
+    return "bisect", (b.lo + b.hi) // 2, "no usable model: bisect"
+
+
+MOVES = (_step_back, _edge, _safe, _optimistic)  # the first that applies
+
+
+def _lo_trial(model: Model, b: Bracket) -> Trial:
+    return next(t for t in model.trials if t.batch_size == b.lo)
+
+
+def next_move(b: Bracket, model: Model, tolerance: float) -> Move:
+    """The first move that applies, in the order of :data:`MOVES`; else double or bisect."""
+    for move in MOVES:
+        found = move(b, model, tolerance)
+        if found is not None:
+            return found
+    return _fallback(b, model, tolerance)
+
+
+def _near_limit(trial: Trial, limit: int | None) -> bool:
+    if limit is None or trial.peak_bytes is None:
+        return False
+    return trial.peak_bytes >= (1.0 - SQUEEZE) * limit
+
+
+# ---------------------------------------------------------------------- the search
 def search_batch_size(
     run_trial: Callable[[int], Trial],
     *,
@@ -65,6 +300,7 @@ def search_batch_size(
     limit_bytes: int | None = None,
     max_trials: int = 25,
     tolerance: float = 0.01,
+    on_move: Callable[[Move], None] | None = None,
 ) -> SearchResult:
     """Find the largest accepted batch size in ``[1, upper]``.
 
@@ -76,6 +312,7 @@ def search_batch_size(
         max_trials: stop after this many trials with the best size found.
         tolerance: stop once the sizes between the largest accepted and the smallest rejected one are at most this
             fraction of the accepted one (0: always to the exact boundary). Below 100 the boundary is always exact.
+        on_move: called with each move (name, size, reason) before its trial runs.
 
     Returns:
         The largest accepted size and the trials.
@@ -105,144 +342,40 @@ def search_batch_size(
 
     # 1. Find one accepted size, going down from init_val.
     size = max(1, min(init_val, upper))
-    lo: int | None = None  # largest accepted size
-    hi: int | None = None  # smallest rejected size
-    while lo is None:
-        trial = run(size)
-        if accepted(trial):
-            lo = size
-            break
+    hi: int | None = None
+    while not accepted(run(size)):
         hi = size
         if size == 1:
             return result(None, "nothing_fits")
         if len(trials) >= max_trials:
             return result(None, "max_trials")
-        guess = _predict(trials.values(), limit_bytes, below=size)
+        guess = Model(list(trials.values()), limit_bytes).safe_size(trials[size])  # the line through the origin
         size = guess if guess is not None and 1 <= guess < size else max(1, size // 2)
 
-    # 2. Move up: predicted jumps where peaks allow, doubling/bisection where they do not.
-    confirmed = False  # the last trial was lo + 1, tried because the line said lo was the largest, and it passed
-    bisect_next = False  # the line's last guesses gained little (peaks quantised near the limit): bisect once
-    step_back: int | None = None  # the line's guess was just too large: try a size `tolerance` below it
-    optimistic = False  # lo + 1 ran although the reserved line had nothing more: the allocated line guides now
+    # 2. Move up the bracket, one move per trial.
+    bracket = Bracket(lo=size, hi=hi, upper=upper)
     while True:
-        top = upper if hi is None else hi - 1
-        if lo >= top:
-            return result(lo, "bracketed" if hi is not None else "upper_bound")
-        if hi is not None and hi - lo - 1 <= tolerance * lo:
+        lo = bracket.lo
+        if lo >= bracket.top:
+            return result(lo, "bracketed" if bracket.hi is not None else "upper_bound")
+        if bracket.hi is not None and bracket.hi - lo - 1 <= tolerance * lo:
             return result(lo, "bracketed")
         if len(trials) >= max_trials:
             return result(lo, "max_trials")
-        # With allocated peaks, the stop rule uses them: reserved peaks may include cache the allocator would free.
-        two_lines = _slope(trials.values(), "allocated") is not None
-        kind: PeakKind = "allocated" if two_lines else "reserved"
-        slope = _slope(trials.values(), kind)
-        lo_peak = _peak(trials[lo], kind)
-        if hi is None and limit_bytes is not None and slope and lo_peak is not None and lo_peak + slope > limit_bytes:
-            return result(lo, "predicted")  # one more sample would cross the limit
-        guess = _predict(trials.values(), limit_bytes, below=top + 1)
-        fallback = lo * 2 if hi is None else (lo + hi) // 2
-        # Near a cap the allocator gives cache back instead of failing, so reserved peaks flatten out there and the
-        # safe line creeps up a few sizes per trial. Once it has nothing more to offer (or is squeezed), try lo + 1
-        # first: where it fails the search is over (one OOM); where it runs, the reserved peak overstated the need
-        # (cache, elastic workspaces) and the optimistic allocated line bounds what can still fit.
-        squeezed = two_lines and _near_limit(trials[lo], limit_bytes)
-        exhausted = guess is None or guess <= lo or squeezed
-        contradicted = hi is not None and guess is not None and guess >= top > lo + 1  # hi failed, the line said fits
-        if step_back is not None and lo < step_back <= top:
-            mode, guess = "step_back", step_back
-        elif bisect_next:
-            mode, guess = "fallback", fallback
-        elif two_lines and exhausted and not optimistic:
-            mode, guess = "confirm", lo + 1
-            optimistic = True
-        elif two_lines and (exhausted or optimistic):
-            optimistic_guess = _predict(trials.values(), limit_bytes, below=top + 1, kind="allocated")
-            contradicted = hi is not None and optimistic_guess is not None and optimistic_guess >= top > lo + 1
-            if optimistic_guess is not None and optimistic_guess > lo and not contradicted:
-                mode, guess = "optimistic", optimistic_guess
-            else:
-                mode, guess = "fallback", fallback
-        elif guess is None or (guess <= lo and confirmed) or contradicted:
-            # No line yet, or the line said "lo is the largest" and lo + 1 passed anyway, or it claims all up to a
-            # size that failed: it is not to be trusted here (allocator steps, noise); double or bisect instead of
-            # crawling one size per trial.
-            mode, guess = "fallback", fallback
-        else:
-            mode = "guided"
-        guess = fallback if guess is None else guess  # never: every branch above sets it (for the type checker)
-        confirmed = guess <= lo  # this trial checks the line's claim that lo is the largest
-        size = min(max(guess, lo + 1), top)
-        width = None if hi is None else hi - lo
-        trial = run(size)
-        ok = accepted(trial)
+        model = Model(list(trials.values()), limit_bytes)
+        if bracket.hi is None and model.next_one_crosses(trials[lo]):
+            return result(lo, "predicted")
+        name, size, reason = next_move(bracket, model, tolerance)
+        size = min(max(size, lo + 1), bracket.top)
+        if on_move is not None:
+            on_move((name, size, reason))
+        if name == "edge":
+            bracket.edge_at = lo
+        ok = accepted(run(size))
+        if name == "edge" and ok and (model.need is not None or model.reserved is not None):
+            bracket.refuted = True
         if ok:
-            lo = size
+            bracket.lo = size
         else:
-            hi = size
-            confirmed = False
-        # A guess that peaked just over the limit (or, from the optimistic line, failed) is followed by one a
-        # `tolerance` under it: that usually ends the search.
-        near = (mode == "guided" and not ok and trial.fits) or (mode == "optimistic" and not ok)
-        step_back = size - max(1, math.ceil(tolerance * size)) if near else None
-        slow = width is not None and 2 * (hi - lo) > width  # type: ignore[operator]
-        bisect_next = (mode in ("guided", "optimistic") and ok and slow) or (mode == "step_back" and not ok)
-
-
-SQUEEZE = 0.05  # a reserved peak within this fraction of the limit may have been squeezed by the cap
-
-
-def _near_limit(trial: Trial, limit_bytes: int | None) -> bool:
-    if limit_bytes is None or trial.peak_bytes is None:
-        return False
-    return trial.peak_bytes >= (1.0 - SQUEEZE) * limit_bytes
-
-
-def _peak(trial: Trial, kind: PeakKind) -> int | None:
-    return trial.peak_bytes if kind == "reserved" else trial.allocated_bytes
-
-
-def _measured(trials: Iterable[Trial], kind: PeakKind = "reserved") -> list[tuple[int, int]]:
-    points = [(t.batch_size, _peak(t, kind)) for t in trials if t.fits]
-    return sorted((b, p) for b, p in points if p is not None)
-
-
-def _slope(trials: Iterable[Trial], kind: PeakKind = "reserved") -> float | None:
-    """Bytes per sample from the largest measured size and one well below it (``None``: under two points, or flat)."""
-    points = _measured(trials, kind)
-    if len(points) < 2:
-        return None
-    b2, p2 = points[-1]
-    # Neighbouring sizes (lo and lo + 1) give a noisy slope: take the largest point at least 5% below the last.
-    b1, p1 = next(((b, p) for b, p in reversed(points[:-1]) if b <= 0.95 * b2), points[-2])
-    slope = (p2 - p1) / (b2 - b1)
-    return slope if slope > 0 else None
-
-
-def _predict(trials: Iterable[Trial], limit_bytes: int | None, below: int, kind: PeakKind = "reserved") -> int | None:
-    """Largest size predicted to stay under the limit, or ``None`` without enough evidence.
-
-    With two measured points that differ, the line through the two largest; otherwise (reserved peaks only) a line
-    through the origin and the largest point, which overestimates the slope (the fixed part of the memory is counted
-    as per-sample) and so undershoots safely.
-    """
-    if limit_bytes is None:
-        return None
-    trials = list(trials)
-    points = _measured(trials, kind)
-    if not points:
-        return None
-    slope = _slope(trials, kind)
-    b2, p2 = points[-1]
-    if slope is None:
-        if p2 <= 0 or kind == "allocated":
-            return None
-        # No usable slope (one point, or peaks that did not move: allocator granularity at small sizes): all of
-        # the memory counted as per-sample overestimates the slope, so this undershoots safely. Where the peak did
-        # not move at all, fixed memory dominates and the per-sample part is unmeasurably small: at least double.
-        guess = math.floor(limit_bytes * b2 / p2)
-        if len(points) >= 2 and points[-2][1] >= p2:
-            guess = max(guess, 2 * b2)
-    else:
-        guess = b2 + math.floor((limit_bytes - p2) / slope)
-    return min(guess, below - 1) if guess >= 1 else None
+            bracket.hi = size
+        bracket.last_move, bracket.last_accepted, bracket.last_size = name, ok, size

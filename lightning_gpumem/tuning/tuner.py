@@ -344,7 +344,14 @@ class BatchSizeTuner(Callback):
 
     def _run_trial(self, session: TrialSession, probe: MemoryProbe, size: int) -> Trial:
         trainer = session.trainer
-        session.prepare(size, self._accumulation_for(size), self.steps_per_trial, self.include_validation)
+        train: list[int | None] = [None, None]  # peak allocated and reserved of the training steps
+
+        def between_stages() -> None:  # the validation step's peaks are measured apart from the training steps'
+            train[:] = probe.read_peaks()
+            probe.reset_peaks()
+
+        accumulation = self._accumulation_for(size)
+        session.prepare(size, accumulation, self.steps_per_trial, self.include_validation, between_stages)
         probe.release_cache()  # the peak reserved of this trial must not include the last one's cache
         probe.reset_peaks()
         before = probe.allocated_bytes()
@@ -352,15 +359,28 @@ class BatchSizeTuner(Callback):
         fits = session.run()
         seconds = time.perf_counter() - start
         self._check_batches(size, session.batches_seen)
-        peak_allocated, peak_reserved = probe.read_peaks()
+        end = list(probe.read_peaks())
+        train_peaks, val_peaks = (train, end) if session.validated else (end, [None, None])
         if not fits:
             _release(probe, before)  # (otherwise the next trial's start, or the end of the search, releases it)
+        # allocated, reserved, training allocated, validation allocated (a reserved peak of validation alone is
+        # not measurable: the training steps' cache is still reserved when it starts)
+        values = [_max(train_peaks[0], val_peaks[0]), _max(train_peaks[1], val_peaks[1]), train_peaks[0], val_peaks[0]]
         if trainer.world_size > 1:  # all ranks measured the same sizes: agree on the largest peaks
-            gathered = gather_values(trainer, [peak_allocated, peak_reserved])
-            peak_allocated, peak_reserved = (_int_or_none(max_min(gathered, i)[0]) for i in (0, 1))
+            gathered = gather_values(trainer, values)
+            values = [_int_or_none(max_min(gathered, i)[0]) for i in range(len(values))]
         if not fits:
-            peak_allocated = peak_reserved = None
-        return Trial(size, fits=fits, peak_bytes=peak_reserved, seconds=seconds, allocated_bytes=peak_allocated)
+            values = [None] * len(values)
+        allocated, reserved, train_allocated, val_allocated = values
+        return Trial(
+            size,
+            fits=fits,
+            peak_bytes=reserved,
+            seconds=seconds,
+            allocated_bytes=allocated,
+            train_peak_bytes=train_allocated,
+            val_peak_bytes=val_allocated,
+        )
 
     def _check_batches(self, size: int, seen: list[int]) -> None:
         """Refuse to report sizes that never ran: the attribute must feed the training dataloader."""
@@ -464,6 +484,10 @@ def _largest_size_with_batches(samples: int, limit: int | float, need: int) -> i
 
 def _int_or_none(value: float | None) -> int | None:
     return None if value is None else int(value)
+
+
+def _max(a: int | None, b: int | None) -> int | None:
+    return a if b is None else b if a is None else max(a, b)
 
 
 def _release(probe: MemoryProbe, baseline: int | None) -> None:

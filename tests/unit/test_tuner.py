@@ -423,3 +423,38 @@ def test_without_a_budget_of_its_own_the_tuner_takes_a_memory_budgets():
     _trainer(None, callbacks=[FakeBudget("24GiB"), tuner], max_steps=1, limit_val_batches=0).fit(model)
     assert tuner.budget_bytes == 24 * GIB
     assert tuner.optimal_batch_size == int((0.9 * 24 * GIB - 2 * GIB) // (300 * MIB))
+
+
+class ValidationBufferModel(MemoryModel):
+    """Validation holds a fixed buffer and little per sample; training grows faster (the README's known weakness)."""
+
+    def __init__(self, probe, per_sample, val_fixed, val_per_sample, **kwargs) -> None:
+        super().__init__(probe, per_sample, **kwargs)
+        self.val_fixed, self.val_per_sample = val_fixed, val_per_sample
+
+    def validation_step(self, batch, batch_idx):
+        need = self.val_fixed + batch.shape[0] * self.val_per_sample
+        if self.fake.allocated + need > self.fake.cap:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake allocator, validation)")
+        self.fake.spike(need)
+        return super().validation_step(batch, batch_idx)
+
+
+def test_trials_measure_the_training_and_validation_peaks_apart_and_the_search_uses_both_lines():
+    probe = CappedFakeProbe(base=2 * GIB, total=80 * GIB)
+    model = ValidationBufferModel(
+        probe, per_sample=40 * MIB, val_fixed=12 * GIB, val_per_sample=4 * MIB, n=100_000, val_limit=10**9
+    )
+    model.val_data = model.train_data  # validation batches as large as the training ones
+    tuner = FakeTuner(probe, budget="24GiB", headroom=0.1)
+    _trainer(tuner, max_steps=1, limit_val_batches=1, num_sanity_val_steps=0).fit(model)
+    cap = 0.9 * 24 * GIB
+    best = min(int((cap - 2 * GIB) // (40 * MIB)), int((cap - 2 * GIB - 12 * GIB) // (4 * MIB)))
+    first = tuner.trials[0]
+    assert first.train_peak_bytes == 2 * GIB + 2 * 40 * MIB
+    assert first.val_peak_bytes == 2 * GIB + 12 * GIB + 2 * 4 * MIB
+    assert first.allocated_bytes == first.val_peak_bytes  # the trial's peak is the larger stage
+    assert tuner.optimal_batch_size == best
+    search = tuner.trials[:-1]  # the last one is the check under the full budget
+    assert len(search) <= 6
+    assert sum(not t.fits for t in search) <= 2
