@@ -10,6 +10,8 @@ Workloads (``--quick`` swaps in tiny versions for a CPU smoke run):
   embedding and output head). Full size: d_model 1024, 16 layers, 16 heads, vocabulary 32768, sequence 512, about
   235M parameters. Data: random int64 tokens generated once into a ``TensorDataset`` (inputs and shifted targets come
   from one row of ``seq_len + 1`` tokens).
+* ``gpt-longval``: the same GPT, validated on sequences 8x longer (4096 tokens): validation needs more memory per
+  sample than training (full-vocabulary logits of 4096 positions), so the largest size is set by validation.
 * ``resnet``: torchvision's ResNet-50, 1000 classes, random 224x224 images generated per item from a seeded generator
   (no giant tensor in host memory). ``--quick``: a tiny CNN on 32x32 images, 10 classes.
 
@@ -41,9 +43,11 @@ class Workload:
     search_upper: int  # largest batch size the true-maximum search tries
     num_workers: int = 0  # DataLoader workers of the Lightning runs
     simulated_oom_above: int | None = None  # --quick: batch sizes above this raise an OOM
+    simulated_val_oom_above: int | None = None  # --quick: the same in validation (None: simulated_oom_above)
     # GPT
     vocab: int = 0
     seq_len: int = 0
+    val_seq_len: int = 0  # validation sequences (0: seq_len)
     d_model: int = 0
     layers: int = 0
     heads: int = 0
@@ -53,7 +57,17 @@ class Workload:
 
 
 def workload(name: str, quick: bool) -> Workload:
-    """The workload called ``name`` (``gpt`` or ``resnet``), full size or tiny (``quick``)."""
+    """The workload called ``name`` (``gpt``, ``gpt-longval`` or ``resnet``), full size or tiny (``quick``)."""
+    if name == "gpt-longval":
+        if quick:
+            return Workload(
+                "gpt-longval", "gpt", 4096, 2048, simulated_oom_above=37, simulated_val_oom_above=23, vocab=256,
+                seq_len=32, val_seq_len=256, d_model=64, layers=2, heads=4,
+            )  # fmt: skip
+        return Workload(
+            "gpt-longval", "gpt", 16384, 2048, vocab=32768, seq_len=512, val_seq_len=4096, d_model=1024, layers=16,
+            heads=16,
+        )  # fmt: skip
     if name == "gpt":
         if quick:
             return Workload(
@@ -66,7 +80,7 @@ def workload(name: str, quick: bool) -> Workload:
             return Workload("resnet", "cnn", 4096, 1024, simulated_oom_above=53, image_size=32, num_classes=10)
         workers = max(0, min(6, (os.cpu_count() or 2) // 2))  # 1 ms per generated image: keep the GPU fed
         return Workload("resnet", "resnet", 65536, 1024, num_workers=workers, image_size=224, num_classes=1000)
-    raise ValueError(f"Unknown workload {name!r}; expected 'gpt' or 'resnet'.")
+    raise ValueError(f"Unknown workload {name!r}; expected 'gpt', 'gpt-longval' or 'resnet'.")
 
 
 # ---------------------------------------------------------------------------------------------------- models
@@ -130,7 +144,7 @@ def tiny_cnn(num_classes: int) -> nn.Module:
 def build_model(w: Workload) -> nn.Module:
     """A freshly initialised model of ``w`` on the CPU (seed it first for identical weights)."""
     if w.kind == "gpt":
-        return GPT(w.vocab, w.seq_len, w.d_model, w.layers, w.heads)
+        return GPT(w.vocab, max(w.seq_len, w.val_seq_len), w.d_model, w.layers, w.heads)
     if w.kind == "resnet":
         import torchvision  # only the full-size image workload needs it
 
@@ -171,6 +185,14 @@ def build_dataset(w: Workload) -> Dataset:
     return RandomImages(w.num_samples, w.image_size, w.num_classes)
 
 
+def build_val_dataset(w: Workload) -> Dataset:
+    """The validation set of ``w``: the training set, or 2048 longer sequences where ``val_seq_len`` is set."""
+    if w.kind == "gpt" and w.val_seq_len:
+        generator = torch.Generator().manual_seed(1)
+        return TensorDataset(torch.randint(w.vocab, (2048, w.val_seq_len + 1), generator=generator))
+    return build_dataset(w)
+
+
 def first_batch(w: Workload, dataset: Dataset, batch_size: int) -> list[torch.Tensor]:
     """The first ``batch_size`` items collated as a DataLoader would (a list of tensors)."""
     items = [dataset[i] for i in range(batch_size)]
@@ -182,9 +204,11 @@ def batch_length(batch: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> int:
     return int(batch[0].shape[0])
 
 
-def compute_loss(w: Workload, model: nn.Module, batch: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.Tensor:
+def compute_loss(
+    w: Workload, model: nn.Module, batch: list[torch.Tensor] | tuple[torch.Tensor, ...], validation: bool = False
+) -> torch.Tensor:
     """Next-token cross-entropy (GPT) or classification cross-entropy (images); raises a simulated OOM in --quick."""
-    check_simulated_oom(w, batch_length(batch))
+    check_simulated_oom(w, batch_length(batch), validation)
     if w.kind == "gpt":
         tokens = batch[0]
         logits = model(tokens[:, :-1])
@@ -193,9 +217,10 @@ def compute_loss(w: Workload, model: nn.Module, batch: list[torch.Tensor] | tupl
     return F.cross_entropy(model(images), labels)
 
 
-def check_simulated_oom(w: Workload, batch_size: int) -> None:
+def check_simulated_oom(w: Workload, batch_size: int, validation: bool = False) -> None:
     """Raise the simulated OOM of ``--quick`` when ``batch_size`` is above the workload's threshold."""
-    if w.simulated_oom_above is not None and batch_size > w.simulated_oom_above:
+    above = w.simulated_val_oom_above if validation and w.simulated_val_oom_above else w.simulated_oom_above
+    if above is not None and batch_size > above:
         raise torch.cuda.OutOfMemoryError(SIMULATED_OOM_MESSAGE)
 
 
@@ -231,7 +256,7 @@ def describe(w: Workload) -> str:
     if w.kind == "gpt":
         return (
             f"GPT d_model={w.d_model} layers={w.layers} heads={w.heads} vocab={w.vocab} seq={w.seq_len},"
-            f" {w.num_samples} random-token samples"
+            f"{f' validation seq={w.val_seq_len},' if w.val_seq_len else ''} {w.num_samples} random-token samples"
         )
     model = "ResNet-50" if w.kind == "resnet" else "tiny CNN"
     return f"{model} {w.image_size}x{w.image_size}, {w.num_classes} classes, {w.num_samples} random images"

@@ -143,6 +143,7 @@ def probe_worker(args: argparse.Namespace) -> int:
         model = M.build_model(w).to(device)
         optimizer = M.make_optimizer(model)
         cpu_batch = M.first_batch(w, M.build_dataset(w), args.batch_size)
+        cpu_val_batch = M.first_batch(w, M.build_val_dataset(w), args.batch_size)
         start = time.perf_counter()
         try:
             model.train()
@@ -157,8 +158,8 @@ def probe_worker(args: argparse.Namespace) -> int:
             optimizer.zero_grad(set_to_none=True)  # Lightning's `on_validation_model_zero_grad`
             model.eval()
             with torch.inference_mode(), _autocast(device):
-                batch = [t.to(device) for t in cpu_batch]
-                float(M.compute_loss(w, model, batch))
+                batch = [t.to(device) for t in cpu_val_batch]
+                float(M.compute_loss(w, model, batch, validation=True))
                 del batch
             _sync(device)
             result["ok"] = True
@@ -219,6 +220,7 @@ def _lightning_classes() -> tuple[type, type, type]:
             self.batch_size = 2
             self.net = M.build_model(w)
             self.dataset = M.build_dataset(w)
+            self.val_dataset = M.build_val_dataset(w)
             self.phase = "setup"  # "search" during the finder's on_fit_start, then "fit"
             self.trials: list[dict[str, Any]] = []
             self.fit_steps = 0
@@ -275,7 +277,7 @@ def _lightning_classes() -> tuple[type, type, type]:
 
         def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             try:
-                loss = M.compute_loss(self.w, self.net, batch)
+                loss = M.compute_loss(self.w, self.net, batch, validation=True)
             except Exception as error:
                 self._note(error)
                 raise
@@ -295,7 +297,9 @@ def _lightning_classes() -> tuple[type, type, type]:
             )
 
         def val_dataloader(self) -> DataLoader:
-            return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.w.num_workers)
+            return DataLoader(
+                self.val_dataset, batch_size=self.batch_size, shuffle=False, num_workers=self.w.num_workers
+            )
 
     class TimedBatchSizeFinder(_TimedSearch, BatchSizeFinder):
         """Lightning's finder, timed."""
@@ -835,7 +839,7 @@ def orchestrate(args: argparse.Namespace) -> int:
 
 def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--models", default="gpt,resnet", help="workloads, comma-separated (gpt, resnet)")
+    parser.add_argument("--models", default="gpt,resnet", help="workloads, comma-separated (gpt, gpt-longval, resnet)")
     parser.add_argument("--budget-gib", type=float, default=24.0, help="memory budget per process in GiB")
     parser.add_argument("--parallel", type=int, default=5, help="true-max candidates run at once")
     parser.add_argument(
