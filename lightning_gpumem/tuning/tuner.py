@@ -438,12 +438,17 @@ class BatchSizeTuner(Callback):
             )
         if not trainer.is_global_zero:
             return
+
+        def gib(value: int | None) -> str:
+            return "-" if value is None else f"{value / GIB:.2f}"
+
         rows = "\n".join(
-            f"| {t.batch_size} | {'ok' if t.fits else 'OOM'} | "
-            f"{'-' if t.peak_bytes is None else f'{t.peak_bytes / GIB:.2f}'} | {t.seconds:.2f} |"
+            f"| {t.batch_size} | {'ok' if t.fits else 'OOM'} | {gib(t.peak_bytes)} | {gib(t.train_peak_bytes)} |"
+            f" {gib(t.val_peak_bytes)} | {t.seconds:.2f} |"
             for t in result.trials
         )
-        table = f"| batch size | outcome | peak reserved GiB | seconds |\n|---|---|---|---|\n{rows}"
+        header = "| batch size | outcome | reserved GiB | training allocated GiB | validation allocated GiB | seconds |"
+        table = f"{header}\n|---|---|---|---|---|---|\n{rows}"
         log_to_loggers(trainer, {"gpumem/batch_size": float(result.batch_size or 0)}, step=trainer.global_step)
         log_text(trainer, "gpumem/batch_size_trials", table, step=trainer.global_step)
         self._write_next_to_cli_config(trainer)
