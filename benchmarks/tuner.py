@@ -327,7 +327,7 @@ def finder_worker(args: argparse.Namespace) -> int:
             model.budget_fraction = min(1.0, args.budget_bytes / torch.cuda.get_device_properties(device).total_memory)
         result["parameters"] = M.count_parameters(model.net)
         if args.finder_worker == "ours":
-            callback = tuner_cls(budget=args.budget_bytes, headroom=args.headroom)
+            callback = tuner_cls(budget=args.budget_bytes, headroom=float(args.headroom))
         elif args.finder_worker == "fixed":  # a true-max candidate: no finder, the size set by hand
             model.batch_size = args.batch_size
             callback = _fixed_size_callback(args.batch_size)
@@ -452,7 +452,7 @@ class Runner:
     def remaining(self) -> float:
         return self.deadline - time.perf_counter()
 
-    def argv(self, model: str, *extra: str) -> list[str]:
+    def argv(self, model: str, *extra: str, headroom: float | None = None) -> list[str]:
         argv = [
             sys.executable,
             str(Path(__file__).resolve()),
@@ -462,7 +462,8 @@ class Runner:
             str(self.budget_bytes),
         ]
         argv += ["--steps", str(self.args.steps), "--fit-steps", str(self.args.fit_steps)]
-        argv += ["--fit-val-batches", str(self.args.fit_val_batches), "--headroom", str(self.args.headroom), *extra]
+        headroom = self.args.headrooms[0] if headroom is None else headroom
+        argv += ["--fit-val-batches", str(self.args.fit_val_batches), "--headroom", str(headroom), *extra]
         return [*argv, "--quick"] if self.args.quick else argv
 
     def run(self, argv: list[str], name: str) -> _Proc:
@@ -651,16 +652,20 @@ def _probe_summary(probe: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- finders
-def run_finder(runner: Runner, model: str, finder: str) -> dict[str, Any]:
+def run_finder(runner: Runner, model: str, finder: str, headroom: float | None = None) -> dict[str, Any]:
     """One finder's subprocess; returns its result, or a record of why there is none."""
     if runner.remaining() < MIN_START_SECONDS:
         return {"finder": finder, "status": "skipped", "error": "time limit"}
-    proc = runner.run(runner.argv(model, "--finder-worker", finder), f"{model}_{finder}")
+    name = f"{model}_{finder}" if headroom is None else f"{model}_{finder}_headroom{headroom}"
+    proc = runner.run(runner.argv(model, "--finder-worker", finder, headroom=headroom), name)
     result = proc.result()
     if result is None:
         result = {"finder": finder, "status": "timeout" if proc.timed_out else "crashed", "error": proc.failure()}
     result["wall_seconds"] = round(proc.seconds, 2)
-    _log(f"{model}: {finder}: {_finder_summary(result)} [process {proc.seconds:.1f} s]")
+    if headroom is not None:
+        result["headroom"] = headroom
+    label = finder if headroom is None else f"{finder} (headroom {headroom})"
+    _log(f"{model}: {label}: {_finder_summary(result)} [process {proc.seconds:.1f} s]")
     return result
 
 
@@ -714,7 +719,7 @@ def _table(model: str, w: M.Workload, entry: dict[str, Any], budget_bytes: int, 
         "| finder | batch size | fraction of true max | trials | OOMs | search s | 50-step fit + val |",
         "|---|---|---|---|---|---|---|",
     ]
-    for finder in FINDERS:
+    for finder in [*FINDERS, *(k for k in entry["finders"] if k not in FINDERS)]:
         r = entry["finders"].get(finder)
         if r is None:
             continue
@@ -731,9 +736,16 @@ def _table(model: str, w: M.Workload, entry: dict[str, Any], budget_bytes: int, 
                 f"{r['search_seconds']:.1f}",
                 _fit_cell(r),
             ]
-        lines.append(f"| {FINDER_LABELS[finder]} | " + " | ".join(cells) + " |")
+        lines.append(f"| {_label(finder, r)} | " + " | ".join(cells) + " |")
     lines += ["", _true_max_line(true)]
     return "\n".join(lines)
+
+
+def _label(finder: str, r: dict[str, Any]) -> str:
+    headroom = r.get("headroom")
+    if finder.startswith("ours") and headroom is not None and headroom != 0.05:
+        return f"lightning_gpumem `BatchSizeTuner(budget=B, headroom={headroom})`"
+    return FINDER_LABELS["ours" if finder.startswith("ours") else finder]
 
 
 def _true_max_line(true: dict[str, Any]) -> str:
@@ -772,8 +784,12 @@ def orchestrate(args: argparse.Namespace) -> int:
     finders = [f.strip() for f in args.finders.split(",") if f.strip()]
     if unknown := set(finders) - set(FINDERS):
         sys.exit(f"--finders: unknown {sorted(unknown)}; expected some of {list(FINDERS)}")
-    if args.headroom != 0.05:
-        FINDER_LABELS["ours"] = f"lightning_gpumem `BatchSizeTuner(budget=B, headroom={args.headroom})`"
+    try:
+        args.headrooms = [float(h) for h in args.headroom.split(",") if h.strip()]
+    except ValueError:
+        sys.exit(f"--headroom {args.headroom!r}: expected numbers, comma-separated")
+    if not args.headrooms or not all(0.0 <= h < 1.0 for h in args.headrooms):
+        sys.exit(f"--headroom {args.headroom!r}: expected values in [0, 1)")
     for name in models:
         M.workload(name, args.quick)  # unknown names fail now
     budget_bytes = int(args.budget_gib * GIB)
@@ -815,7 +831,8 @@ def orchestrate(args: argparse.Namespace) -> int:
         _log(f"{model}: {M.describe(w)}")
         entry: dict[str, Any] = {"workload": M.describe(w), "finders": {}}
         report["workloads"][model] = entry
-        ours = run_finder(runner, model, "ours") if "ours" in finders else {"status": "skipped", "error": "--finders"}
+        skipped = {"status": "skipped", "error": "--finders"}
+        ours = run_finder(runner, model, "ours", args.headrooms[0]) if "ours" in finders else skipped
         entry["finders"]["ours"] = ours
         if ours.get("status") == "ok" and len(ours.get("module_trials", [])) != ours.get("num_trials"):
             seen = len(ours["module_trials"])
@@ -827,6 +844,8 @@ def orchestrate(args: argparse.Namespace) -> int:
         if args.true_max != "none":
             entry["true_max"] = find_true_max(runner, model, w, parallel, guess, hints)
             _log(f"{model}: {_true_max_line(entry['true_max'])}")
+        for headroom in args.headrooms[1:] if "ours" in finders else []:
+            entry["finders"][f"ours-headroom-{headroom}"] = run_finder(runner, model, "ours", headroom)
         for finder in [f for f in ("binsearch", "power") if f in finders]:
             entry["finders"][finder] = run_finder(runner, model, finder)
         print(_table(model, w, entry, budget_bytes, args.quick) + "\n", flush=True)
@@ -850,7 +869,12 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
         " or no true-max search (none)",
     )
     parser.add_argument("--finders", default=",".join(FINDERS), help="finders to run, comma-separated")
-    parser.add_argument("--headroom", type=float, default=0.05, help="BatchSizeTuner's headroom")
+    parser.add_argument(
+        "--headroom",
+        default="0.05",
+        help="BatchSizeTuner's headroom; several, comma-separated, run the tuner once for each (the first guides the"
+        " true-max search)",
+    )
     parser.add_argument("--steps", type=int, default=3, help="training steps of a plain true-max candidate")
     parser.add_argument("--fit-steps", type=int, default=50, help="training steps of the fit after each search")
     parser.add_argument("--fit-val-batches", type=int, default=5, help="validation batches of that fit")
