@@ -381,6 +381,8 @@ def _collect_finder_result(
                 "fits": t.fits,
                 "peak_bytes": t.peak_bytes,
                 "allocated_bytes": t.allocated_bytes,
+                "train_peak_bytes": getattr(t, "train_peak_bytes", None),
+                "val_peak_bytes": getattr(t, "val_peak_bytes", None),
                 "seconds": round(t.seconds, 3),
             }
             for t in callback.trials

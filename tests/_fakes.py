@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import math
 from pathlib import Path
 
 import torch
@@ -136,6 +137,11 @@ class SpikeModel(BoringModel):
     def test_step(self, batch, batch_idx):
         self.fake.spike(self.val_spike)
         return super().test_step(batch, batch_idx)
+
+
+def kept(largest: int, headroom: float = 0.05) -> int:
+    """The size `BatchSizeTuner` keeps when `largest` is the largest that runs: (1 - headroom) * largest, rounded."""
+    return max(1, math.floor((1.0 - headroom) * largest + 0.5))
 
 
 def read_csv_metrics(log_dir: str | Path) -> list[dict[str, str]]:

@@ -40,10 +40,10 @@ class BatchSizeTuner(Callback):
 
     At fit start it runs *trials*: ``steps_per_trial`` real optimizer steps (with gradient accumulation, all the
     accumulated micro-batches and the step) and, where the fit validates, one validation batch, at a candidate batch
-    size, each from the run's own starting state. The search runs with the allocator capped at the budget less the
-    headroom (``torch.cuda.set_per_process_memory_fraction``), so tuning on an 80 GiB card for a 24 GiB one is exact;
-    measured peaks guide it (``tuning/search.py``). The size found runs once more under the full budget, the fit's
-    first steps allocation for allocation; where it fails there the search goes on under the full budget.
+    size, each from the run's own starting state. Trials run with the allocator capped at the budget
+    (``torch.cuda.set_per_process_memory_fraction``), so tuning on an 80 GiB card for a 24 GiB one is exact, and
+    measured peaks guide the search (``tuning/search.py``) to the largest size that runs. The tuner then gives up
+    ``headroom`` of that size and runs the size kept once more, the fit's first steps allocation for allocation.
 
     **What is guaranteed.** A tuned fit equals a fit with the chosen size set by hand: same weights, optimizer,
     LR-scheduler and precision states, step and epoch counters, RNG streams (also the dataloaders' own
@@ -84,10 +84,11 @@ class BatchSizeTuner(Callback):
         budget: memory the run may use: ``None`` for the budget of a :class:`~lightning_gpumem.MemoryBudget` among
             the callbacks (placed before this one) or else what is usable on the device now, bytes (``int``), a
             fraction of device memory in (0, 1] (``float``), or a string such as ``"24GiB"`` or ``"16GB"``.
-        headroom: fraction of the budget kept free at the chosen size, in [0, 1): the search caps the allocator at
-            ``(1 - headroom) * budget`` and accepts the sizes that run under it (without a cap, as elsewhere than
-            CUDA: whose peak reserved memory stays under it). What is left covers what trials do not show: batches of
-            other shapes (a smaller last batch, varying lengths) and fragmentation over a long run.
+        headroom: fraction of the largest size that runs in the budget given up as a safety margin, in [0, 1): the
+            size chosen is ``(1 - headroom) * largest``, rounded to the nearest size. Activation memory grows with
+            the batch size, so about that fraction of it stays free for what trials do not show: batches of other
+            shapes (a smaller last batch, varying lengths) and fragmentation over a long run. Nothing is given up
+            where memory does not bound the size (the search stopped at ``max_val`` or the dataset size).
         init_val: first batch size tried.
         max_val: largest batch size tried; the result never exceeds it. ``None``: the training dataset's size per
             rank (and at most the size that still gives an integer ``val_check_interval`` its batches).
@@ -232,20 +233,18 @@ class BatchSizeTuner(Callback):
             with TrialSession(trainer, self.batch_arg_name) as session:
                 self._original = session.original
                 self._seen: dict[int, int] = {}
-                if total:  # cap: a size is accepted if it runs under the budget less the headroom
+                if total:  # trials run with the allocator capped at the budget, as the fit will be
                     previous_fraction = probe.set_memory_fraction(min(1.0, limit / total))  # type: ignore[operator]
                 try:
                     with expecting_oom():  # trials that run out of memory are the search's plan, not failures
-                        result = search_batch_size(  # search
+                        result = search_batch_size(  # search: the largest size that runs in the budget
                             lambda size: self._run_trial(session, probe, size),
                             init_val=self.init_val,
                             upper=upper,
                             limit_bytes=limit,
                             max_trials=MAX_TRIALS,
                         )
-                        if total and self.budget_bytes is not None and result.batch_size is not None:  # check
-                            probe.set_memory_fraction(min(1.0, self.budget_bytes / total))
-                            result = self._check(session, probe, result)
+                        result = self._leave_headroom(session, probe, result, limit)  # then give up the headroom
                 finally:
                     if previous_fraction is not None:
                         probe.set_memory_fraction(previous_fraction)
@@ -259,9 +258,9 @@ class BatchSizeTuner(Callback):
         if result.batch_size is None:
             if any(t.fits for t in result.trials):
                 raise RuntimeError(
-                    f"BatchSizeTuner: the sizes the search accepted under {format_gib(limit)} ran out of memory when"
-                    f" run again under the full budget of {format_gib(self.budget_bytes)} (allocator fragmentation;"
-                    f" trials: {[(t.batch_size, t.fits) for t in result.trials]}). Raise `headroom`."
+                    f"BatchSizeTuner: the sizes that ran in the budget of {format_gib(self.budget_bytes)} ran out of"
+                    " memory when run again below the largest one (allocator fragmentation; trials:"
+                    f" {[(t.batch_size, t.fits) for t in result.trials]}). Raise `headroom`."
                 )
             raise RuntimeError(
                 f"BatchSizeTuner: even batch_size=1 does not fit the budget of {format_gib(self.budget_bytes)}"
@@ -329,7 +328,7 @@ class BatchSizeTuner(Callback):
                     f"`BatchSizeTuner(budget={self.budget!r})` is {format_gib(self.budget_bytes)}, larger than the"
                     f" device's {format_gib(total)}. Expected at most the device's memory."
                 )
-        return int(self.budget_bytes * (1.0 - self.headroom))
+        return int(self.budget_bytes)
 
     def _upper_bound(self, trainer: pl.Trainer, length: int | None) -> int:
         candidates = [] if self.max_val is None else [self.max_val]
@@ -397,25 +396,39 @@ class BatchSizeTuner(Callback):
                 )
         self._seen[size] = largest
 
-    def _check(self, session: TrialSession, probe: MemoryProbe, result: SearchResult) -> SearchResult:
-        """Run the size found once more under the fit's own cap, from the fit's own starting state.
+    def _headroom_size(self, largest: int) -> int:
+        """The size kept when ``largest`` is the largest that runs in the budget: ``(1 - headroom) * largest``.
 
-        That trial is the fit's first steps, allocation for allocation. Where the allocator's layout under the
-        search's tighter cap differed and the size does not run here, the search goes on under the full budget,
-        below that size.
+        Rounded to the nearest size, and at least 1.
         """
-        found = result.batch_size or 0
-        trial = self._run_trial(session, probe, found)
-        if trial.fits:
-            return SearchResult(found, (*result.trials, trial), result.reason)
+        return max(1, math.floor((1.0 - self.headroom) * largest + 0.5))
+
+    def _leave_headroom(
+        self, session: TrialSession, probe: MemoryProbe, result: SearchResult, limit: int | None
+    ) -> SearchResult:
+        """Give up ``headroom`` of the largest size that runs, and run the size kept once.
+
+        Nothing is given up where memory did not bound the search (it stopped at ``max_val`` or the dataset size).
+        The size kept runs from the fit's own starting state under the fit's cap; in the rare case it does not run
+        (the allocator's layout differs from size to size), the search goes on below it.
+        """
+        largest = result.batch_size
+        if largest is None or result.reason == "upper_bound":
+            return result
+        size = self._headroom_size(largest)
+        if size == largest:
+            return result
+        trial = self._run_trial(session, probe, size)
+        if trial.fits and (limit is None or trial.peak_bytes is None or trial.peak_bytes <= limit):
+            return SearchResult(size, (*result.trials, trial), result.reason)
         left = MAX_TRIALS - len(result.trials) - 1
-        if found <= 1 or left < 1:
+        if size <= 1 or left < 1:
             return SearchResult(None, (*result.trials, trial), result.reason)
         again = search_batch_size(
             lambda size: self._run_trial(session, probe, size),
-            init_val=max(1, found - math.ceil(0.01 * found)),
-            upper=found - 1,
-            limit_bytes=self.budget_bytes,
+            init_val=max(1, size - math.ceil(0.01 * size)),
+            upper=size - 1,
+            limit_bytes=limit,
             max_trials=left,
         )
         return SearchResult(again.batch_size, (*result.trials, trial, *again.trials), again.reason)
