@@ -141,7 +141,8 @@ class SpikeModel(BoringModel):
 
 def kept(largest: int, headroom: float = 0.05) -> int:
     """The size `BatchSizeTuner` keeps when `largest` is the largest that runs: (1 - headroom) * largest, rounded."""
-    return max(1, math.floor((1.0 - headroom) * largest + 0.5))
+    size = math.floor((1.0 - headroom) * largest + 0.5)
+    return max(1, min(size, largest - 1) if headroom > 0 else size)
 
 
 def read_csv_metrics(log_dir: str | Path) -> list[dict[str, str]]:

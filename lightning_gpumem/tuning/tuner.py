@@ -85,7 +85,9 @@ class BatchSizeTuner(Callback):
             the callbacks (placed before this one) or else what is usable on the device now, bytes (``int``), a
             fraction of device memory in (0, 1] (``float``), or a string such as ``"24GiB"`` or ``"16GB"``.
         headroom: fraction of the largest size that runs in the budget given up as a safety margin, in [0, 1): the
-            size chosen is ``(1 - headroom) * largest``, rounded to the nearest size. Activation memory grows with
+            size chosen is ``(1 - headroom) * largest``, rounded to the nearest size and at least one below
+            ``largest`` (the boundary is rough: a size near it may run in one process and not in the next, and
+            ``headroom=0`` keeps it exactly). Activation memory grows with
             the batch size, so about that fraction of it stays free for what trials do not show: batches of other
             shapes (a smaller last batch, varying lengths) and fragmentation over a long run. Nothing is given up
             where memory does not bound the size (the search stopped at ``max_val`` or the dataset size).
@@ -399,9 +401,13 @@ class BatchSizeTuner(Callback):
     def _headroom_size(self, largest: int) -> int:
         """The size kept when ``largest`` is the largest that runs in the budget: ``(1 - headroom) * largest``.
 
-        Rounded to the nearest size, and at least 1.
+        Rounded to the nearest size, at least one size below ``largest`` when ``headroom > 0`` (near the cap, whether
+        a size runs depends on the allocator's layout, which differs from process to process), and at least 1.
         """
-        return max(1, math.floor((1.0 - self.headroom) * largest + 0.5))
+        kept = math.floor((1.0 - self.headroom) * largest + 0.5)
+        if self.headroom > 0:
+            kept = min(kept, largest - 1)
+        return max(1, kept)
 
     def _leave_headroom(
         self, session: TrialSession, probe: MemoryProbe, result: SearchResult, limit: int | None

@@ -118,6 +118,15 @@ def test_finds_the_exact_oom_boundary_and_fits_with_it():
     assert trainer.global_step == -(-640 // 39)  # the real fit ran one epoch at 39
 
 
+@pytest.mark.parametrize(("headroom", "expected"), [(0.0, 9), (0.05, 8), (0.5, 5)])
+def test_a_small_boundary_keeps_at_least_one_size_of_headroom(headroom, expected):
+    # 0.95 * 9 rounds to 9: near the cap whether a size runs differs from process to process, so one size is kept
+    model = OOMModel(train_limit=9)
+    tuner = BatchSizeTuner(headroom=headroom, include_validation=False)
+    _trainer(tuner, limit_val_batches=0, max_steps=1).fit(model)
+    assert tuner.optimal_batch_size == model.batch_size == expected
+
+
 def test_validation_is_part_of_every_trial():
     model = OOMModel(train_limit=50, val_limit=20)
     tuner = BatchSizeTuner()
