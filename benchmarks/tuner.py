@@ -3,17 +3,19 @@
 Run it from the repository root on one CUDA GPU (about 5-8 minutes on an H200; ``--time-limit`` bounds it)::
 
     PYTHONPATH=. python3 benchmarks/tuner.py     # gpt and resnet, 24 GiB budget; JSON in benchmarks/results/tuner.json
-    PYTHONPATH=. python3 benchmarks/tuner.py --models gpt --budget-gib 40
+    PYTHONPATH=. python3 benchmarks/tuner.py --models gpt-longval --budget-gib 12 --headroom 0.05,0.02
     PYTHONPATH=. python3 benchmarks/tuner.py --quick                     # CPU smoke run of the whole pipeline
 
 Workloads (``benchmarks/_tuner_models.py``): a GPT-style decoder of about 235M parameters (d_model 1024, 16 layers,
-vocabulary 32768, sequence 512) on random tokens, and torchvision's ResNet-50 on random 224x224 images; both
+vocabulary 32768, sequence 512) on random tokens (``gpt``; ``gpt-longval`` validates on sequences 8x longer, so
+validation needs more memory than training), and torchvision's ResNet-50 on random 224x224 images; all
 ``bf16-mixed`` with AdamW. For each workload and a budget ``B`` (``--budget-gib``, default 24 GiB):
 
 1. **Finders.** Each finder runs in a fresh subprocess whose allocator is capped at ``B`` with
    ``torch.cuda.set_per_process_memory_fraction(B / total)`` before anything is allocated, so the GPU behaves like a
    ``B`` card: Lightning's ``BatchSizeFinder(mode="binsearch")`` and ``BatchSizeFinder(mode="power")`` with their
-   defaults, and ``lightning_gpumem.BatchSizeTuner(budget=B)`` with its defaults (``headroom=0.05``). The process
+   defaults, and ``lightning_gpumem.BatchSizeTuner(budget=B)`` with its defaults (``headroom=0.05``; ``--headroom
+   0.05,0.02`` runs it once per value, each in its own process). The process
    runs ``Trainer.fit`` with the finder as its only callback: the finder searches in ``on_fit_start`` (*search s*
    is the wall time of that hook, CUDA synchronised), then the same fit continues at the size found for 50 training
    steps and a validation pass of 5 batches at step 50 (``val_check_interval=50, check_val_every_n_epoch=None,
