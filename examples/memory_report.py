@@ -5,7 +5,7 @@
     tensorboard --logdir lightning_logs                    # then the "Custom Scalars" tab
 
 On a GPU: `MemoryBudget("4GiB")` caps the process as if the card had 4 GiB; `BatchSizeTuner(budget="2.5GiB")`
-finds the largest batch size whose training and validation steps fit 2.5 GiB (less 5% headroom), leaving room for
+finds the largest batch size whose training and validation steps fit 2.5 GiB and keeps 95% of it, leaving room for
 the rest; every validation allocates a 1 GiB buffer (think: larger shapes in evaluation) that the cache keeps, and
 `EmptyCacheOnThreshold(0.75)` gives it back to the device once reserved memory passes 3 GiB;
 `MemoryMonitor` logs the per-batch peak, allocated, reserved, NVML and the budget to TensorBoard and writes the
