@@ -1,14 +1,26 @@
-"""lightning-gpumem: PyTorch Lightning callbacks that make GPU memory visible and manageable."""
+"""lightning-gpumem: PyTorch Lightning callbacks that make GPU memory visible and manageable.
 
-from lightning_gpumem.budget import MemoryBudget
-from lightning_gpumem.layers import LayerMemoryProfiler
-from lightning_gpumem.monitor import MemoryMonitor
-from lightning_gpumem.probe import MemoryProbe, MemorySample
-from lightning_gpumem.release import EmptyCacheOnThreshold
-from lightning_gpumem.snapshot import OOMSnapshot
-from lightning_gpumem.tuning.tuner import BatchSizeTuner
+The callbacks are imported on first use (PEP 562), so ``gpumem`` and ``lightning_gpumem.report`` start without
+importing torch or Lightning.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "BatchSizeTuner": "lightning_gpumem.tuning.tuner",
+    "EmptyCacheOnThreshold": "lightning_gpumem.release",
+    "LayerMemoryProfiler": "lightning_gpumem.layers",
+    "MemoryBudget": "lightning_gpumem.budget",
+    "MemoryMonitor": "lightning_gpumem.monitor",
+    "MemoryProbe": "lightning_gpumem.probe",
+    "MemorySample": "lightning_gpumem.probe",
+    "OOMSnapshot": "lightning_gpumem.snapshot",
+}
 
 __all__ = [
     "BatchSizeTuner",
@@ -21,3 +33,25 @@ __all__ = [
     "OOMSnapshot",
     "__version__",
 ]
+
+if TYPE_CHECKING:
+    from lightning_gpumem.budget import MemoryBudget
+    from lightning_gpumem.layers import LayerMemoryProfiler
+    from lightning_gpumem.monitor import MemoryMonitor
+    from lightning_gpumem.probe import MemoryProbe, MemorySample
+    from lightning_gpumem.release import EmptyCacheOnThreshold
+    from lightning_gpumem.snapshot import OOMSnapshot
+    from lightning_gpumem.tuning.tuner import BatchSizeTuner
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_gpumem' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -6,11 +6,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from lightning_gpumem import __version__
 from lightning_gpumem.report import ReportError, format_table, load_runs, summarize, write_html, write_png
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpumem", description="lightning-gpumem tools.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     report = commands.add_parser(
         "report",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -40,6 +41,17 @@ HOOKS = (
     "predict_batch_end",
     "predict_end",
 )
+DEFAULT_HOOKS = ("train_batch_end", "validation_end")
+
+
+def _hook_names(value: object, name: str) -> tuple[str, ...]:
+    """``value`` as a tuple of hook names, or a ``ValueError`` naming the argument."""
+    hooks = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, (list, tuple, set)) else None
+    if not hooks or any(hook not in HOOKS for hook in hooks):
+        raise ValueError(
+            f"`EmptyCacheOnThreshold({name}={value!r})` is not valid. Expected one or more of {', '.join(HOOKS)}."
+        )
+    return hooks
 
 
 class ReleasePolicy:
@@ -83,7 +95,7 @@ class ReleasePolicy:
 class EmptyCacheOnThreshold(Callback):
     r"""Empty the allocator's cache when this process holds more than ``threshold`` of its budget.
 
-    At each hook named in ``on`` it reads the memory the process holds (the allocator's reserved memory, or NVML's
+    At each hook named in ``hooks`` it reads the memory the process holds (the allocator's reserved memory, or NVML's
     figure for the process with ``measure="nvml"``, which includes the CUDA context) and, when that exceeds
     ``threshold`` times the budget (a :class:`~lightning_gpumem.MemoryBudget`'s when there is one, else the device's
     memory), runs ``gc.collect()`` if asked, then ``empty_cache()``. After a release it waits until usage has been
@@ -110,13 +122,15 @@ class EmptyCacheOnThreshold(Callback):
         collect_garbage: run ``gc.collect()`` before emptying the cache, so tensors held only by reference cycles
             are freed too (costs milliseconds with many Python objects).
         min_steps_between: training steps to wait after a release before another while usage stays above the mark.
-        on: the hooks after which to check, any of ``"train_batch_end"``, ``"train_epoch_end"``,
+        hooks: the hooks after which to check, any of ``"train_batch_end"``, ``"train_epoch_end"``,
             ``"validation_batch_end"``, ``"validation_end"``, ``"test_batch_end"``, ``"test_end"``,
             ``"predict_batch_end"``, ``"predict_end"``.
+        on: deprecated name of ``hooks`` (YAML 1.1 reads an unquoted key ``on`` as ``True``, which breaks
+            ``LightningCLI`` configs); it still works, with a ``DeprecationWarning``.
 
     Raises:
-        ValueError: if ``threshold`` is not in (0, 1], ``relative_to``/``measure``/``on`` name something else, or
-            ``min_steps_between`` is not an integer >= 0.
+        ValueError: if ``threshold`` is not in (0, 1], ``relative_to``/``measure``/``hooks`` name something else,
+            ``min_steps_between`` is not an integer >= 0, or both ``hooks`` and ``on`` are given.
         TypeError: if ``collect_garbage`` is not a ``bool``.
 
     Example::
@@ -135,7 +149,8 @@ class EmptyCacheOnThreshold(Callback):
         measure: Literal["reserved", "nvml"] = "reserved",
         collect_garbage: bool = False,
         min_steps_between: int = 50,
-        on: Sequence[str] = ("train_batch_end", "validation_end"),
+        hooks: Sequence[str] = DEFAULT_HOOKS,
+        on: Sequence[str] | None = None,
     ) -> None:
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 < threshold <= 1.0:
             raise ValueError(
@@ -150,18 +165,27 @@ class EmptyCacheOnThreshold(Callback):
                 f"`EmptyCacheOnThreshold(measure={measure!r})` is not valid. Expected 'reserved' or 'nvml'."
             )
         require_int("EmptyCacheOnThreshold", "min_steps_between", min_steps_between, 0)
-        hooks = (on,) if isinstance(on, str) else tuple(on)
-        if not hooks or any(hook not in HOOKS for hook in hooks):
-            raise ValueError(
-                f"`EmptyCacheOnThreshold(on={on!r})` is not valid. Expected one or more of {', '.join(HOOKS)}."
+        name = "hooks"
+        if on is not None:
+            if tuple(hooks) != DEFAULT_HOOKS:
+                raise ValueError(
+                    f"`EmptyCacheOnThreshold(hooks={hooks!r}, on={on!r})`: `on` is the deprecated name of `hooks`."
+                    " Expected only `hooks`."
+                )
+            warnings.warn(
+                "`EmptyCacheOnThreshold(on=...)` is deprecated: use `hooks=...` (YAML 1.1 reads a key `on` as True).",
+                DeprecationWarning,
+                stacklevel=2,
             )
+            hooks, name = on, "on"
+        chosen = _hook_names(hooks, name)
         require_flags("EmptyCacheOnThreshold", collect_garbage=collect_garbage)
         self.threshold = float(threshold)
         self.relative_to = relative_to
         self.measure = measure
         self.collect_garbage = collect_garbage
         self.min_steps_between = min_steps_between
-        self.on = frozenset(hooks)
+        self.hooks = frozenset(chosen)
 
         self.releases = 0
         """Releases so far, on this rank."""
@@ -201,13 +225,13 @@ class EmptyCacheOnThreshold(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
     ) -> None:
-        if "train_batch_end" in self.on:
+        if "train_batch_end" in self.hooks:
             self._check(trainer)
         self._log(trainer)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if "train_epoch_end" in self.on:
+        if "train_epoch_end" in self.hooks:
             self._check(trainer)
 
     @override
@@ -220,12 +244,12 @@ class EmptyCacheOnThreshold(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        if "validation_batch_end" in self.on:
+        if "validation_batch_end" in self.hooks:
             self._check(trainer)
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if "validation_end" in self.on:
+        if "validation_end" in self.hooks:
             self._check(trainer)
         if trainer.state.fn == "fit" and not trainer.sanity_checking:
             self._log(trainer, now=True)  # every rank ends validation together: a release there shows at once
@@ -244,12 +268,12 @@ class EmptyCacheOnThreshold(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        if "test_batch_end" in self.on:
+        if "test_batch_end" in self.hooks:
             self._check(trainer)
 
     @override
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if "test_end" in self.on:
+        if "test_end" in self.hooks:
             self._check(trainer)
 
     @override
@@ -262,12 +286,12 @@ class EmptyCacheOnThreshold(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        if "predict_batch_end" in self.on:
+        if "predict_batch_end" in self.hooks:
             self._check(trainer)
 
     @override
     def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if "predict_end" in self.on:
+        if "predict_end" in self.hooks:
             self._check(trainer)
 
     @override
@@ -277,6 +301,14 @@ class EmptyCacheOnThreshold(Callback):
                 f"EmptyCacheOnThreshold: {self.releases} cache releases, {format_gib(self.released_bytes)} given back,"
                 f" {self.release_seconds:.3f} s (mark {format_gib(self._policy.mark_bytes)})."
             )
+
+    @property
+    @override
+    def state_key(self) -> str:
+        """Unique per configuration, so two instances (say one per hook set) can both be in a Trainer."""
+        return self._generate_state_key(
+            threshold=self.threshold, relative_to=self.relative_to, measure=self.measure, hooks=sorted(self.hooks)
+        )
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -96,13 +96,50 @@ def test_policy_with_zero_min_steps_releases_whenever_above():
         ({"relative_to": "host"}, r"relative_to='host'"),
         ({"measure": "rss"}, r"measure='rss'"),
         ({"min_steps_between": -1}, r"min_steps_between=-1"),
-        ({"on": ("train_batch_end", "after_lunch")}, r"on=\('train_batch_end', 'after_lunch'\)"),
-        ({"on": ()}, r"on=\(\)"),
+        ({"hooks": ("train_batch_end", "after_lunch")}, r"hooks=\('train_batch_end', 'after_lunch'\)"),
+        ({"hooks": ()}, r"hooks=\(\)"),
+        ({"hooks": None}, r"hooks=None"),
+        ({"hooks": 123}, r"hooks=123"),
     ],
 )
 def test_bad_arguments_name_themselves(kwargs, match):
     with pytest.raises(ValueError, match=r"EmptyCacheOnThreshold\(" + match):
         EmptyCacheOnThreshold(**kwargs)
+
+
+def test_on_is_a_deprecated_alias_of_hooks():
+    with pytest.warns(DeprecationWarning, match="use `hooks=...`"):
+        release = EmptyCacheOnThreshold(on="validation_end")
+    assert release.hooks == {"validation_end"}
+    bad = pytest.raises(ValueError, match=r"EmptyCacheOnThreshold\(on=\[None\]\)")
+    with pytest.warns(DeprecationWarning, match="hooks"), bad:
+        EmptyCacheOnThreshold(on=[None])
+    with pytest.raises(ValueError, match="`on` is the deprecated name of `hooks`"):
+        EmptyCacheOnThreshold(hooks=["train_epoch_end"], on=["validation_end"])
+
+
+def test_two_instances_with_different_settings_coexist_and_each_keeps_its_own_state(tmp_path):
+    every_batch = EmptyCacheOnThreshold(threshold=0.9, hooks=["train_batch_end"])
+    after_validation = EmptyCacheOnThreshold(threshold=0.5, hooks="validation_end")
+    assert every_batch.state_key != after_validation.state_key
+    every_batch.releases, after_validation.releases = 1, 2
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        limit_val_batches=0,
+        callbacks=[every_batch, after_validation],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    with pytest.warns(UserWarning, match="has no allocator cache"):
+        trainer.fit(BoringModel())
+    path = tmp_path / "two.ckpt"
+    trainer.save_checkpoint(path)
+    states = torch.load(path, weights_only=False)["callbacks"]
+    assert states[every_batch.state_key]["releases"] == 1
+    assert states[after_validation.state_key]["releases"] == 2
 
 
 def test_collect_garbage_must_be_bool():
@@ -243,3 +280,25 @@ def test_budget_is_undone_when_the_fit_raises(tmp_path):
     with pytest.raises(ValueError, match="user bug"):
         _trainer(tmp_path, [FakeBudget(probe, "8GiB")], limit_val_batches=0).fit(Broken())
     assert probe.fraction == 1.0
+
+
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+@pytest.mark.filterwarnings("ignore:No seed found")
+def test_hooks_is_a_plain_key_in_a_lightning_cli_yaml_config(tmp_path, monkeypatch):
+    # `on:` unquoted is the boolean True in YAML 1.1; `hooks:` is read as written.
+    monkeypatch.setenv("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
+    pytest.importorskip("jsonargparse")
+    from lightning.pytorch.cli import LightningCLI
+
+    config = tmp_path / "input.yaml"
+    config.write_text(
+        "trainer:\n  accelerator: cpu\n  max_steps: 1\n  logger: false\n  enable_progress_bar: false\n"
+        f"  default_root_dir: {tmp_path / 'run'}\n"
+        "  callbacks:\n    - class_path: lightning_gpumem.EmptyCacheOnThreshold\n"
+        "      init_args:\n        threshold: 0.8\n        hooks: [train_epoch_end, validation_end]\n"
+    )
+    with pytest.warns(UserWarning, match="has no allocator cache"):
+        cli = LightningCLI(BoringModel, args=["fit", "--config", str(config)])
+    (release,) = [c for c in cli.trainer.callbacks if isinstance(c, EmptyCacheOnThreshold)]
+    assert release.hooks == {"train_epoch_end", "validation_end"}
+    assert release.threshold == 0.8
