@@ -10,8 +10,11 @@ with the user's loss curves we use the same two. That private access lives here 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import csv
+import io
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 
@@ -60,19 +63,63 @@ def show_in_progress_bar(trainer: pl.Trainer, key: str, text: str) -> None:
 
 
 def log_dir(trainer: pl.Trainer, dirpath: str | Path | None = None) -> Path:
-    """Where a callback writes its files: ``dirpath``, else the first logger's ``log_dir``, else the root dir."""
+    """Where a callback writes its files: ``dirpath``, else ``trainer.log_dir``.
+
+    ``trainer.log_dir`` is the first logger's ``log_dir`` (TensorBoard, CSV), else its ``save_dir`` (MLflow, W&B),
+    else ``default_root_dir``. Worked out here as Lightning does, without its broadcast, so rank zero alone may ask.
+    """
     if dirpath is not None:
         return Path(dirpath)
-    for logger in trainer.loggers:
-        directory = getattr(logger, "log_dir", None)
+    if trainer.loggers:
+        first = trainer.loggers[0]
+        directory = getattr(first, "log_dir", None) or getattr(first, "save_dir", None)
         if directory:
             return Path(directory)
     return Path(trainer.default_root_dir)
 
 
-def log_text(trainer: pl.Trainer, key: str, text: str, step: int) -> None:
-    """Send ``text`` to the loggers that take text (TensorBoard's ``add_text``); the others have no text panel."""
+def log_table(
+    trainer: pl.Trainer,
+    key: str,
+    columns: Sequence[str],
+    rows: Sequence[Sequence[Any]],
+    step: int,
+    text: str,
+    files: bool = True,
+) -> list[Path]:
+    """Send a table to every logger, each the way it takes tables; returns the files written.
+
+    TensorBoard gets ``text`` (Markdown) in its text tab, W&B a table (``log_table``), MLflow a Markdown artifact
+    (``log_text``); every other logger (``CSVLogger``, custom ones) a CSV file ``gpumem_<name>.csv`` in its
+    ``log_dir`` (or ``save_dir``, else ``trainer.log_dir``), one file per directory, unless ``files`` is off (the
+    caller writes its own). Call it on global rank zero.
+    """
+    name = key.split("/", 1)[-1]
+    written: list[Path] = []
     for logger in trainer.loggers:
-        add_text = getattr(getattr(logger, "experiment", None), "add_text", None)
+        experiment = getattr(logger, "experiment", None)
+        add_text = getattr(experiment, "add_text", None)  # TensorBoard (and tensorboardX)
+        wandb_table = getattr(logger, "log_table", None)  # W&B
+        mlflow_text, run_id = getattr(experiment, "log_text", None), getattr(logger, "run_id", None)  # MLflow
         if callable(add_text):
             add_text(key, text, global_step=step)
+        elif callable(wandb_table):
+            wandb_table(key=key, columns=list(columns), data=[list(row) for row in rows], step=step)
+        elif callable(mlflow_text) and run_id:
+            mlflow_text(run_id, text, f"gpumem_{name}.md")
+        elif files:
+            directory = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
+            path = (Path(directory) if directory else log_dir(trainer)) / f"gpumem_{name}.csv"
+            if path not in written:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(_csv(columns, rows), encoding="utf-8")
+                written.append(path)
+    return written
+
+
+def _csv(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(columns)
+    writer.writerows(rows)
+    return buffer.getvalue()

@@ -24,7 +24,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_gpumem._checks import require_int
-from lightning_gpumem._logging import log_dir, log_text
+from lightning_gpumem._logging import log_dir, log_table
 from lightning_gpumem.probe import MemoryProbe
 
 _MIB = 2**20
@@ -129,8 +129,9 @@ class LayerMemoryProfiler(Callback):
     At training step ``at_step`` hooks on every leaf module record, on the allocator: parameter and gradient bytes,
     the activation bytes its forward leaves alive for backward (allocated after minus before), and the peaks during
     its forward and its backward. The ``top_k`` layers by activation memory are printed as a table on rank zero,
-    with totals reconciled against the step's measured peak; the table goes to TensorBoard loggers as text and every
-    layer to ``layer_memory_step<n>.csv`` next to the logger's files (or in ``dirpath``). The layers with the most
+    with totals reconciled against the step's measured peak; the table goes to the loggers that take tables
+    (TensorBoard text, a W&B table, an MLflow artifact) and every layer to ``layer_memory_step<n>.csv`` in
+    ``trainer.log_dir`` (or ``dirpath``). The layers with the most
     activation memory are the candidates for activation checkpointing. The hooks are removed after that step, so
     other steps run untouched. Without an accelerator it warns once and does nothing.
 
@@ -143,7 +144,8 @@ class LayerMemoryProfiler(Callback):
         at_step: the training step (``global_step`` when it starts) to profile; after the first one, the optimizer
             state exists and the step is a steady-state one.
         top_k: layers in the printed table.
-        dirpath: where to write the CSV; ``None``: the first logger's ``log_dir``, else ``Trainer.default_root_dir``.
+        dirpath: where to write the CSV; ``None``: ``trainer.log_dir`` (the first logger's directory, else
+            ``default_root_dir``).
 
     Raises:
         ValueError: if ``at_step`` is not an integer >= 0 or ``top_k`` not an integer >= 1.
@@ -273,7 +275,10 @@ class LayerMemoryProfiler(Callback):
         directory = log_dir(trainer, self.dirpath)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / f"layer_memory_step{self._profiled_step}.csv").write_text(to_csv(self.records))
-        log_text(trainer, "gpumem/layer_memory", f"```\n{self.table}\n```", step=trainer.global_step)
+        names = [f.name for f in fields(LayerRecord)]
+        rows = [[getattr(record, name) for name in names] for record in self.records]
+        table = f"```\n{self.table}\n```"  # loggers without tables have the CSV above
+        log_table(trainer, "gpumem/layer_memory", names, rows, trainer.global_step, table, files=False)
 
     # ------------------------------------------------------------------ measuring
     def _allocated(self) -> int:

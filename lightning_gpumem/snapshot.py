@@ -48,7 +48,8 @@ class OOMSnapshot(Callback):
     **Logged metrics**: none; the files and the printed report are the output.
 
     Args:
-        dirpath: where to write; ``None``: the first logger's ``log_dir``, else ``Trainer.default_root_dir``.
+        dirpath: where to write; ``None``: ``trainer.log_dir`` (the first logger's directory, else
+            ``default_root_dir``).
         max_entries: allocation events kept in the history (older ones are dropped); more costs host memory.
         at_steps: training steps (``global_step`` after the step) at which to write a snapshot anyway.
 

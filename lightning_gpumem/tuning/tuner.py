@@ -23,7 +23,7 @@ from typing_extensions import override
 
 from lightning_gpumem._checks import require_flags, require_int
 from lightning_gpumem._distributed import gather_values, max_min
-from lightning_gpumem._logging import log_text, log_to_loggers
+from lightning_gpumem._logging import log_table, log_to_loggers
 from lightning_gpumem._oom import expecting_oom
 from lightning_gpumem._units import GIB, format_gib, parse_budget
 from lightning_gpumem.budget import budget_bytes
@@ -75,7 +75,8 @@ class BatchSizeTuner(Callback):
     ``gpumem/batch_size``     count   the batch size chosen, at the step where tuning ran
     ========================  ======  =====================================================
 
-    The trials (batch size, outcome, peak) are also written as a text table to TensorBoard loggers and kept in
+    The trials (batch size, outcome, peaks, seconds) also go to every logger as a table (TensorBoard text, a W&B
+    table, an MLflow artifact; for the others ``gpumem_batch_size_trials.csv`` in their directory) and are kept in
     :attr:`trials`; rank zero prints one line, e.g. ``BatchSizeTuner: batch_size=53 (peak 22.6/24.0 GiB, ...)``.
     Under ``LightningCLI`` the size chosen is also written next to the saved ``config.yaml``, as
     ``gpumem_batch_size.yaml``.
@@ -461,15 +462,17 @@ class BatchSizeTuner(Callback):
         def gib(value: int | None) -> str:
             return "-" if value is None else f"{value / GIB:.2f}"
 
-        rows = "\n".join(
-            f"| {t.batch_size} | {'ok' if t.fits else 'OOM'} | {gib(t.peak_bytes)} | {gib(t.train_peak_bytes)} |"
-            f" {gib(t.val_peak_bytes)} | {t.seconds:.2f} |"
-            for t in result.trials
-        )
-        header = "| batch size | outcome | reserved GiB | training allocated GiB | validation allocated GiB | seconds |"
-        table = f"{header}\n|---|---|---|---|---|---|\n{rows}"
+        columns = ["batch size", "outcome", "reserved GiB", "training allocated GiB", "validation allocated GiB"]
+        columns.append("seconds")
+        rows: list[list[object]] = [
+            [t.batch_size, "ok" if t.fits else "OOM", gib(t.peak_bytes), gib(t.train_peak_bytes)] for t in result.trials
+        ]
+        for row, t in zip(rows, result.trials, strict=True):
+            row.extend([gib(t.val_peak_bytes), f"{t.seconds:.2f}"])
+        table: list[list[object]] = [list(columns), ["---"] * len(columns), *rows]
+        lines = ["| " + " | ".join(str(cell) for cell in row) + " |" for row in table]
         log_to_loggers(trainer, {"gpumem/batch_size": float(result.batch_size or 0)}, step=trainer.global_step)
-        log_text(trainer, "gpumem/batch_size_trials", table, step=trainer.global_step)
+        log_table(trainer, "gpumem/batch_size_trials", columns, rows, trainer.global_step, "\n".join(lines))
         self._write_next_to_cli_config(trainer)
 
     def _write_next_to_cli_config(self, trainer: pl.Trainer) -> None:
