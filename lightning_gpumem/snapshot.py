@@ -4,7 +4,7 @@ Why the allocator's OOM observer and not only ``on_exception``: user code (or a 
 search) may catch an ``OutOfMemoryError``; the observer is called by the allocator itself, before the exception
 exists, so every OOM is seen, caught or not. ``on_exception`` is the fallback where torch has no observer.
 History recording keeps a Python stack per allocation, which costs time per allocation: measure it on your model
-before leaving it on for a long run (README, "OOM forensics").
+before leaving it on for a long run (docs/oom_forensics.md).
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ class WideMLP(LightningModule):
 
     def train_dataloader(self):
         # drop_last: every training batch has the shape the trials ran. A smaller last batch is a shape no trial saw,
-        # and at ~12k samples per batch here it is a third of an epoch of 2.6 batches (see the README's "Limits").
+        # and at ~12k samples per batch here it is a third of an epoch of 2.6 batches (docs/batch_size_tuner.md).
         return DataLoader(self.data, batch_size=self.batch_size, shuffle=True, drop_last=True)
 
     def val_dataloader(self):

@@ -452,7 +452,7 @@ def test_without_a_budget_of_its_own_the_tuner_takes_a_memory_budgets():
 
 
 class ValidationBufferModel(MemoryModel):
-    """Validation holds a fixed buffer and little per sample; training grows faster (the README's known weakness)."""
+    """Validation holds a fixed buffer and little per sample; training grows faster (hard for a single-line search)."""
 
     def __init__(self, probe, per_sample, val_fixed, val_per_sample, **kwargs) -> None:
         super().__init__(probe, per_sample, **kwargs)
