@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_gpumem._compat import either
 
 CATEGORY = "gpumem"
 _STAGE_CHARTS = {
@@ -54,13 +55,13 @@ def write_layout(trainer: pl.Trainer, written: dict[int, tuple[str, ...]]) -> No
         return
     fn = str(trainer.state.fn.value) if trainer.state.fn else "fit"
     for logger in trainer.loggers:
-        if not isinstance(logger, TensorBoardLogger):
+        if not isinstance(logger, either("loggers", "TensorBoardLogger")):
             continue
         before = written.get(id(logger), ())
         stages = tuple(s for s in _STAGE_CHARTS if s in before or s in _FN_STAGES.get(fn, ("train", "val")))
         if stages == before:
             continue
-        add_custom_scalars = getattr(logger.experiment, "add_custom_scalars", None)
+        add_custom_scalars = getattr(getattr(logger, "experiment", None), "add_custom_scalars", None)
         if not callable(add_custom_scalars):
             continue
         written[id(logger)] = stages

@@ -17,11 +17,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_gpumem._checks import require_flags, require_int
+from lightning_gpumem._compat import Callback, either, sync_rank
 from lightning_gpumem._distributed import gather_values, max_min
 from lightning_gpumem._layout import write_layout
 from lightning_gpumem._leaks import LeakDetector, LeakVerdict, grown_tensors, tensor_census
@@ -208,6 +208,7 @@ class MemoryMonitor(Callback):
     # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        sync_rank(trainer)
         if stage == "fit":  # a new fit starts from nothing (a checkpoint's `state_dict` is loaded after this hook)
             self._reset_run()
         device = trainer.strategy.root_device
@@ -499,15 +500,13 @@ class MemoryMonitor(Callback):
 
 def _run_context(trainer: pl.Trainer) -> dict[str, Any]:
     """What the advice needs besides the measurements: precision, DDP settings, profiled layers, a tuned size."""
-    from lightning.pytorch.strategies import DDPStrategy
-
     from lightning_gpumem.layers import LayerMemoryProfiler
     from lightning_gpumem.tuning.tuner import BatchSizeTuner
 
     context: dict[str, Any] = {"budget_bytes": budget_bytes(trainer), "precision": str(trainer.precision)}
     module = trainer.lightning_module
     context["gradient_bytes"] = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-    if isinstance(trainer.strategy, DDPStrategy):
+    if isinstance(trainer.strategy, either("strategies", "DDPStrategy")):
         kwargs = getattr(trainer.strategy, "_ddp_kwargs", {})  # private: the kwargs DDPStrategy passes to DDP
         context["ddp_bucket_view"] = bool(kwargs.get("gradient_as_bucket_view", False))
     for callback in trainer.callbacks:  # type: ignore[attr-defined]

@@ -20,11 +20,11 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_gpumem._checks import require_flags, require_int
+from lightning_gpumem._compat import Callback, sync_rank
 from lightning_gpumem._distributed import gather_values
 from lightning_gpumem._logging import batches_that_stepped, is_accumulating, log_to_loggers
 from lightning_gpumem._units import GIB, format_gib
@@ -202,6 +202,7 @@ class EmptyCacheOnThreshold(Callback):
     # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        sync_rank(trainer)
         device = trainer.strategy.root_device
         self._every_n = trainer.log_every_n_steps  # type: ignore[attr-defined]
         probe = self._probe if self._probe is not None and self._probe.device == device else self._make_probe(device)

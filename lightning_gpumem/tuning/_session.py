@@ -21,12 +21,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
-from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
+from lightning_gpumem._compat import Callback
 from lightning_gpumem._oom import is_oom_error
 from lightning_gpumem.tuning._state import ModelState, keeps_whole_model
 

@@ -96,9 +96,9 @@ class ModelState:
 
 def keeps_whole_model(strategy: Any) -> bool:
     """Whether each rank's ``state_dict`` is the whole model (so a host copy per rank restores it exactly)."""
-    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+    from lightning_gpumem._compat import either
 
-    return type(strategy) in (SingleDeviceStrategy, DDPStrategy)
+    return type(strategy) in (*either("strategies", "SingleDeviceStrategy"), *either("strategies", "DDPStrategy"))
 
 
 def _tensor_bytes(obj: Any) -> int:

@@ -18,10 +18,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from lightning.pytorch.callbacks.callback import Callback
 from typing_extensions import override
 
 from lightning_gpumem._checks import require_flags, require_int
+from lightning_gpumem._compat import Callback, sync_rank
 from lightning_gpumem._distributed import gather_values, max_min
 from lightning_gpumem._logging import log_table, log_to_loggers
 from lightning_gpumem._oom import expecting_oom
@@ -205,6 +205,7 @@ class BatchSizeTuner(Callback):
         re-tune mid-training: the new size applies from that epoch, trial steps count from the current step and
         leave no trace. Mid-training, ``configure_optimizers`` is not run again (the optimizer state is kept).
         """
+        sync_rank(trainer)
         hook = _session.current_hook(trainer)
         if hook not in _session.SCALE_HOOKS:
             raise RuntimeError(
