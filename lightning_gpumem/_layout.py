@@ -26,8 +26,15 @@ _STAGE_CHARTS = {
 _FN_STAGES = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
 
 
-def memory_layout(stages: tuple[str, ...] = ("train", "val")) -> dict[str, dict[str, list[Any]]]:
-    """The layout with one chart per stage in ``stages`` (``train``, ``val``, ``test``, ``predict``)."""
+def memory_layout(
+    stages: tuple[str, ...] = ("train", "val"), device_memory: bool = True
+) -> dict[str, dict[str, list[Any]]]:
+    """The layout with one chart per stage in ``stages`` (``train``, ``val``, ``test``, ``predict``).
+
+    Without ``device_memory`` (no accelerator: only host memory is logged) only the host chart, so no chart is empty.
+    """
+    if not device_memory:
+        return {CATEGORY: {"host: RSS, available (GiB)": ["Multiline", [r"gpumem/host_.*_gib.*"]]}}
     charts: dict[str, list[Any]] = {}
     for stage in stages:
         tags = [rf"gpumem/{stage}_.*_gib.*", r"gpumem/nvml_process_gib.*", r"gpumem/budget_gib"]
@@ -44,7 +51,7 @@ def memory_layout(stages: tuple[str, ...] = ("train", "val")) -> dict[str, dict[
     return {CATEGORY: charts}
 
 
-def write_layout(trainer: pl.Trainer, written: dict[int, tuple[str, ...]]) -> None:
+def write_layout(trainer: pl.Trainer, written: dict[int, tuple[str, ...]], device_memory: bool = True) -> None:
     """Write :func:`memory_layout` to each TensorBoard logger, on global rank zero, when its stages grow.
 
     TensorBoard shows only the layout written last in a run, so each write covers every stage this monitor has
@@ -66,6 +73,6 @@ def write_layout(trainer: pl.Trainer, written: dict[int, tuple[str, ...]]) -> No
             continue
         written[id(logger)] = stages
         try:
-            add_custom_scalars(memory_layout(stages))
+            add_custom_scalars(memory_layout(stages, device_memory))
         except Exception as error:  # a layout is a convenience: never fail the run for it
             rank_zero_warn(f"MemoryMonitor: could not write the TensorBoard custom-scalars layout ({error!r}).")

@@ -219,7 +219,7 @@ class MemoryMonitor(Callback):
         if self._detect_leaks and self._probe.has_allocator and self._leaks is None:
             self._leaks = LeakDetector(self._leak_warmup_steps, threshold_bytes=self._leak_threshold_bytes)
         if self._tensorboard_layout:
-            write_layout(trainer, self._layouts_written)
+            write_layout(trainer, self._layouts_written, device_memory=self._probe.has_allocator)
         if self._announced:
             return
         self._announced = True

@@ -197,7 +197,8 @@ class TrialSession:
         fit_loop = trainer.fit_loop
         fit_loop.load_state_dict(deepcopy(self._saved["loop_state"]))
         fit_loop.epoch_loop.max_steps = -1  # the trial stops itself; user limits are absolute (Lightning #21903)
-        _set_loop_flags({loop: (False, False, False) for loop in self._saved["loop_flags"]})  # run as a fresh run
+        fresh = {loop: dict.fromkeys(names, False) for loop, names in self._saved["loop_flags"].items()}
+        _set_loop_flags(fresh)  # run as a fresh run
         fit_loop.max_epochs = max(fit_loop.max_epochs or 0, trainer.current_epoch + 2)
         for module, training in self._saved["modes"].items():
             module.training = training  # a validation OOM in the trial before left them in eval mode
@@ -614,19 +615,23 @@ def _restore_torchmetrics_states(states: list[tuple[Any, dict[str, Any]]]) -> No
 
 
 # ---------------------------------------------------------------------- loops
-def _loop_flags(loop: Any) -> dict[Any, tuple[bool, bool, bool]]:
+LOOP_FLAGS = ("_restarting", "_loaded_from_state_dict", "_resuming_from_checkpoint")  # the last two: Lightning 2.5+
+
+
+def _loop_flags(loop: Any) -> dict[Any, dict[str, bool]]:
     """The restart flags of ``loop`` and every loop inside it (private attributes of Lightning's `_Loop`)."""
-    flags = {loop: (loop._restarting, loop._loaded_from_state_dict, loop._resuming_from_checkpoint)}
+    flags = {loop: {name: getattr(loop, name) for name in LOOP_FLAGS if hasattr(loop, name)}}
     for child in vars(loop).values():
         if isinstance(child, pl.loops.loop._Loop):
             flags.update(_loop_flags(child))
     return flags
 
 
-def _set_loop_flags(flags: dict[Any, tuple[bool, bool, bool]]) -> None:
+def _set_loop_flags(flags: dict[Any, dict[str, bool]]) -> None:
     # Set the attributes directly: `_FitLoop.restarting`'s setter forces True for step-based runs (`max_steps`).
-    for loop, (restarting, loaded, resuming) in flags.items():
-        loop._restarting, loop._loaded_from_state_dict, loop._resuming_from_checkpoint = restarting, loaded, resuming
+    for loop, values in flags.items():
+        for name, value in values.items():
+            setattr(loop, name, value)
 
 
 def _drop_trial_references(trainer: pl.Trainer) -> None:

@@ -272,6 +272,32 @@ def test_the_last_layout_keeps_every_stage_run_so_far(tmp_path):
     assert titles[:3] == ["train", "validation", "test"]
 
 
+def test_on_a_cpu_the_layout_has_no_empty_chart(tmp_path):
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_gpumem import MemoryMonitor
+
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=4,
+        limit_val_batches=1,
+        log_every_n_steps=1,
+        callbacks=[MemoryMonitor(nvml_host_interval_s=0)],
+        logger=TensorBoardLogger(tmp_path, name="cpu"),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(BoringModel())
+    (file,) = tmp_path.rglob("events.out.tfevents.*")
+    (layout,) = _layouts([file])
+    charts = [list(chart.multiline.tag) for category in layout.category for chart in category.chart]
+    logged = list(read_scalars(file))
+    assert charts
+    for tags in charts:  # every chart draws at least one logged key
+        assert any(re.search(tag, key) for tag in tags for key in logged), tags
+
+
 def test_a_directory_whose_only_file_is_damaged_names_it(logs, tmp_path):
     data = bytearray(_event_file(logs).read_bytes())
     data[-6] ^= 0xFF  # the last record's data

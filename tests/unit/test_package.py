@@ -43,3 +43,29 @@ def test_version_matches_the_installed_metadata(capsys):
     version = importlib.metadata.version("lightning-gpumem")
     assert capsys.readouterr().out.strip() == f"gpumem {version}"
     assert lightning_gpumem.__version__ == version
+
+
+def test_the_ci_floors_job_installs_the_floors_pyproject_declares():
+    import re
+    from pathlib import Path
+
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    declared = list(project["dependencies"])
+    for extra in ("tensorboard", "report", "test"):
+        declared += project["optional-dependencies"][extra]
+    floors = {}
+    for requirement in declared:
+        name, floor = re.fullmatch(r"([A-Za-z0-9_.\-]+)(?:\[[^]]*\])?>=([0-9.]+)", requirement).groups()
+        floors[name.lower()] = floor
+    pins = {}
+    for line in (root / ".ci" / "floors.txt").read_text().splitlines():
+        if match := re.fullmatch(r"([A-Za-z0-9_.\-]+)(?:\[[^]]*\])?==([0-9.]+)(?:\.\*)?", line.strip()):
+            pins[match.group(1).lower()] = match.group(2)
+    for name, floor in floors.items():
+        assert name in pins, f"{name}>={floor} is declared but the floors job does not install it"
+        pinned = [int(p) for p in pins[name].split(".")]
+        wanted = [int(p) for p in floor.split(".")]
+        assert pinned[: len(wanted)] == wanted, f"{name}: declared >={floor}, the floors job installs {pins[name]}"
