@@ -31,3 +31,20 @@ def require_int(owner: str, name: str, value: object, minimum: int) -> None:
     """
     if not is_int_at_least(value, minimum):
         raise ValueError(f"`{owner}({name}={value!r})` is not valid. Expected an integer >= {minimum}.")
+
+
+def require_dirpath(owner: str, value: object) -> None:
+    """Raise ``TypeError`` unless ``value`` is ``None``, a non-empty ``str`` or an ``os.PathLike``.
+
+    >>> require_dirpath("X", "logs")
+    >>> require_dirpath("X", 5)
+    Traceback (most recent call last):
+    TypeError: `X(dirpath=5)` is not valid. Expected None or a directory path (str or os.PathLike).
+    """
+    import os
+
+    if value is None or (isinstance(value, str) and value) or isinstance(value, os.PathLike):
+        return
+    raise TypeError(
+        f"`{owner}(dirpath={value!r})` is not valid. Expected None or a directory path (str or os.PathLike)."
+    )

@@ -94,10 +94,22 @@ def advice(run: RunMemory) -> list[str]:
     return lines
 
 
-def format_summary(run: RunMemory) -> str:
-    """A short table: peak per stage, device total, headroom, non-PyTorch share, host memory and advice."""
-    ranks = f", max over {run.world_size} ranks" if run.world_size > 1 else ""
-    lines = [f"MemoryMonitor summary ({run.device_name}{ranks})"]
+def has_measurements(run: RunMemory) -> bool:
+    """Whether anything was measured: a stage peak, the non-PyTorch share or host memory."""
+    measured = [run.peak_reserved_bytes, run.max_non_torch_bytes, run.max_host_rss_bytes]
+    return any(value is not None for value in measured) or any(
+        value is not None for pair in run.stage_peaks.values() for value in pair
+    )
+
+
+def format_summary(run: RunMemory, interrupted: str | None = None) -> str:
+    """A short table: peak per stage, device total, headroom, non-PyTorch share, host memory and advice.
+
+    ``interrupted``: the name of the exception that ended the fit; the table then says it covers the fit up to it.
+    """
+    ranks = f", max over {run.world_size} ranks" if run.world_size > 1 and not interrupted else ""
+    ended = f"; interrupted by {interrupted}: what was measured until then, this rank" if interrupted else ""
+    lines = [f"MemoryMonitor summary ({run.device_name}{ranks}{ended})"]
     if run.stage_peaks:
         lines.append(f"  {'stage':<10} {'peak allocated':>15} {'peak reserved':>15}")
         for stage, (allocated, reserved) in run.stage_peaks.items():

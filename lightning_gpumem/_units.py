@@ -29,6 +29,7 @@ _SIZE_UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
+MIN_BUDGET_BYTES = 2**20  # below 1 MiB no training step fits: a budget that small is a typo
 _SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -44,8 +45,8 @@ def parse_budget(value: int | float | str, total_bytes: int | None, owner: str, 
 
     Raises:
         TypeError: for other types (``bool`` included).
-        ValueError: for sizes that are not positive, fractions outside (0, 1], unknown units, or a fraction
-            without a known device size.
+        ValueError: for sizes under 1 MiB, fractions outside (0, 1], unknown units, or a fraction without a known
+            device size.
 
     Example:
         >>> parse_budget("24GiB", None, "X"), parse_budget("16GB", None, "X")
@@ -60,8 +61,11 @@ def parse_budget(value: int | float | str, total_bytes: int | None, owner: str, 
             " (float) or a size string such as '24GiB'."
         )
     if isinstance(value, int):
-        if value <= 0:
-            raise ValueError(f"`{name}={value!r})` is not valid. Expected a positive number of bytes.")
+        if value < MIN_BUDGET_BYTES:
+            raise ValueError(
+                f"`{name}={value!r})` is not valid. An int is a number of bytes and must be at least 1 MiB"
+                f" ({MIN_BUDGET_BYTES}); for the whole device pass 1.0, for a share a float in (0, 1]."
+            )
         return value
     if isinstance(value, float):
         if not 0.0 < value <= 1.0:
@@ -78,4 +82,7 @@ def parse_budget(value: int | float | str, total_bytes: int | None, owner: str, 
             f"`{name}={value!r})` is not valid. Expected a positive size with a unit, such as '24GiB', '16GB' or"
             f" '512MiB' (units: {', '.join(k.upper().replace('I', 'i') for k in _SIZE_UNITS)})."
         )
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size < MIN_BUDGET_BYTES:
+        raise ValueError(f"`{name}={value!r})` is not valid. Expected a size of at least 1 MiB.")
+    return size

@@ -22,7 +22,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_gpumem._checks import require_int
+from lightning_gpumem._checks import require_dirpath, require_int
 from lightning_gpumem._compat import Callback, sync_rank
 from lightning_gpumem._logging import log_dir, log_table
 from lightning_gpumem.probe import MemoryProbe
@@ -163,6 +163,7 @@ class LayerMemoryProfiler(Callback):
         require_int("LayerMemoryProfiler", "top_k", top_k, 1)
         self.at_step = at_step
         self.top_k = top_k
+        require_dirpath("LayerMemoryProfiler", dirpath)
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.records: list[LayerRecord] = []
         """Every leaf module's record from the profiled step, in forward order."""

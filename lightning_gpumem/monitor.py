@@ -32,7 +32,7 @@ from lightning_gpumem._logging import (
     log_to_loggers,
     show_in_progress_bar,
 )
-from lightning_gpumem._summary import RunMemory, format_summary
+from lightning_gpumem._summary import RunMemory, format_summary, has_measurements
 from lightning_gpumem._units import GIB, MIB, format_gib, to_gib
 from lightning_gpumem.budget import budget_bytes
 from lightning_gpumem.probe import MemoryProbe, MemorySample
@@ -161,21 +161,21 @@ class MemoryMonitor(Callback):
         if (
             isinstance(leak_threshold_mib, bool)
             or not isinstance(leak_threshold_mib, (int, float))
-            or not (leak_threshold_mib > 0)
+            or not (0 < leak_threshold_mib < float("inf"))
         ):
             raise ValueError(
                 f"`MemoryMonitor(leak_threshold_mib={leak_threshold_mib!r})` is not valid."
-                " Expected a number of MiB > 0."
+                " Expected a finite number of MiB > 0."
             )
         require_int("MemoryMonitor", "leak_warmup_steps", leak_warmup_steps, 0)
         if (
             isinstance(nvml_host_interval_s, bool)
             or not isinstance(nvml_host_interval_s, (int, float))
-            or not nvml_host_interval_s >= 0
+            or not (0 <= nvml_host_interval_s < float("inf"))
         ):
             raise ValueError(
                 f"`MemoryMonitor(nvml_host_interval_s={nvml_host_interval_s!r})` is not valid."
-                " Expected a number of seconds >= 0."
+                " Expected a finite number of seconds >= 0."
             )
         self._log_every_n_steps = log_every_n_steps
         self._verbose = verbose
@@ -333,10 +333,20 @@ class MemoryMonitor(Callback):
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         run = self._gather_run(trainer)  # collective: every rank calls it
-        if not self._summary or not trainer.is_global_zero:
-            return
+        if not self._summary or not trainer.is_global_zero or not has_measurements(run):
+            return  # nothing was measured (no logging step, no validation): no empty table
         self.summary_text = format_summary(run)
         rank_zero_info(self.summary_text)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # What was measured before the fit raised, from this rank alone (the others may never get here).
+        if not self._summary or not trainer.is_global_zero or self._probe is None:
+            return
+        run = self._gather_run(trainer, collective=False)
+        if has_measurements(run):
+            self.summary_text = format_summary(run, interrupted=type(exception).__name__)
+            rank_zero_info(self.summary_text)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -456,7 +466,7 @@ class MemoryMonitor(Callback):
         shown = f"{sample.peak_allocated_bytes / GIB:.1f}"
         return f"{shown}/{total / GIB:.1f} GiB" if total else f"{shown} GiB"
 
-    def _gather_run(self, trainer: pl.Trainer) -> RunMemory:
+    def _gather_run(self, trainer: pl.Trainer, collective: bool = True) -> RunMemory:
         probe = self._require_probe()
         stages = list(_KEY_PREFIX)
         last = self._last_sample or MemorySample()
@@ -471,7 +481,7 @@ class MemoryMonitor(Callback):
             last.inactive_split_bytes,
             last.reserved_bytes,
         ]
-        rows = gather_values(trainer, values)
+        rows = gather_values(trainer, values) if collective else [values]
 
         def high(column: int) -> int | None:
             value = max_min(rows, column)[0]

@@ -21,7 +21,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_gpumem._checks import is_int_at_least, require_int
+from lightning_gpumem._checks import is_int_at_least, require_dirpath, require_int
 from lightning_gpumem._compat import Callback, sync_rank
 from lightning_gpumem._logging import log_dir
 from lightning_gpumem._oom import is_oom_error, oom_expected
@@ -69,9 +69,15 @@ class OOMSnapshot(Callback):
         self, dirpath: str | Path | None = None, max_entries: int = 100_000, at_steps: Iterable[int] | None = None
     ) -> None:
         require_int("OOMSnapshot", "max_entries", max_entries, 1)
+        if at_steps is not None and (isinstance(at_steps, (str, bytes)) or not isinstance(at_steps, Iterable)):
+            raise TypeError(
+                f"`OOMSnapshot(at_steps={at_steps!r})` is not valid. Expected None or a collection of integers >= 0,"
+                " such as [100, 200]."
+            )
         steps = tuple(at_steps) if at_steps is not None else ()
         if not all(is_int_at_least(s, 0) for s in steps):
             raise ValueError(f"`OOMSnapshot(at_steps={at_steps!r})` is not valid. Expected integers >= 0.")
+        require_dirpath("OOMSnapshot", dirpath)
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.max_entries = max_entries
         self.at_steps = frozenset(steps)

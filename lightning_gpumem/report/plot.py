@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from lightning_gpumem.report.runs import ReportError, Run
 from lightning_gpumem.report.timeline import RELEASE_COLOR, lines, release_steps, title
@@ -32,11 +33,25 @@ def write_png(runs: Sequence[Run], path: str | os.PathLike[str]) -> Path:
         raise ReportError(
             "--png needs matplotlib: pip install 'lightning-gpumem[report]' (or pip install matplotlib)."
         ) from None
-    figure = Figure(figsize=(WIDTH_IN, RUN_HEIGHT_IN * len(runs)), dpi=DPI, layout="constrained")
+    figure = _figure(runs, Figure)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=DPI, format="png")
+    return out
+
+
+def _figure(runs: Sequence[Run], figure_class: Any) -> Any:
+    """The figure: one panel per run.
+
+    The y axis runs from 0 to 8% above the highest value, so a flat series at its maximum (host memory on a CPU
+    run) is drawn inside the frame, not on its edge.
+    """
+    figure = figure_class(figsize=(WIDTH_IN, RUN_HEIGHT_IN * len(runs)), dpi=DPI, layout="constrained")
     axes = figure.subplots(len(runs), 1, squeeze=False)
     for ax, run in zip(axes[:, 0], runs, strict=True):
+        highest = 0.0
         for line, points in lines(run):
             steps, values = [s for s, _ in points], [v for _, v in points]
+            highest = max(highest, *values)
             if line.points_only or len(points) == 1:  # one point draws no line: a marker
                 ax.plot(steps, values, "o", color=line.color, label=line.label, markersize=4)
             else:
@@ -54,10 +69,8 @@ def write_png(runs: Sequence[Run], path: str | os.PathLike[str]) -> Path:
         ax.set_title(title(run), fontsize=10, loc="left")
         ax.set_xlabel("step")
         ax.set_ylabel("GiB")
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, highest * 1.08 if highest > 0 else 1.0)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=DPI, format="png")
-    return out
+    return figure

@@ -114,11 +114,15 @@ def load_runs(logdir: str | os.PathLike[str]) -> LoadResult:
                     run.series.setdefault(key, []).extend(points)
         if has_csv:
             file = path / CSV_NAME
+            bad: list[str] = []
             try:
-                table = _read_csv(file)
+                table = _read_csv(file, bad)
             except (OSError, ValueError, csv.Error) as error:
                 skipped.append(f"{file}: {error}")
             else:
+                skipped.extend(f"{file}, {what}" for what in bad[:5])
+                if len(bad) > 5:
+                    skipped.append(f"{file}: {len(bad) - 5} more cells that are not numbers left out")
                 files_read += 1
                 run.sources.append(file)
                 for key, points in table.items():
@@ -143,20 +147,34 @@ def load_runs(logdir: str | os.PathLike[str]) -> LoadResult:
     return LoadResult(runs=runs, skipped=skipped, files_read=files_read)
 
 
-def _read_csv(path: Path) -> dict[str, Series]:
-    """``CSVLogger``'s ``metrics.csv``: one row per ``log_metrics`` call, a ``step`` column, empty cells."""
+def _read_csv(path: Path, bad: list[str] | None = None) -> dict[str, Series]:
+    """``CSVLogger``'s ``metrics.csv``: one row per ``log_metrics`` call, a ``step`` column, empty cells.
+
+    A cell that is not a number is left out and described in ``bad`` (the rest of the file is kept).
+    """
     table: dict[str, Series] = {}
     with path.open(newline="") as handle:
         reader = csv.DictReader(handle)
         if reader.fieldnames is None or "step" not in reader.fieldnames:
             raise ValueError("not a CSVLogger metrics file (no `step` column)")
-        for row in reader:
+        for line, row in enumerate(reader, start=2):
             step_text = row.get("step") or ""
             if not step_text:
                 continue
-            step = int(float(step_text))
+            try:
+                step = int(float(step_text))
+            except ValueError:
+                if bad is not None:
+                    bad.append(f"line {line}: step {step_text!r} is not a number (row left out)")
+                continue
             for key, text in row.items():
                 if key is None or key == "step" or not text or not key.startswith(PREFIX):
                     continue
-                table.setdefault(key, []).append((step, float(text)))
+                try:
+                    value = float(text)
+                except ValueError:
+                    if bad is not None:
+                        bad.append(f"line {line}: {key} = {text!r} is not a number (cell left out)")
+                    continue
+                table.setdefault(key, []).append((step, value))
     return table

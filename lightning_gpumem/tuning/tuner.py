@@ -322,6 +322,11 @@ class BatchSizeTuner(Callback):
         total = probe.total_bytes()
         if not probe.has_allocator or total is None:
             self.budget_bytes = None
+            if self.budget is not None:
+                rank_zero_warn(
+                    f"BatchSizeTuner: `budget={self.budget!r}` is not applied on `{probe.device}`: it has no memory"
+                    " to measure or cap; only out-of-memory errors bound the search."
+                )
             return None
         if self.budget is None:  # a MemoryBudget's, else what this process can use now
             self.budget_bytes = budget_bytes(trainer) or probe.usable_bytes() or total
@@ -453,9 +458,14 @@ class BatchSizeTuner(Callback):
             f" {result.num_ooms} OOM, {seconds:.1f} s)"
         )
         if result.reason == "upper_bound":
+            more = (
+                "the device could take more."
+                if self.budget_bytes is not None
+                else f"no memory could be measured on `{trainer.strategy.root_device}`, so memory did not bound it."
+            )
             rank_zero_warn(
                 f"BatchSizeTuner: stopped at the upper bound {upper} (max_val, the dataset size per rank or"
-                " `val_check_interval`) without running out of memory; the device could take more."
+                f" `val_check_interval`) without running out of memory; {more}"
             )
         if not trainer.is_global_zero:
             return

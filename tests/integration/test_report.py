@@ -362,7 +362,8 @@ def test_output_errors_are_clear_and_html_comes_first(logs, tmp_path):
     (tmp_path / "page").mkdir()
     result = _run_cli("report", str(logs), "--html", str(tmp_path / "page"))
     assert result.returncode == 1
-    assert "gpumem report: error: cannot write" in result.stderr
+    assert "gpumem report: error: --html" in result.stderr
+    assert "is a directory" in result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -388,3 +389,66 @@ def test_write_png_leaves_the_callers_matplotlib_backend_alone(logs, tmp_path):
     matplotlib.use("svg")
     write_png(load_runs(logs).runs, tmp_path / "x.png")
     assert matplotlib.get_backend().lower() == "svg"
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--png", ""], r"--png '': expected a file name"),
+        (["--html", " "], r"--html ' ': expected a file name"),
+        (["--html", "{d}/same.png", "--png", "{d}/same.png"], r"--png and --html are the same file"),
+        (["--html", "{d}/page.html", "--png", "{d}/picture.jpg"], r"--png '.*picture.jpg': expected .* \.png"),
+        (["--html", "{d}/note.txt/page.html"], r"--html '.*': '.*note.txt' is a file, not a directory"),
+        (["--png", "{d}"], r"--png '.*': is a directory"),
+    ],
+)
+def test_bad_output_paths_are_refused_before_anything_is_written(logs, tmp_path, options, message):
+    (tmp_path / "note.txt").write_text("a file")
+    args = [option.format(d=tmp_path) for option in options]
+    result = _run_cli("report", str(logs / "csv"), *args)
+    assert result.returncode == 1
+    assert re.search(message, result.stderr), result.stderr
+    assert result.stdout == ""  # no table printed, nothing written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["note.txt"]
+
+
+def test_a_cell_that_is_not_a_number_is_left_out_and_the_rest_of_the_file_kept(logs, tmp_path):
+    source = next((logs / "csv").rglob("metrics.csv"))
+    lines = source.read_text().splitlines()
+    header = lines[0].split(",")
+    column = header.index("gpumem/train_peak_allocated_gib")
+    row = next(i for i, line in enumerate(lines[1:], start=1) if line.split(",")[column])
+    cells = lines[row].split(",")
+    cells[column] = "oops"
+    lines[row] = ",".join(cells)
+    damaged = tmp_path / "version_0" / "metrics.csv"
+    damaged.parent.mkdir()
+    damaged.write_text("\n".join(lines) + "\n")
+    (run,) = load_runs(tmp_path).runs
+    kept = run.series["gpumem/train_peak_allocated_gib"]
+    original = load_runs(source.parent).runs[0].series["gpumem/train_peak_allocated_gib"]
+    assert len(kept) == len(original) - 1
+    result = _run_cli("report", str(tmp_path))
+    assert result.returncode == 0
+    assert f"line {row + 1}: gpumem/train_peak_allocated_gib = 'oops' is not a number" in result.stderr
+
+
+def test_a_flat_series_at_the_top_of_its_range_is_drawn_inside_the_frame(tmp_path):
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from lightning_gpumem.report.plot import _figure
+    from lightning_gpumem.report.runs import Run
+
+    # host RSS of examples/quickstart.py on a CPU: nearly flat, so autoscaling's margin (5% of the range) is nil
+    flat = [(0, 0.3678), (20, 0.3690), (40, 0.3698)]
+    run = Run(name="cpu", path=tmp_path, series={"gpumem/host_rss_gib": flat})
+    figure = _figure([run], Figure)
+    figure.draw_without_rendering()  # lay the figure out, as saving it does
+    (ax,) = figure.axes
+    (line,) = ax.get_lines()
+    frame = ax.get_window_extent()
+    _, y_pixel = ax.transData.transform((40, 0.3698))
+    half_width = line.get_linewidth() * figure.dpi / 72 / 2
+    assert frame.y0 + half_width < y_pixel < frame.y1 - half_width - 2  # its pixels inside the frame, off the edge
+    assert write_png([run], tmp_path / "cpu.png").stat().st_size > 0

@@ -178,6 +178,36 @@ def test_summary_can_be_switched_off(tmp_path):
     assert monitor.summary_text is None
 
 
+def test_no_summary_block_when_nothing_was_measured(tmp_path):
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    monitor = MemoryMonitor()  # on a CPU: host memory only, sampled on logging steps
+    trainer = _trainer(tmp_path, monitor, log_every_n_steps=50, limit_val_batches=0)  # 8 steps: none logged
+    trainer.fit(BoringModel())
+    assert monitor.summary_text is None
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def test_a_fit_that_raises_still_prints_what_was_measured_marked_as_interrupted(tmp_path):
+    probe = FakeProbe(base=3 * GIB)
+
+    class Failing(SpikeModel):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 5:
+                raise Boom("the user's own error")
+            return super().training_step(batch, batch_idx)
+
+    monitor = FakeMonitor(probe)
+    with pytest.raises(Boom, match="the user's own error"):  # propagates unchanged
+        _trainer(tmp_path, monitor).fit(Failing(probe))
+    assert monitor.summary_text is not None
+    assert "interrupted by Boom" in monitor.summary_text
+    assert "3.00 GiB" in monitor.summary_text
+
+
 def test_no_logger_warns_once_and_still_measures(tmp_path):
     probe = FakeProbe(base=GIB)
     monitor = FakeMonitor(probe)

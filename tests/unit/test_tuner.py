@@ -156,10 +156,17 @@ def test_memory_guided_search_respects_budget_and_headroom():
 def test_no_oom_on_cpu_stops_at_the_dataset_size_with_a_warning():
     model = OOMModel(n=48)
     tuner = BatchSizeTuner()
-    with pytest.warns(UserWarning, match="upper bound 48"):
+    with pytest.warns(UserWarning, match=r"upper bound 48 .*no memory could be measured on `cpu`"):
         _trainer(tuner).fit(model)
     assert tuner.optimal_batch_size == 48
     assert tuner.result.reason == "upper_bound"
+
+
+def test_a_budget_on_a_cpu_says_once_that_it_is_not_applied():
+    tuner = BatchSizeTuner(budget="1000GiB", max_val=8)
+    with pytest.warns(UserWarning, match=r"`budget='1000GiB'` is not applied on `cpu`") as record:
+        _trainer(tuner).fit(OOMModel())
+    assert sum("is not applied" in str(w.message) for w in record) == 1
 
 
 def test_max_val_is_never_exceeded_and_was_run():

@@ -12,7 +12,14 @@ def test_conversions():
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [(1024, 1024), ("24GiB", 24 * GIB), ("16 GB", 16 * 10**9), ("512mib", 512 * 2**20), ("1.5GiB", 3 * GIB // 2)],
+    [
+        (2**20, 2**20),
+        ("1MiB", 2**20),
+        ("24GiB", 24 * GIB),
+        ("16 GB", 16 * 10**9),
+        ("512mib", 512 * 2**20),
+        ("1.5GiB", 3 * GIB // 2),
+    ],
 )
 def test_parse_budget_sizes(value, expected):
     assert parse_budget(value, None, "X") == expected
@@ -27,8 +34,11 @@ def test_parse_budget_fraction_needs_the_device_size():
 @pytest.mark.parametrize(
     ("value", "error", "match"),
     [
-        (0, ValueError, "positive number of bytes"),
-        (-5, ValueError, "positive number of bytes"),
+        (0, ValueError, "at least 1 MiB"),
+        (-5, ValueError, "at least 1 MiB"),
+        (1, ValueError, r"at least 1 MiB .*for the whole device pass 1.0"),
+        ("0.5B", ValueError, "Expected a size of at least 1 MiB"),
+        ("1023KiB", ValueError, "Expected a size of at least 1 MiB"),
         (1.5, ValueError, r"must be in \(0, 1\]"),
         (0.0, ValueError, r"must be in \(0, 1\]"),
         ("24 parsecs", ValueError, "Expected a positive size with a unit"),
