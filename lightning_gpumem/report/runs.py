@@ -80,6 +80,8 @@ def load_runs(logdir: str | os.PathLike[str]) -> LoadResult:
     Raises:
         ReportError: ``logdir`` does not exist or is not a directory, or no file under it holds a ``gpumem/`` metric.
     """
+    if not str(logdir).strip():
+        raise ReportError(f"LOGDIR {str(logdir)!r}: expected a directory (a logger's save_dir or a version directory).")
     root = Path(logdir)
     if not root.exists():
         raise ReportError(f"LOGDIR '{root}' does not exist.")

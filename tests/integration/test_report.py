@@ -452,3 +452,18 @@ def test_a_flat_series_at_the_top_of_its_range_is_drawn_inside_the_frame(tmp_pat
     half_width = line.get_linewidth() * figure.dpi / 72 / 2
     assert frame.y0 + half_width < y_pixel < frame.y1 - half_width - 2  # its pixels inside the frame, off the edge
     assert write_png([run], tmp_path / "cpu.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("logdir", "message"),
+    [
+        ("", r"LOGDIR '': expected a directory"),
+        ("/nonexistent/logs", "does not exist"),
+        ("README.md", "not a directory"),
+    ],
+)
+def test_a_bad_logdir_is_refused_naming_it(logdir, message):
+    result = _run_cli("report", logdir)
+    assert result.returncode == 1
+    assert re.search(message, result.stderr), result.stderr
+    assert result.stdout == ""

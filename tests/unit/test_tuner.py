@@ -169,6 +169,15 @@ def test_a_budget_on_a_cpu_says_once_that_it_is_not_applied():
     assert sum("is not applied" in str(w.message) for w in record) == 1
 
 
+def test_limit_train_batches_zero_skips_the_tuner_without_running_a_trial():
+    model = OOMModel()
+    tuner = BatchSizeTuner()
+    with pytest.warns(UserWarning, match="limit_train_batches=0"):
+        _trainer(tuner, limit_train_batches=0).fit(model)
+    assert tuner.trials == ()
+    assert model.batch_size == 2
+
+
 def test_max_val_is_never_exceeded_and_was_run():
     model = OOMModel()
     tuner = BatchSizeTuner(max_val=100)
