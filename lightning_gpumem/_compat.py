@@ -37,15 +37,3 @@ def either(module: str, name: str) -> tuple[type, ...]:
         except (ImportError, AttributeError):
             continue
     return tuple(found)
-
-
-def sync_rank(trainer: object) -> None:
-    """Let ``lightning.fabric``'s rank-zero helpers (``rank_zero_info``, ``rank_zero_warn``) know this process's rank.
-
-    A ``lightning.pytorch`` Trainer sets it; a ``pytorch_lightning`` one sets ``lightning_fabric``'s copy instead.
-    """
-    from lightning.fabric.utilities.rank_zero import rank_zero_only
-
-    rank = getattr(trainer, "global_rank", None)
-    if isinstance(rank, int):
-        rank_zero_only.rank = rank  # type: ignore[attr-defined]

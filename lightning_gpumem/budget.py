@@ -14,7 +14,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_gpumem._compat import Callback, sync_rank
+from lightning_gpumem._compat import Callback
 from lightning_gpumem._units import format_gib, parse_budget
 from lightning_gpumem.probe import MemoryProbe
 
@@ -59,7 +59,6 @@ class MemoryBudget(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        sync_rank(trainer)
         device = trainer.strategy.root_device
         probe = self._make_probe(device)
         total = probe.total_bytes() if probe.device.type == "cuda" else None

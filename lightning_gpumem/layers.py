@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_gpumem._checks import require_dirpath, require_int
-from lightning_gpumem._compat import Callback, sync_rank
+from lightning_gpumem._compat import Callback
 from lightning_gpumem._logging import log_dir, log_table
 from lightning_gpumem.probe import MemoryProbe
 
@@ -189,7 +189,6 @@ class LayerMemoryProfiler(Callback):
     # ------------------------------------------------------------------ hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        sync_rank(trainer)
         probe = self._make_probe(trainer.strategy.root_device)
         if not probe.has_allocator:
             if not self._warned:

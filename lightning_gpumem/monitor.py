@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_gpumem._checks import require_flags, require_int
-from lightning_gpumem._compat import Callback, either, sync_rank
+from lightning_gpumem._compat import Callback, either
 from lightning_gpumem._distributed import gather_values, max_min
 from lightning_gpumem._layout import write_layout
 from lightning_gpumem._leaks import LeakDetector, LeakVerdict, grown_tensors, tensor_census
@@ -208,7 +208,6 @@ class MemoryMonitor(Callback):
     # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        sync_rank(trainer)
         if stage == "fit":  # a new fit starts from nothing (a checkpoint's `state_dict` is loaded after this hook)
             self._reset_run()
         device = trainer.strategy.root_device
@@ -247,7 +246,8 @@ class MemoryMonitor(Callback):
         self._just_closed = False  # the previous batch closed a window: nothing unlogged to fold since
         self._train_active = False
         self.summary_text: str | None = None
-        """The fit-end summary as printed (on rank zero), ``None`` before the end of a fit."""
+        """The fit-end summary as printed (on rank zero; also when the fit raised), ``None`` before the end of a fit
+        or when nothing was measured."""
 
     def _make_probe(self, device: torch.device) -> MemoryProbe:
         """Create the probe for ``device`` (tests override this to inject a fake sample source)."""
@@ -340,13 +340,18 @@ class MemoryMonitor(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        # What was measured before the fit raised, from this rank alone (the others may never get here).
-        if not self._summary or not trainer.is_global_zero or self._probe is None:
+        # What was measured before the fit raised, from this rank alone (the others may never get here). Never
+        # raises: Lightning runs the other callbacks' `on_exception` and the loggers' finalize after this.
+        fitting = trainer.state.fn == "fit"
+        if not fitting or not self._summary or not trainer.is_global_zero or self._probe is None:
             return
-        run = self._gather_run(trainer, collective=False)
-        if has_measurements(run):
-            self.summary_text = format_summary(run, interrupted=type(exception).__name__)
-            rank_zero_info(self.summary_text)
+        try:
+            run = self._gather_run(trainer, collective=False)
+            if has_measurements(run):
+                self.summary_text = format_summary(run, interrupted=type(exception).__name__)
+                rank_zero_info(self.summary_text)
+        except Exception as error:  # the user's exception is what matters; say why there is no summary
+            rank_zero_warn(f"MemoryMonitor: no summary after the fit raised ({type(error).__name__}: {error}).")
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_gpumem._checks import require_flags, require_int
-from lightning_gpumem._compat import Callback, sync_rank
+from lightning_gpumem._compat import Callback
 from lightning_gpumem._distributed import gather_values
 from lightning_gpumem._logging import batches_that_stepped, is_accumulating, log_to_loggers
 from lightning_gpumem._units import GIB, format_gib
@@ -202,7 +202,6 @@ class EmptyCacheOnThreshold(Callback):
     # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        sync_rank(trainer)
         device = trainer.strategy.root_device
         self._every_n = trainer.log_every_n_steps  # type: ignore[attr-defined]
         probe = self._probe if self._probe is not None and self._probe.device == device else self._make_probe(device)
@@ -302,6 +301,18 @@ class EmptyCacheOnThreshold(Callback):
                 f"EmptyCacheOnThreshold: {self.releases} cache releases, {format_gib(self.released_bytes)} given back,"
                 f" {self.release_seconds:.3f} s (mark {format_gib(self._policy.mark_bytes)})."
             )
+
+    @property
+    def on(self) -> frozenset[str]:
+        """Deprecated name of :attr:`hooks`."""
+        warnings.warn("`EmptyCacheOnThreshold.on` is deprecated: use `.hooks`.", DeprecationWarning, stacklevel=2)
+        return self.hooks
+
+    @property
+    @override
+    def _legacy_state_key(self) -> str:  # type: ignore[override]
+        # The key checkpoints written before `state_key` was per configuration hold this callback's state under.
+        return type(self).__qualname__
 
     @property
     @override

@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_gpumem._checks import is_int_at_least, require_dirpath, require_int
-from lightning_gpumem._compat import Callback, sync_rank
+from lightning_gpumem._compat import Callback
 from lightning_gpumem._logging import log_dir
 from lightning_gpumem._oom import is_oom_error, oom_expected
 from lightning_gpumem._snapshot_report import format_report, render_html
@@ -92,7 +92,6 @@ class OOMSnapshot(Callback):
     # ------------------------------------------------------------------ setup / teardown
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        sync_rank(trainer)
         if trainer.strategy.root_device.type != "cuda":
             if not self._warned:
                 self._warned = True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,7 +52,7 @@ def _figure(runs: Sequence[Run], figure_class: Any) -> Any:
         highest = 0.0
         for line, points in lines(run):
             steps, values = [s for s, _ in points], [v for _, v in points]
-            highest = max(highest, *values)
+            highest = max([highest, *(v for v in values if math.isfinite(v))])
             if line.points_only or len(points) == 1:  # one point draws no line: a marker
                 ax.plot(steps, values, "o", color=line.color, label=line.label, markersize=4)
             else:

@@ -152,31 +152,34 @@ def load_runs(logdir: str | os.PathLike[str]) -> LoadResult:
 def _read_csv(path: Path, bad: list[str] | None = None) -> dict[str, Series]:
     """``CSVLogger``'s ``metrics.csv``: one row per ``log_metrics`` call, a ``step`` column, empty cells.
 
-    A cell that is not a number is left out and described in ``bad`` (the rest of the file is kept).
+    A cell that is not a finite number is left out and described in ``bad`` (the rest of the file is kept).
     """
     table: dict[str, Series] = {}
     with path.open(newline="") as handle:
         reader = csv.DictReader(handle)
         if reader.fieldnames is None or "step" not in reader.fieldnames:
             raise ValueError("not a CSVLogger metrics file (no `step` column)")
-        for line, row in enumerate(reader, start=2):
+        for row in reader:
+            line = reader.line_num
             step_text = row.get("step") or ""
             if not step_text:
                 continue
             try:
-                step = int(float(step_text))
-            except ValueError:
+                step = int(float(step_text))  # OverflowError for inf, ValueError for nan and text
+            except (ValueError, OverflowError):
                 if bad is not None:
-                    bad.append(f"line {line}: step {step_text!r} is not a number (row left out)")
+                    bad.append(f"line {line}: step {step_text!r} is not a finite number (row left out)")
                 continue
             for key, text in row.items():
                 if key is None or key == "step" or not text or not key.startswith(PREFIX):
                     continue
                 try:
                     value = float(text)
+                    if not math.isfinite(value):
+                        raise ValueError(text)
                 except ValueError:
                     if bad is not None:
-                        bad.append(f"line {line}: {key} = {text!r} is not a number (cell left out)")
+                        bad.append(f"line {line}: {key} = {text!r} is not a finite number (cell left out)")
                     continue
                 table.setdefault(key, []).append((step, value))
     return table

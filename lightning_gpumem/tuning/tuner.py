@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import math
-import os
 import time
 from typing import Any
 
@@ -21,9 +20,9 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_gpumem._checks import require_flags, require_int
-from lightning_gpumem._compat import Callback, sync_rank
+from lightning_gpumem._compat import Callback
 from lightning_gpumem._distributed import gather_values, max_min
-from lightning_gpumem._logging import log_table, log_to_loggers
+from lightning_gpumem._logging import log_dir, log_table, log_to_loggers
 from lightning_gpumem._oom import expecting_oom
 from lightning_gpumem._units import GIB, format_gib, parse_budget
 from lightning_gpumem.budget import budget_bytes
@@ -205,7 +204,6 @@ class BatchSizeTuner(Callback):
         re-tune mid-training: the new size applies from that epoch, trial steps count from the current step and
         leave no trace. Mid-training, ``configure_optimizers`` is not run again (the optimizer state is kept).
         """
-        sync_rank(trainer)
         hook = _session.current_hook(trainer)
         if hook not in _session.SCALE_HOOKS:
             raise RuntimeError(
@@ -490,18 +488,15 @@ class BatchSizeTuner(Callback):
         """Under LightningCLI, write the size chosen next to ``config.yaml`` (which keeps the initial one)."""
         if not any(type(c).__name__ == "SaveConfigCallback" for c in trainer.callbacks):  # type: ignore[attr-defined]
             return
-        log_dir = trainer.log_dir
-        if log_dir is None:
-            return
+        directory = log_dir(trainer)  # trainer.log_dir without its broadcast: only rank zero gets here
         lines = [
             "# Chosen by BatchSizeTuner at fit start; config.yaml holds the value the run started with.",
             f"{self.batch_arg_name}: {self.optimal_batch_size}",
         ]
         if self.keep_effective_batch:
             lines.append(f"accumulate_grad_batches: {self._accumulation}")
-        os.makedirs(log_dir, exist_ok=True)
-        with open(os.path.join(log_dir, "gpumem_batch_size.yaml"), "w", encoding="utf-8") as file:
-            file.write("\n".join(lines) + "\n")
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "gpumem_batch_size.yaml").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def _largest_size_with_batches(samples: int, limit: int | float, need: int) -> int:

@@ -108,3 +108,18 @@ def test_pytorch_lightning_cli_takes_the_callbacks_by_class_path(tmp_path, monke
     cli = LightningCLI(OOMModel, args=["fit", "--config", str(config)])
     tuner = next(c for c in cli.trainer.callbacks if isinstance(c, BatchSizeTuner))
     assert cli.model.batch_size == tuner.optimal_batch_size == 16  # the dataset fits: stopped at max_val
+
+
+def test_callbacks_without_state_are_not_stateful_in_either_namespace():
+    # Each Trainer decides "stateful" by comparing `state_dict` with its own Callback's; a false positive would
+    # refuse two instances of one callback ("Found more than one stateful callback").
+    import lightning.pytorch
+    from lightning.pytorch.utilities.model_helpers import is_overridden as new_is_overridden
+    from pytorch_lightning.utilities.model_helpers import is_overridden as old_is_overridden
+
+    for callback in (OOMSnapshot(), LayerMemoryProfiler(), MemoryBudget("1GiB")):
+        assert not new_is_overridden("state_dict", callback, parent=lightning.pytorch.Callback)
+        assert not old_is_overridden("state_dict", callback, parent=pl.Callback)
+    for callback in (MemoryMonitor(), BatchSizeTuner(), EmptyCacheOnThreshold()):
+        assert new_is_overridden("state_dict", callback, parent=lightning.pytorch.Callback)
+        assert old_is_overridden("state_dict", callback, parent=pl.Callback)

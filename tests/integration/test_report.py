@@ -430,7 +430,7 @@ def test_a_cell_that_is_not_a_number_is_left_out_and_the_rest_of_the_file_kept(l
     assert len(kept) == len(original) - 1
     result = _run_cli("report", str(tmp_path))
     assert result.returncode == 0
-    assert f"line {row + 1}: gpumem/train_peak_allocated_gib = 'oops' is not a number" in result.stderr
+    assert f"line {row + 1}: gpumem/train_peak_allocated_gib = 'oops' is not a finite number" in result.stderr
 
 
 def test_a_flat_series_at_the_top_of_its_range_is_drawn_inside_the_frame(tmp_path):
@@ -467,3 +467,18 @@ def test_a_bad_logdir_is_refused_naming_it(logdir, message):
     assert result.returncode == 1
     assert re.search(message, result.stderr), result.stderr
     assert result.stdout == ""
+
+
+def test_infinite_cells_are_left_out_and_the_png_is_still_drawn(tmp_path):
+    pytest.importorskip("matplotlib")
+    run_dir = tmp_path / "version_0"
+    run_dir.mkdir()
+    (run_dir / "metrics.csv").write_text(
+        "step,gpumem/train_peak_allocated_gib\n0,1.0\ninf,2.0\n2,inf\n3,1.5\n", encoding="utf-8"
+    )
+    (run,) = load_runs(tmp_path).runs
+    assert run.series["gpumem/train_peak_allocated_gib"] == [(0, 1.0), (3, 1.5)]
+    result = _run_cli("report", str(tmp_path), "--png", str(tmp_path / "out.png"))
+    assert result.returncode == 0, result.stderr
+    assert "line 3: step 'inf' is not a finite number" in result.stderr
+    assert "line 4: gpumem/train_peak_allocated_gib = 'inf' is not a finite number" in result.stderr

@@ -208,6 +208,26 @@ def test_a_fit_that_raises_still_prints_what_was_measured_marked_as_interrupted(
     assert "3.00 GiB" in monitor.summary_text
 
 
+def test_an_error_outside_fit_does_not_reprint_the_fit_summary(tmp_path):
+    probe = FakeProbe(base=3 * GIB)
+
+    class FailingValidation(SpikeModel):
+        def validation_step(self, batch, batch_idx):
+            if not self.trainer.training and self.trainer.state.fn == "validate":
+                raise Boom("validate failed")
+            return super().validation_step(batch, batch_idx)
+
+    monitor = FakeMonitor(probe)
+    trainer = _trainer(tmp_path, monitor)
+    model = FailingValidation(probe)
+    trainer.fit(model)
+    after_fit = monitor.summary_text
+    with pytest.raises(Boom):
+        trainer.validate(model, verbose=False)
+    assert monitor.summary_text == after_fit
+    assert "interrupted" not in after_fit
+
+
 def test_no_logger_warns_once_and_still_measures(tmp_path):
     probe = FakeProbe(base=GIB)
     monitor = FakeMonitor(probe)

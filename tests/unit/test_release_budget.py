@@ -142,6 +142,40 @@ def test_two_instances_with_different_settings_coexist_and_each_keeps_its_own_st
     assert states[after_validation.state_key]["releases"] == 2
 
 
+def test_the_on_attribute_still_reads_with_a_deprecation_warning():
+    release = EmptyCacheOnThreshold(hooks="validation_end")
+    with pytest.warns(DeprecationWarning, match="use `.hooks`"):
+        assert release.on == {"validation_end"}
+
+
+def test_a_checkpoint_from_before_the_per_configuration_state_key_still_restores_the_counts(tmp_path):
+    def trainer(release, steps):
+        return Trainer(
+            accelerator="cpu",
+            max_steps=steps,
+            limit_val_batches=0,
+            callbacks=[release],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+
+    first = EmptyCacheOnThreshold(threshold=0.5)
+    first.releases = 4
+    fit = trainer(first, 1)
+    with pytest.warns(UserWarning, match="has no allocator cache"):
+        fit.fit(BoringModel())
+    checkpoint = torch.load(fit.checkpoint_callback.best_model_path, weights_only=False)
+    checkpoint["callbacks"] = {"EmptyCacheOnThreshold": checkpoint["callbacks"].pop(first.state_key)}  # the old key
+    old = tmp_path / "old.ckpt"
+    torch.save(checkpoint, old)
+    resumed = EmptyCacheOnThreshold(threshold=0.5)
+    with pytest.warns(UserWarning, match="has no allocator cache"):
+        trainer(resumed, 2).fit(BoringModel(), ckpt_path=old)
+    assert resumed.releases == 4
+
+
 def test_collect_garbage_must_be_bool():
     with pytest.raises(TypeError, match=r"EmptyCacheOnThreshold\(collect_garbage='yes'\)"):
         EmptyCacheOnThreshold(collect_garbage="yes")
