@@ -1,12 +1,12 @@
 """Cross-rank reductions through ``trainer.strategy``: no ``torch.distributed`` calls scattered in callbacks.
 
-Every function here is a collective: all ranks must call it at the same point with the same number of values.
+The gathers here are collectives: all ranks must call them at the same point with the same number of values.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -27,6 +27,19 @@ def gather_values(trainer: pl.Trainer, values: Sequence[float | None]) -> list[l
     gathered = trainer.strategy.all_gather(local)
     rows = gathered.reshape(trainer.world_size, len(values)).cpu().tolist()
     return [[None if math.isnan(v) else v for v in row] for row in rows]
+
+
+def gather_named(
+    trainer: pl.Trainer, values: Mapping[str, float | None], collective: bool = True
+) -> dict[str, tuple[float | None, float | None]]:
+    """Every rank's ``values`` gathered by name: ``{name: (largest, smallest)}`` over ranks (``None`` ignored).
+
+    Every rank must pass the same names in the same order (they travel as one tensor). ``collective=False`` uses
+    this rank's values alone (where the other ranks may not get here, as after an exception).
+    """
+    names = list(values)
+    rows = gather_values(trainer, [values[name] for name in names]) if collective else [list(values.values())]
+    return {name: max_min(rows, column) for column, name in enumerate(names)}
 
 
 def max_min(rows: list[list[float | None]], column: int) -> tuple[float | None, float | None]:

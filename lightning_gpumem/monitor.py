@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lightning_gpumem._checks import require_flags, require_int
 from lightning_gpumem._compat import Callback, either
-from lightning_gpumem._distributed import gather_values, max_min
+from lightning_gpumem._distributed import gather_named, gather_values, max_min
 from lightning_gpumem._layout import write_layout
 from lightning_gpumem._leaks import LeakDetector, LeakVerdict, grown_tensors, tensor_census
 from lightning_gpumem._logging import (
@@ -475,39 +475,38 @@ class MemoryMonitor(Callback):
         probe = self._require_probe()
         stages = list(_KEY_PREFIX)
         last = self._last_sample or MemorySample()
-        values: list[float | None] = []
+        values: dict[str, float | None] = {}
         for stage in stages:
-            values.extend(self._peaks.get(stage, (None, None)))
-        values += [
-            self._maxima.get("non_torch_bytes"),
-            self._maxima.get("host_rss_bytes"),
-            last.alloc_retries,
-            last.num_ooms,
-            last.inactive_split_bytes,
-            last.reserved_bytes,
-        ]
-        rows = gather_values(trainer, values) if collective else [values]
+            values[f"{stage}_allocated"], values[f"{stage}_reserved"] = self._peaks.get(stage, (None, None))
+        values |= {
+            "non_torch": self._maxima.get("non_torch_bytes"),
+            "host_rss": self._maxima.get("host_rss_bytes"),
+            "alloc_retries": last.alloc_retries,
+            "num_ooms": last.num_ooms,
+            "inactive_split": last.inactive_split_bytes,
+            "reserved": last.reserved_bytes,
+        }
+        spread = gather_named(trainer, values, collective)  # by name: the highest over ranks
 
-        def high(column: int) -> int | None:
-            value = max_min(rows, column)[0]
+        def high(name: str) -> int | None:
+            value = spread[name][0]
             return None if value is None else int(value)
 
         peaks = {
-            stage: (high(2 * i), high(2 * i + 1))
-            for i, stage in enumerate(stages)
+            stage: (high(f"{stage}_allocated"), high(f"{stage}_reserved"))
+            for stage in stages
             if self._peaks.get(stage) is not None
         }
-        n = 2 * len(stages)
         return RunMemory(
             device_name=probe.device_name if probe.device.type == "cpu" else f"{probe.device_name} ({probe.device})",
             total_bytes=self._total_bytes or last.nvml_total_bytes,
             stage_peaks=peaks,
-            max_non_torch_bytes=high(n),
-            max_host_rss_bytes=high(n + 1),
-            alloc_retries=high(n + 2),
-            num_ooms=high(n + 3),
-            max_inactive_split_bytes=high(n + 4),
-            max_reserved_bytes=high(n + 5),
+            max_non_torch_bytes=high("non_torch"),
+            max_host_rss_bytes=high("host_rss"),
+            alloc_retries=high("alloc_retries"),
+            num_ooms=high("num_ooms"),
+            max_inactive_split_bytes=high("inactive_split"),
+            max_reserved_bytes=high("reserved"),
             world_size=trainer.world_size,
             **_run_context(trainer),
         )
