@@ -199,6 +199,13 @@ class LayerMemoryProfiler(Callback):
             return
         self._probe = probe
 
+    def _summary_context(self) -> dict[str, Any]:
+        """What this callback adds to ``MemoryMonitor``'s fit-end advice: the layers by memory saved for backward."""
+        if not self.records:
+            return {}
+        ranked = sorted(self.records, key=lambda r: r.saved_bytes, reverse=True)
+        return {"top_layers": [(r.name, r.saved_bytes) for r in ranked if r.saved_bytes > 0]}
+
     def _make_probe(self, device: torch.device) -> MemoryProbe:
         """Create the probe for ``device`` (tests override this to inject a fake)."""
         return MemoryProbe(device, nvml=False, host=False)

@@ -513,10 +513,11 @@ class MemoryMonitor(Callback):
 
 
 def _run_context(trainer: pl.Trainer) -> dict[str, Any]:
-    """What the advice needs besides the measurements: precision, DDP settings, profiled layers, a tuned size."""
-    from lightning_gpumem.layers import LayerMemoryProfiler
-    from lightning_gpumem.tuning.tuner import BatchSizeTuner
+    """What the advice needs besides the measurements: precision, DDP settings, profiled layers, a tuned size.
 
+    The other callbacks say what they add through a ``_summary_context()`` method (duck-typed: the monitor imports
+    none of them).
+    """
     context: dict[str, Any] = {"budget_bytes": budget_bytes(trainer), "precision": str(trainer.precision)}
     module = trainer.lightning_module
     context["gradient_bytes"] = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
@@ -524,11 +525,9 @@ def _run_context(trainer: pl.Trainer) -> dict[str, Any]:
         kwargs = getattr(trainer.strategy, "_ddp_kwargs", {})  # private: the kwargs DDPStrategy passes to DDP
         context["ddp_bucket_view"] = bool(kwargs.get("gradient_as_bucket_view", False))
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if isinstance(callback, LayerMemoryProfiler) and callback.records:
-            ranked = sorted(callback.records, key=lambda r: r.saved_bytes, reverse=True)
-            context["top_layers"] = [(r.name, r.saved_bytes) for r in ranked if r.saved_bytes > 0]
-        if isinstance(callback, BatchSizeTuner) and callback.optimal_batch_size is not None:
-            context["tuned"] = True
+        contribute = getattr(callback, "_summary_context", None)
+        if callable(contribute):
+            context.update(contribute())
     return context
 
 

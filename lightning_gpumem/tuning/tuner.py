@@ -184,6 +184,10 @@ class BatchSizeTuner(Callback):
             return
         self.scale(trainer, pl_module)
 
+    def _summary_context(self) -> dict[str, Any]:
+        """What this callback adds to ``MemoryMonitor``'s fit-end advice: whether a batch size was tuned."""
+        return {"tuned": True} if self.optimal_batch_size is not None else {}
+
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"batch_size": self.optimal_batch_size, "accumulate_grad_batches": self._accumulation}

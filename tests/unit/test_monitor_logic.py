@@ -228,6 +228,22 @@ def test_an_error_outside_fit_does_not_reprint_the_fit_summary(tmp_path):
     assert "interrupted" not in after_fit
 
 
+def test_other_callbacks_add_to_the_advice_through_summary_context(tmp_path):
+    from lightning.pytorch import Callback
+
+    class Tuned(Callback):  # what BatchSizeTuner says once it chose a size
+        def _summary_context(self):
+            return {"tuned": True}
+
+    probe = FakeProbe(base=2 * GIB, total=24 * GIB)  # 8% of the device: advice to tune the batch size...
+    monitor = FakeMonitor(probe)
+    _trainer(tmp_path, monitor).fit(SpikeModel(probe))
+    assert "BatchSizeTuner" in monitor.summary_text
+    monitor = FakeMonitor(probe)
+    _trainer(tmp_path, monitor, callbacks=[monitor, Tuned()]).fit(SpikeModel(probe))
+    assert "BatchSizeTuner" not in monitor.summary_text  # ...unless a tuner already chose it
+
+
 def test_no_logger_warns_once_and_still_measures(tmp_path):
     probe = FakeProbe(base=GIB)
     monitor = FakeMonitor(probe)
@@ -278,3 +294,18 @@ def test_a_reused_monitor_resuming_from_a_checkpoint_continues_its_maxima(tmp_pa
     trainer = _trainer(tmp_path, None, max_epochs=2, callbacks=[monitor, ckpt], enable_checkpointing=True)
     trainer.fit(SpikeModel(probe), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert monitor.peaks["train"][0] == 6 * GIB
+
+
+def test_the_tuner_and_the_layer_profiler_say_what_they_add_to_the_summary():
+    from lightning_gpumem import BatchSizeTuner, LayerMemoryProfiler
+    from lightning_gpumem.layers import LayerRecord
+
+    tuner = BatchSizeTuner()
+    assert tuner._summary_context() == {}
+    tuner.optimal_batch_size = 32
+    assert tuner._summary_context() == {"tuned": True}
+    profiler = LayerMemoryProfiler()
+    assert profiler._summary_context() == {}
+    profiler.records = [LayerRecord("a", "Linear", saved_bytes=1), LayerRecord("b", "GELU", saved_bytes=0)]
+    profiler.records.append(LayerRecord("c", "Linear", saved_bytes=5))
+    assert profiler._summary_context() == {"top_layers": [("c", 5), ("a", 1)]}
