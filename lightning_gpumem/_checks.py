@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 def require_flags(owner: str, **flags: object) -> None:
     """Raise ``TypeError`` for the first flag that is not a ``bool``.
@@ -41,8 +43,6 @@ def require_dirpath(owner: str, value: object) -> None:
     Traceback (most recent call last):
     TypeError: `X(dirpath=5)` is not valid. Expected None or a directory path (str or os.PathLike).
     """
-    import os
-
     if value is None or (isinstance(value, str) and value) or isinstance(value, os.PathLike):
         return
     raise TypeError(

@@ -96,10 +96,8 @@ def advice(run: RunMemory) -> list[str]:
 
 def has_measurements(run: RunMemory) -> bool:
     """Whether anything was measured: a stage peak, the non-PyTorch share or host memory."""
-    measured = [run.peak_reserved_bytes, run.max_non_torch_bytes, run.max_host_rss_bytes]
-    return any(value is not None for value in measured) or any(
-        value is not None for pair in run.stage_peaks.values() for value in pair
-    )
+    stage_values = [value for pair in run.stage_peaks.values() for value in pair]
+    return any(value is not None for value in [*stage_values, run.max_non_torch_bytes, run.max_host_rss_bytes])
 
 
 def format_summary(run: RunMemory, interrupted: str | None = None) -> str:

@@ -29,24 +29,26 @@ def write_png(runs: Sequence[Run], path: str | os.PathLike[str]) -> Path:
     if out.suffix.lower() != ".png":
         raise ReportError(f"--png {str(path)!r}: expected a file name ending in .png.")
     try:
-        from matplotlib.figure import Figure
+        import matplotlib.figure  # noqa: F401  # only whether it is there: `_figure` draws with it
     except ImportError:
         raise ReportError(
             "--png needs matplotlib: pip install 'lightning-gpumem[report]' (or pip install matplotlib)."
         ) from None
-    figure = _figure(runs, Figure)
+    figure = _figure(runs)
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=DPI, format="png")
     return out
 
 
-def _figure(runs: Sequence[Run], figure_class: Any) -> Any:
+def _figure(runs: Sequence[Run]) -> Any:
     """The figure: one panel per run.
 
     The y axis runs from 0 to 8% above the highest value, so a flat series at its maximum (host memory on a CPU
     run) is drawn inside the frame, not on its edge.
     """
-    figure = figure_class(figsize=(WIDTH_IN, RUN_HEIGHT_IN * len(runs)), dpi=DPI, layout="constrained")
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(WIDTH_IN, RUN_HEIGHT_IN * len(runs)), dpi=DPI, layout="constrained")
     axes = figure.subplots(len(runs), 1, squeeze=False)
     for ax, run in zip(axes[:, 0], runs, strict=True):
         highest = 0.0

@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from lightning_gpumem._checks import require_flags, require_int
 from lightning_gpumem._compat import Callback
-from lightning_gpumem._distributed import gather_values, max_min
+from lightning_gpumem._distributed import gather_named
 from lightning_gpumem._logging import log_dir, log_table, log_to_loggers
 from lightning_gpumem._oom import expecting_oom
 from lightning_gpumem._units import GIB, format_gib, parse_budget
@@ -373,23 +373,25 @@ class BatchSizeTuner(Callback):
         train_peaks, val_peaks = (train, end) if session.validated else (end, [None, None])
         if not fits:
             _release(probe, before)  # (otherwise the next trial's start, or the end of the search, releases it)
-        # allocated, reserved, training allocated, validation allocated (a reserved peak of validation alone is
-        # not measurable: the training steps' cache is still reserved when it starts)
-        values = [_max(train_peaks[0], val_peaks[0]), _max(train_peaks[1], val_peaks[1]), train_peaks[0], val_peaks[0]]
-        if trainer.world_size > 1:  # all ranks measured the same sizes: agree on the largest peaks
-            gathered = gather_values(trainer, values)
-            values = [_int_or_none(max_min(gathered, i)[0]) for i in range(len(values))]
+        # A reserved peak of validation alone is not measurable: the training steps' cache is still reserved then.
+        peaks = {
+            "allocated": _max(train_peaks[0], val_peaks[0]),
+            "reserved": _max(train_peaks[1], val_peaks[1]),
+            "train_allocated": train_peaks[0],
+            "val_allocated": val_peaks[0],
+        }
+        # all ranks measured the same sizes: agree on the largest peaks (nothing is communicated with one process)
+        agreed = {name: _int_or_none(high) for name, (high, _) in gather_named(trainer, peaks).items()}
         if not fits:
-            values = [None] * len(values)
-        allocated, reserved, train_allocated, val_allocated = values
+            agreed = dict.fromkeys(agreed)
         return Trial(
             size,
             fits=fits,
-            peak_bytes=reserved,
+            peak_bytes=agreed["reserved"],
             seconds=seconds,
-            allocated_bytes=allocated,
-            train_peak_bytes=train_allocated,
-            val_peak_bytes=val_allocated,
+            allocated_bytes=agreed["allocated"],
+            train_peak_bytes=agreed["train_allocated"],
+            val_peak_bytes=agreed["val_allocated"],
         )
 
     def _check_batches(self, size: int, seen: list[int]) -> None:

@@ -435,15 +435,13 @@ def test_a_cell_that_is_not_a_number_is_left_out_and_the_rest_of_the_file_kept(l
 
 def test_a_flat_series_at_the_top_of_its_range_is_drawn_inside_the_frame(tmp_path):
     pytest.importorskip("matplotlib")
-    from matplotlib.figure import Figure
-
     from lightning_gpumem.report.plot import _figure
     from lightning_gpumem.report.runs import Run
 
     # host RSS of examples/quickstart.py on a CPU: nearly flat, so autoscaling's margin (5% of the range) is nil
     flat = [(0, 0.3678), (20, 0.3690), (40, 0.3698)]
     run = Run(name="cpu", path=tmp_path, series={"gpumem/host_rss_gib": flat})
-    figure = _figure([run], Figure)
+    figure = _figure([run])
     figure.draw_without_rendering()  # lay the figure out, as saving it does
     (ax,) = figure.axes
     (line,) = ax.get_lines()
