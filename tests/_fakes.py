@@ -156,3 +156,16 @@ def read_csv_metrics(log_dir: str | Path) -> list[dict[str, str]]:
 def column(rows: list[dict[str, str]], key: str) -> dict[int, float]:
     """`{step: value}` for the rows where `key` has a value."""
     return {int(r["step"]): float(r[key]) for r in rows if r.get(key) not in (None, "")}
+
+
+def close_process_group() -> None:
+    """End a DDP script: destroy the default process group before the interpreter exits.
+
+    Left to interpreter shutdown, gloo's worker threads can be destroyed while still joinable, which aborts the
+    process ("terminate called without an active exception", exit -6) after all the work is done.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gpumem import BatchSizeTuner
+from tests._fakes import close_process_group
 from tests.integration.test_tuner_conformance import SEED, Net, capture
 
 INIT = 2
@@ -65,6 +66,7 @@ def main(out_dir: str) -> None:
         "by_hand": by_hand,
     }
     torch.save(result, out / f"rank{trainer.global_rank}.pt")
+    close_process_group()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gpumem import MemoryMonitor
 from lightning_gpumem._units import GIB
-from tests._fakes import FakeMonitor, FakeProbe, FakeRelease, SpikeModel
+from tests._fakes import FakeMonitor, FakeProbe, FakeRelease, SpikeModel, close_process_group
 
 
 class RankModel(SpikeModel):
@@ -52,6 +52,7 @@ def main(log_dir: str) -> None:
         "releases": release.releases,
     }
     Path(log_dir, f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    close_process_group()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 from lightning_gpumem import BatchSizeTuner
+from tests._fakes import close_process_group
 
 
 class RankOOM(BoringModel):
@@ -74,6 +75,7 @@ def main(out_dir: str) -> None:
         "global_step": trainer.global_step,
     }
     Path(out_dir, f"tuner_rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    close_process_group()
 
 
 if __name__ == "__main__":
