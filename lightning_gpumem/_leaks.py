@@ -9,20 +9,27 @@ is above the one before (a sustained rise, not one jump), the rise between the f
 ``threshold_bytes``, and memory rises with time in rank order (Kendall's tau at least 0.8: noise around a level,
 such as batches of varying shapes, scores near 0). Medians and ranks, not means, so a few odd batches do not
 count.
+
+What it costs: one allocator read per sample, so samples are taken every ``every`` steps only until the history
+is first thinned, then every ``2 * every`` steps (the recent window's stride); a verdict is a few sorts of at most
+64 values, and Kendall's tau (quadratic) runs only when the cheap tests already point to a leak. A rise of half
+the threshold first makes the history *suspect* (so that the caller can take a baseline of the live tensors then,
+not on every healthy run); a verdict is given only on a later sample than the suspicion.
 """
 
 from __future__ import annotations
 
 import gc
 import itertools
-import statistics
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
 import torch
 
-RECENT_SAMPLES = 64  # the last samples at the base stride: a leak that starts late is seen within ~128 steps
-RECENT_EVERY = 8  # ... looked at every this many samples (a median over 64 values is not free)
+RECENT_SAMPLES = 32  # the last samples at twice the base stride: a leak that starts late is seen within ~128 steps
+EVALUATE_EVERY = 4  # samples between two looks at the history
 MIN_SAMPLES = 12  # three per quarter: a median of fewer is one noisy batch away from a false rise
 MIN_TAU = 0.8  # Kendall's rank correlation of memory with time: 1 for a clean leak; noise: 0 +- 0.2 at 12 samples
 
@@ -59,14 +66,18 @@ class LeakDetector:
         self.threshold_bytes = threshold_bytes
         self.max_samples = max_samples
         self.samples: list[tuple[int, int]] = []
-        self.recent: deque[tuple[int, int]] = deque(maxlen=RECENT_SAMPLES)  # at the base stride, never thinned
+        self.recent: deque[tuple[int, int]] = deque(maxlen=RECENT_SAMPLES)  # at 2 * every, never thinned
         self.flagged = False
+        self.suspected_at: int | None = None
+        """The step of the first sample at which the history rose by half the threshold (``None``: not yet)."""
         self._stride = every
         self._count = 0
 
     def wants(self, step: int) -> bool:
         """Whether a sample is due at ``step`` (so the caller reads memory only then)."""
-        return step >= self.warmup_steps and step % self.every == 0 and not self.flagged
+        if step < self.warmup_steps or self.flagged:
+            return False
+        return step % (self.every if self._stride == self.every else 2 * self.every) == 0
 
     def add(self, step: int, allocated_bytes: int) -> LeakVerdict | None:
         """Record a sample; the verdict the first time the history shows a leak, else ``None``."""
@@ -74,20 +85,22 @@ class LeakDetector:
             return None
         self.recent.append((step, allocated_bytes))
         self._count += 1
-        verdict = None
         if step % self._stride == 0:
             self.samples.append((step, allocated_bytes))
             if len(self.samples) > self.max_samples:  # keep the whole run in view at half the resolution
                 self.samples = self.samples[::2]
                 self._stride *= 2
-            verdict = self._verdict_of([self.samples, self.samples[len(self.samples) // 2 :]])
-        if verdict is None and self._count % RECENT_EVERY == 0 and len(self.recent) == RECENT_SAMPLES:
+        if self._count % EVALUATE_EVERY:
+            return None  # a verdict costs a few sorts: looked for every few samples only
+        verdict = self._verdict_of([self.samples, self.samples[len(self.samples) // 2 :]])
+        if verdict is None and len(self.recent) == RECENT_SAMPLES:
             verdict = self._verdict_of([list(self.recent)])  # a leak that started late, long after the first sample
-        return self._flag(verdict)
+        return self._flag(step, verdict)
 
-    def _flag(self, verdict: LeakVerdict | None) -> LeakVerdict | None:
-        if verdict is not None:
-            self.flagged = True
+    def _flag(self, step: int, verdict: LeakVerdict | None) -> LeakVerdict | None:
+        if verdict is None or self.suspected_at is None or self.suspected_at >= step:
+            return None  # a verdict follows a suspicion raised on an earlier sample
+        self.flagged = True
         return verdict
 
     def rate(self) -> float | None:
@@ -102,9 +115,16 @@ class LeakDetector:
         for part in parts:
             if len(part) < MIN_SAMPLES:
                 continue
+            values = list(map(itemgetter(1), part))
+            if max(values) - min(values) <= self.threshold_bytes / 2:
+                continue  # a flat history (the common case), ruled out without sorting
             rate, growth, rising = _rise(part)
+            if not rising or growth <= self.threshold_bytes / 2:
+                continue
+            if self.suspected_at is None:
+                self.suspected_at = part[-1][0]
             # Kendall's tau last: O(n^2), so only where the cheap tests already point to a leak.
-            if rising and growth > self.threshold_bytes and _kendall_tau([v for _, v in part]) >= MIN_TAU:
+            if growth > self.threshold_bytes and _kendall_tau([v for _, v in part]) >= MIN_TAU:
                 return LeakVerdict(rate, part[0][0], part[-1][0], int(growth))
         return None
 
@@ -112,13 +132,20 @@ class LeakDetector:
 def _rise(samples: list[tuple[int, int]]) -> tuple[float, float, bool]:
     """Rate (bytes/step) and growth between the first and last quarter medians, and whether every quarter rose."""
     n = len(samples)
-    quarters = [samples[i * n // 4 : (i + 1) * n // 4] for i in range(4)]
-    medians = [statistics.median(v for _, v in q) for q in quarters]
-    centres = [statistics.median(s for s, _ in q) for q in quarters]
+    steps, values = zip(*samples, strict=True)
+    bounds = [(i * n // 4, (i + 1) * n // 4) for i in range(4)]
+    medians = [_median(sorted(values[a:b])) for a, b in bounds]
+    centres = [_median(steps[a:b]) for a, b in bounds]  # steps are in order already
     growth = medians[-1] - medians[0]
     span = centres[-1] - centres[0]
     rate = growth / span if span > 0 else 0.0
     return rate, growth, all(b > a for a, b in itertools.pairwise(medians))
+
+
+def _median(ordered: Sequence[int]) -> float:
+    """The median of values already in order."""
+    mid = len(ordered) // 2
+    return float(ordered[mid]) if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def _kendall_tau(values: list[int]) -> float:

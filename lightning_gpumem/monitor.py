@@ -87,11 +87,11 @@ class MemoryMonitor(Callback):
     :class:`~lightning_gpumem.MemoryBudget`: ``mem=12.3/139.8 GiB``.
 
     **Leak detection** (``detect_leaks``, on an accelerator): after ``leak_warmup_steps`` optimizer steps, allocated
-    memory is sampled at the end of every second training batch. When it keeps rising (the medians of each quarter
-    of the history above the one before, and the rise above ``leak_threshold_mib``) a warning is printed once on
-    rank zero with the rate, the step at which the budget would run out, and the live tensors (by shape and dtype)
-    that grew since the first sample. A run whose batch shapes vary, or whose memory grows once and stays, is not
-    flagged.
+    memory is sampled at the end of every second training batch, every fourth once the history is long (one
+    allocator read each). When it keeps rising (the medians of each quarter of the history above the one before, and
+    the rise above ``leak_threshold_mib``) a warning is printed once on rank zero with the rate, the step at which
+    the budget would run out, and the live tensors (by shape and dtype) that grew since memory first rose by half the
+    threshold. A run whose batch shapes vary, or whose memory grows once and stays, is not flagged.
 
     **TensorBoard**: with ``tensorboard_layout`` a *Custom Scalars* layout is written to every ``TensorBoardLogger``
     so that each stage's peak, allocated, reserved and NVML curves (and the budget) share one chart; open
@@ -275,13 +275,16 @@ class MemoryMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
     ) -> None:
-        if self._leaks is not None and self._leaks.wants(trainer.global_step) and not is_accumulating(trainer):
-            self._sample_for_leaks(trainer)
-        if not self._window_open or is_accumulating(trainer):
+        if is_accumulating(trainer):
             return
-        self._window_open = False
-        self._just_closed = True
-        self._measure_and_log(trainer, "train", device_wide=True)
+        logged = self._window_open
+        if logged:
+            self._window_open = False
+            self._just_closed = True
+            self._measure_and_log(trainer, "train", device_wide=True)
+        if self._leaks is not None and self._leaks.wants(trainer.global_step):
+            sample = self._last_sample if logged else None  # a logging step has just read the allocator
+            self._sample_for_leaks(trainer, None if sample is None else sample.allocated_bytes)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -368,15 +371,18 @@ class MemoryMonitor(Callback):
             self._update_max(key, value)
 
     # ------------------------------------------------------------------ leaks
-    def _sample_for_leaks(self, trainer: pl.Trainer) -> None:
+    def _sample_for_leaks(self, trainer: pl.Trainer, allocated: int | None) -> None:
         probe, detector = self._require_probe(), self._leaks
-        allocated = probe.allocated_bytes()
+        if allocated is None:
+            allocated = probe.allocated_bytes()
         if detector is None or allocated is None:
             return
         step = trainer.global_step
-        if self._census_at_start is None:
-            self._census_at_start = (step, tensor_census(probe.device))  # once: what was alive at the first sample
         verdict = detector.add(step, allocated)
+        if detector.suspected_at is not None and self._census_at_start is None:
+            # What was alive when memory first rose by half the threshold: a `gc` scan (milliseconds), so taken only
+            # on a suspicion, never on a healthy run; a verdict comes on a later sample, when the leak has grown.
+            self._census_at_start = (step, tensor_census(probe.device))
         if verdict is None:
             return
         self.leak = verdict
