@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 
@@ -48,3 +49,19 @@ def require_dirpath(owner: str, value: object) -> None:
     raise TypeError(
         f"`{owner}(dirpath={value!r})` is not valid. Expected None or a directory path (str or os.PathLike)."
     )
+
+
+def require_number(owner: str, name: str, value: object, minimum: float, unit: str, above: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is a finite number >= ``minimum`` (> with ``above``), in ``unit``.
+
+    >>> require_number("X", "every_s", 0.5, 0, "seconds")
+    >>> require_number("X", "mib", 0, 0, "MiB", above=True)
+    Traceback (most recent call last):
+    ValueError: `X(mib=0)` is not valid. Expected a finite number of MiB > 0.
+    """
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or (value <= minimum if above else value < minimum):  # type: ignore[operator]
+        sign = ">" if above else ">="
+        raise ValueError(
+            f"`{owner}({name}={value!r})` is not valid. Expected a finite number of {unit} {sign} {minimum:g}."
+        )

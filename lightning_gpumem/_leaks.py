@@ -19,14 +19,11 @@ not on every healthy run); a verdict is given only on a later sample than the su
 
 from __future__ import annotations
 
-import gc
 import itertools
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import itemgetter
-
-import torch
 
 RECENT_SAMPLES = 32  # the last samples at twice the base stride: a leak that starts late is seen within ~128 steps
 EVALUATE_EVERY = 4  # samples between two looks at the history
@@ -157,16 +154,6 @@ def _kendall_tau(values: list[int]) -> float:
         for b in values[i + 1 :]:
             score += (b > a) - (b < a)
     return 2 * score / (n * (n - 1))
-
-
-def tensor_census(device: torch.device) -> Counter[tuple[tuple[int, ...], str]]:
-    """Bytes of live tensors on ``device`` by (shape, dtype): a ``gc`` scan, milliseconds, for rare use only."""
-    census: Counter[tuple[tuple[int, ...], str]] = Counter()
-    for obj in gc.get_objects():
-        # `type() in`, not isinstance: some proxy objects raise from isinstance checks.
-        if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device == device:
-            census[(tuple(obj.shape), str(obj.dtype).replace("torch.", ""))] += obj.numel() * obj.element_size()
-    return census
 
 
 def grown_tensors(before: Counter[tuple[tuple[int, ...], str]], after: Counter[tuple[tuple[int, ...], str]]) -> str:

@@ -10,13 +10,12 @@ that card's CUDA context takes, which the cap does not count).
 from __future__ import annotations
 
 import lightning.pytorch as pl
-import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_gpumem._compat import Callback
 from lightning_gpumem._units import format_gib, parse_budget
-from lightning_gpumem.probe import MemoryProbe
+from lightning_gpumem.probe import Probe, make_probe
 
 
 class MemoryBudget(Callback):
@@ -53,14 +52,14 @@ class MemoryBudget(Callback):
         self.budget = budget
         self.budget_bytes: int | None = None
         """The budget in bytes once set up on a CUDA device (``None`` before, and without one)."""
-        self._probe: MemoryProbe | None = None
+        self._probe: Probe | None = None
         self._previous_fraction: float | None = None
         self._warned = False
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         device = trainer.strategy.root_device
-        probe = self._make_probe(device)
+        probe = make_probe(device, self)
         total = probe.total_bytes() if probe.device.type == "cuda" else None
         if not total:
             if not self._warned:
@@ -93,14 +92,6 @@ class MemoryBudget(Callback):
             self._probe.set_memory_fraction(self._previous_fraction)
         self._previous_fraction = None
 
-    def _make_probe(self, device: torch.device) -> MemoryProbe:
-        """Create the probe for ``device`` (tests override this to inject a fake)."""
-        return MemoryProbe(device, nvml=False, host=False)
-
-
-def budget_bytes(trainer: pl.Trainer) -> int | None:
-    """The budget of the :class:`MemoryBudget` among the Trainer's callbacks, in bytes, if one is set up."""
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if isinstance(callback, MemoryBudget) and callback.budget_bytes is not None:
-            return callback.budget_bytes
-    return None
+    def _gpumem_budget(self) -> int | None:
+        """The budget in bytes once set up (how the other callbacks find it: ``lightning_gpumem._registry``)."""
+        return self.budget_bytes

@@ -25,7 +25,7 @@ from typing_extensions import override
 from lightning_gpumem._checks import require_dirpath, require_int
 from lightning_gpumem._compat import Callback
 from lightning_gpumem._logging import log_dir, log_table
-from lightning_gpumem.probe import MemoryProbe
+from lightning_gpumem.probe import Probe, make_probe
 
 _MIB = 2**20
 
@@ -171,7 +171,7 @@ class LayerMemoryProfiler(Callback):
         """The printed table (``None`` before the profiled step)."""
         self.step_peak_bytes: int | None = None
         """Peak allocated memory over the whole profiled step, in bytes."""
-        self._probe: MemoryProbe | None = None
+        self._probe: Probe | None = None
         self._handles: list[Any] = []
         self._active = False
         self._by_module: dict[torch.nn.Module, LayerRecord] = {}
@@ -189,7 +189,7 @@ class LayerMemoryProfiler(Callback):
     # ------------------------------------------------------------------ hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        probe = self._make_probe(trainer.strategy.root_device)
+        probe = make_probe(trainer.strategy.root_device, self)
         if not probe.has_allocator:
             if not self._warned:
                 self._warned = True
@@ -205,10 +205,6 @@ class LayerMemoryProfiler(Callback):
             return {}
         ranked = sorted(self.records, key=lambda r: r.saved_bytes, reverse=True)
         return {"top_layers": [(r.name, r.saved_bytes) for r in ranked if r.saved_bytes > 0]}
-
-    def _make_probe(self, device: torch.device) -> MemoryProbe:
-        """Create the probe for ``device`` (tests override this to inject a fake)."""
-        return MemoryProbe(device, nvml=False, host=False)
 
     @override
     def on_train_batch_start(

@@ -8,13 +8,20 @@ Why the CUDA path reads ``torch.cuda.memory_stats_as_nested_dict``: ``torch.cuda
 ``torch.accelerator.memory_stats`` build the same C++ statistics and then flatten and sort ~120 keys in Python,
 which costs several times more than the nested read (``benchmarks/monitor_overhead.py`` measures all three).
 Other accelerators (XPU, MPS, ...) go through ``torch.accelerator`` where the installed torch has it.
+
+The callbacks get their probe from :func:`make_probe`, the one seam where another reader goes in (a fake in the tests,
+through :func:`set_probe_factory`); what they may call is the :class:`Probe` protocol. The rarer hardware calls live
+here too: the allocator's history and snapshot (``OOMSnapshot``), its OOM observer, the census of live tensors (leak
+reports) and the host memory available (the tuner's in-memory copies).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import gc
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -79,6 +86,71 @@ class MemorySample:
         out: dict[str, float | None] = {f.name: getattr(self, f.name) for f in fields(self)}
         out["non_torch_bytes"] = self.non_torch_bytes
         return out
+
+
+class Probe(Protocol):
+    """What the callbacks read through (:class:`MemoryProbe`, or a fake in the tests)."""
+
+    device: torch.device
+    has_allocator: bool
+
+    @property
+    def device_name(self) -> str:
+        """The device's name, e.g. ``NVIDIA H200``."""
+
+    def total_bytes(self) -> int | None:
+        """The device's memory in bytes (``None`` where unknown)."""
+
+    def usable_bytes(self) -> int | None:
+        """Free device memory plus what the allocator holds, in bytes."""
+
+    def set_memory_fraction(self, fraction: float) -> float:
+        """Cap the allocator at ``fraction`` of the device; returns the previous fraction."""
+
+    def release_cache(self) -> None:
+        """Give the allocator's unused cached memory back to the driver."""
+
+    def reset_peaks(self) -> None:
+        """Start a new peak window."""
+
+    def allocated_bytes(self) -> int | None:
+        """Memory held by tensors now, in bytes."""
+
+    def reserved_bytes(self) -> int | None:
+        """Memory held by the allocator now, in bytes."""
+
+    def read_peaks(self) -> tuple[int | None, int | None]:
+        """Peak allocated and reserved bytes since the last reset."""
+
+    def read(self, *, nvml: bool = True, host: bool = True) -> MemorySample:
+        """Everything the probe can see."""
+
+    def allocator_stats(self) -> dict[str, int]:
+        """The allocator's statistics, flattened."""
+
+
+ProbeFactory = Callable[[torch.device, object, bool, bool], Probe]
+"""``factory(device, owner, nvml, host)``: the probe for ``device`` that the callback ``owner`` reads through."""
+
+
+def default_probe_factory(device: torch.device, owner: object, nvml: bool, host: bool) -> Probe:
+    """A :class:`MemoryProbe` for ``device``."""
+    return MemoryProbe(device, nvml=nvml, host=host)
+
+
+_factory: ProbeFactory = default_probe_factory
+
+
+def make_probe(device: torch.device, owner: object, *, nvml: bool = False, host: bool = False) -> Probe:
+    """The probe ``owner`` (a callback) reads ``device`` through: NVML and host memory only where asked for."""
+    return _factory(device, owner, nvml, host)
+
+
+def set_probe_factory(factory: ProbeFactory | None) -> ProbeFactory:
+    """Make :func:`make_probe` use ``factory`` (``None``: the default); returns the factory it replaces."""
+    global _factory
+    previous, _factory = _factory, factory or default_probe_factory
+    return previous
 
 
 class MemoryProbe:
@@ -262,3 +334,50 @@ def _flatten(prefix: str, node: Any, out: dict[str, int]) -> None:
             _flatten(f"{prefix}.{key}" if prefix else str(key), value, out)
     else:
         out[prefix] = int(node)
+
+
+# ---------------------------------------------------------------------------------------------------- rarer reads
+def start_history(max_entries: int) -> None:
+    """Make the CUDA allocator record its history (Python stacks of allocations) for :func:`take_snapshot`."""
+    # Python stacks only: C++ stacks would need symbolising (slow), and frees need no stack.
+    torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=max_entries)
+
+
+def stop_history() -> None:
+    """Stop recording the allocator's history."""
+    torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def take_snapshot() -> dict[str, Any]:
+    """The allocator's snapshot: segments, blocks and the recorded history (what PyTorch's memory viewer reads)."""
+    return torch.cuda.memory._snapshot()
+
+
+def attach_oom_observer(observer: Callable[[int, int, int, int], None]) -> bool:
+    """Have the CUDA allocator call ``observer(device, alloc, device_total, device_free)`` as it raises an OOM.
+
+    Returns whether this torch can (an observer stays attached for the life of the process).
+    """
+    attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+    if attach is None:
+        return False
+    attach(observer)
+    return True
+
+
+def tensor_census(device: torch.device) -> Counter[tuple[tuple[int, ...], str]]:
+    """Bytes of live tensors on ``device`` by (shape, dtype): a ``gc`` scan, milliseconds, for rare use only."""
+    census: Counter[tuple[tuple[int, ...], str]] = Counter()
+    for obj in gc.get_objects():
+        # `type() in`, not isinstance: some proxy objects raise from isinstance checks.
+        if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device == device:
+            census[(tuple(obj.shape), str(obj.dtype).replace("torch.", ""))] += obj.numel() * obj.element_size()
+    return census
+
+
+def host_available_bytes() -> int | None:
+    """Host memory available to new allocations, in bytes (``None`` where ``psutil`` cannot say)."""
+    try:
+        return int(psutil.virtual_memory().available)
+    except Exception:
+        return None

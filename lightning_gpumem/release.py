@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
@@ -27,9 +26,9 @@ from lightning_gpumem._checks import require_flags, require_int
 from lightning_gpumem._compat import Callback
 from lightning_gpumem._distributed import gather_values
 from lightning_gpumem._logging import batches_that_stepped, is_accumulating, log_to_loggers
+from lightning_gpumem._registry import budget_bytes
 from lightning_gpumem._units import GIB, format_gib
-from lightning_gpumem.budget import budget_bytes
-from lightning_gpumem.probe import MemoryProbe
+from lightning_gpumem.probe import Probe, make_probe
 
 HOOKS = (
     "train_batch_end",
@@ -193,7 +192,7 @@ class EmptyCacheOnThreshold(Callback):
         """Reserved memory given back so far (before minus after, summed), in bytes, on this rank."""
         self.release_seconds = 0.0
         """Time spent releasing so far, in seconds, on this rank."""
-        self._probe: MemoryProbe | None = None
+        self._probe: Probe | None = None
         self._policy: ReleasePolicy | None = None
         self._total: int | None = None
         self._every_n = 0
@@ -204,7 +203,11 @@ class EmptyCacheOnThreshold(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         device = trainer.strategy.root_device
         self._every_n = trainer.log_every_n_steps  # type: ignore[attr-defined]
-        probe = self._probe if self._probe is not None and self._probe.device == device else self._make_probe(device)
+        probe = (
+            self._probe
+            if self._probe is not None and self._probe.device == device
+            else make_probe(device, self, nvml=self.measure == "nvml")
+        )
         total = probe.total_bytes() if probe.has_allocator else None
         if total is None:
             self._probe = self._policy = None
@@ -215,10 +218,6 @@ class EmptyCacheOnThreshold(Callback):
         self._probe = probe
         self._total = total
         self._policy = None  # the mark is set at the first check, once every callback (a MemoryBudget) is set up
-
-    def _make_probe(self, device: torch.device) -> MemoryProbe:
-        """Create the probe for ``device`` (tests override this to inject a fake)."""
-        return MemoryProbe(device, nvml=self.measure == "nvml", host=False)
 
     # ------------------------------------------------------------------ hooks
     @override
@@ -333,7 +332,7 @@ class EmptyCacheOnThreshold(Callback):
         self.release_seconds = float(state_dict.get("seconds", 0.0))
 
     # ------------------------------------------------------------------ helpers
-    def _usage(self, probe: MemoryProbe) -> int | None:
+    def _usage(self, probe: Probe) -> int | None:
         if self.measure == "nvml":
             process = probe.read(nvml=True, host=False).nvml_process_bytes
             if process is not None:

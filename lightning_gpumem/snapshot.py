@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
@@ -26,6 +25,7 @@ from lightning_gpumem._compat import Callback
 from lightning_gpumem._logging import log_dir
 from lightning_gpumem._oom import is_oom_error, oom_expected
 from lightning_gpumem._snapshot_report import format_report, render_html
+from lightning_gpumem.probe import attach_oom_observer, start_history, stop_history, take_snapshot
 
 _ACTIVE: weakref.WeakSet[OOMSnapshot] = weakref.WeakSet()
 _OBSERVER_ATTACHED = False
@@ -102,8 +102,7 @@ class OOMSnapshot(Callback):
         self._trainer = trainer
         if not self._recording:
             try:
-                # Python stacks of allocations only: C++ stacks would need symbolising (slow) and frees need none.
-                torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=self.max_entries)
+                start_history(self.max_entries)
                 _attach_observer()
             except Exception as error:  # e.g. the cudaMallocAsync backend, which keeps no history
                 rank_zero_warn(f"OOMSnapshot: the allocator cannot record its history ({error!r}); doing nothing.")
@@ -118,7 +117,7 @@ class OOMSnapshot(Callback):
     def _stop(self) -> None:
         _ACTIVE.discard(self)
         if self._recording:
-            torch.cuda.memory._record_memory_history(enabled=None)
+            stop_history()
             self._recording = False
 
     # ------------------------------------------------------------------ hooks
@@ -142,7 +141,7 @@ class OOMSnapshot(Callback):
         trainer = self._trainer
         if trainer is None or not self._recording:
             return None
-        snapshot = torch.cuda.memory._snapshot()
+        snapshot = take_snapshot()
         directory = log_dir(trainer, self.dirpath)
         directory.mkdir(parents=True, exist_ok=True)
         stem = f"{kind}_rank{trainer.global_rank}_step{trainer.global_step}"
@@ -167,11 +166,8 @@ class OOMSnapshot(Callback):
 def _attach_observer() -> None:
     """Attach one allocator OOM observer per process; it calls every active OOMSnapshot."""
     global _OBSERVER_ATTACHED
-    attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
-    if _OBSERVER_ATTACHED or attach is None:
-        return
-    attach(_observer)
-    _OBSERVER_ATTACHED = True
+    if not _OBSERVER_ATTACHED:
+        _OBSERVER_ATTACHED = attach_oom_observer(_observer)
 
 
 def _observer(device: int, alloc: int, device_total: int, device_free: int) -> None:

@@ -11,7 +11,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_gpumem import EmptyCacheOnThreshold, MemoryMonitor
 from lightning_gpumem._units import GIB, MIB
-from lightning_gpumem.probe import MemorySample
+from lightning_gpumem.probe import MemorySample, Probe, default_probe_factory, set_probe_factory
 
 
 class FakeProbe:
@@ -86,15 +86,21 @@ class FakeProbe:
         return {"allocated_bytes.all.current": self.allocated, "num_alloc_retries": self.retries}
 
 
+def _fake_or_real(device: torch.device, owner: object, nvml: bool, host: bool) -> Probe:
+    """The probe factory of the tests: a callback with a ``fake`` FakeProbe reads it, the others the hardware."""
+    fake = getattr(owner, "fake", None)
+    return fake if isinstance(fake, FakeProbe) else default_probe_factory(device, owner, nvml, host)  # type: ignore[return-value]
+
+
+set_probe_factory(_fake_or_real)
+
+
 class FakeMonitor(MemoryMonitor):
     """MemoryMonitor reading a FakeProbe instead of the hardware."""
 
     def __init__(self, probe: FakeProbe, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.fake = probe
-
-    def _make_probe(self, device: torch.device) -> FakeProbe:  # type: ignore[override]
-        return self.fake
 
 
 class FakeRelease(EmptyCacheOnThreshold):
@@ -103,9 +109,6 @@ class FakeRelease(EmptyCacheOnThreshold):
     def __init__(self, probe: FakeProbe, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.fake = probe
-
-    def _make_probe(self, device: torch.device) -> FakeProbe:  # type: ignore[override]
-        return self.fake
 
 
 class SpikeModel(BoringModel):

@@ -18,6 +18,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from lightning_gpumem.probe import host_available_bytes
+
 
 class ModelState:
     """Weights, buffers, optimizer, LR-scheduler and precision-plugin states of ``trainer``, restorable exactly."""
@@ -117,12 +119,8 @@ def _local_world_size(trainer: pl.Trainer) -> int:
 
 def _host_has_room(nbytes: int) -> bool:
     """Whether ``nbytes`` take at most half of the host memory available now (unknown: assume not)."""
-    try:
-        import psutil
-
-        return nbytes <= psutil.virtual_memory().available // 2
-    except Exception:
-        return False
+    available = host_available_bytes()
+    return available is not None and nbytes <= available // 2
 
 
 def _copy_to_host(obj: Any) -> Any:

@@ -15,7 +15,6 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -24,9 +23,9 @@ from lightning_gpumem._compat import Callback
 from lightning_gpumem._distributed import gather_named
 from lightning_gpumem._logging import log_dir, log_table, log_to_loggers
 from lightning_gpumem._oom import expecting_oom
+from lightning_gpumem._registry import budget_bytes
 from lightning_gpumem._units import GIB, format_gib, parse_budget
-from lightning_gpumem.budget import budget_bytes
-from lightning_gpumem.probe import MemoryProbe
+from lightning_gpumem.probe import Probe, make_probe
 from lightning_gpumem.tuning import _session
 from lightning_gpumem.tuning._session import TrialSession
 from lightning_gpumem.tuning.search import SearchResult, Trial, search_batch_size
@@ -197,10 +196,6 @@ class BatchSizeTuner(Callback):
         if not self._tuning and state_dict.get("batch_size") is not None:
             self._restored = dict(state_dict)
 
-    def _make_probe(self, device: torch.device) -> MemoryProbe:
-        """Create the probe for ``device`` (tests override this to inject a fake sample source)."""
-        return MemoryProbe(device, nvml=False, host=False)
-
     def scale(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int | None:
         """Search now and switch the run to the size found; returns it (``None`` if skipped).
 
@@ -227,7 +222,7 @@ class BatchSizeTuner(Callback):
                 "`BatchSizeTuner(max_val=None)`: the training dataset has no length (an `IterableDataset`), so no"
                 " batch size is known to exist in it. Pass `max_val`, the largest batch size the dataset can fill."
             )
-        probe = self._make_probe(trainer.strategy.root_device)
+        probe = make_probe(trainer.strategy.root_device, self)
         baseline = probe.allocated_bytes()
         limit = self._limit_bytes(probe, trainer)  # budget
         upper = self._upper_bound(trainer, length)
@@ -320,7 +315,7 @@ class BatchSizeTuner(Callback):
             " (`retune_on_resume=True` tunes again)."
         )
 
-    def _limit_bytes(self, probe: MemoryProbe, trainer: pl.Trainer) -> int | None:
+    def _limit_bytes(self, probe: Probe, trainer: pl.Trainer) -> int | None:
         total = probe.total_bytes()
         if not probe.has_allocator or total is None:
             self.budget_bytes = None
@@ -352,7 +347,7 @@ class BatchSizeTuner(Callback):
             candidates.append(_largest_size_with_batches(per_rank, trainer.limit_train_batches, need))
         return max(1, min(candidates))
 
-    def _run_trial(self, session: TrialSession, probe: MemoryProbe, size: int) -> Trial:
+    def _run_trial(self, session: TrialSession, probe: Probe, size: int) -> Trial:
         trainer = session.trainer
         train: list[int | None] = [None, None]  # peak allocated and reserved of the training steps
 
@@ -421,7 +416,7 @@ class BatchSizeTuner(Callback):
         return max(1, kept)
 
     def _leave_headroom(
-        self, session: TrialSession, probe: MemoryProbe, result: SearchResult, limit: int | None
+        self, session: TrialSession, probe: Probe, result: SearchResult, limit: int | None
     ) -> SearchResult:
         """Give up ``headroom`` of the largest size that runs, and run the size kept once.
 
@@ -529,7 +524,7 @@ def _max(a: int | None, b: int | None) -> int | None:
     return a if b is None else b if a is None else max(a, b)
 
 
-def _release(probe: MemoryProbe, baseline: int | None) -> None:
+def _release(probe: Probe, baseline: int | None) -> None:
     """Return the trials' memory to the driver, with a full ``gc.collect`` only where it is needed.
 
     The collection (about 0.25 s in a Lightning process) runs only if more than ``baseline`` (the allocated bytes

@@ -94,7 +94,7 @@ def test_validation_peak_covers_the_loop(tmp_path):
     train_peak = max(column(rows, "gpumem/train_peak_allocated_gib").values())
     assert val_peak >= 2.0
     assert train_peak < 1.0  # the validation spike does not leak into the training peaks
-    assert monitor.peaks["validate"][0] / GIB == pytest.approx(val_peak)
+    assert monitor.peaks["val"][0] / GIB == pytest.approx(val_peak)
 
 
 def test_nvml_and_device_wide_metrics_are_consistent(tmp_path):

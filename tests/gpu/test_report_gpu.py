@@ -41,7 +41,7 @@ def test_report_of_a_cuda_run_matches_the_monitor(tmp_path):
     (run,) = load_runs(tmp_path).runs
     summary = summarize(run)
     train_allocated, _ = monitor.peaks["train"]
-    val_allocated, _ = monitor.peaks["validate"]
+    val_allocated, _ = monitor.peaks["val"]
     assert summary.stage_peaks["train"][0] == pytest.approx(train_allocated / GIB, rel=1e-6)
     assert summary.stage_peaks["train"][0] > 1.0  # the 1 GiB spike at step 5
     assert summary.stage_peaks["val"][0] == pytest.approx(val_allocated / GIB, rel=1e-6)

@@ -51,9 +51,6 @@ class FakeProfiler(LayerMemoryProfiler):
         super().__init__(**kwargs)
         self.fake = fake
 
-    def _make_probe(self, device):
-        return self.fake
-
 
 def _fit(tmp_path, callback, model, steps=3):
     Trainer(

@@ -112,7 +112,7 @@ def test_private_loop_attributes_the_tuner_uses_exist():
 
 
 def test_ddp_strategy_keeps_its_ddp_kwargs():
-    """`monitor._run_context` reads `DDPStrategy._ddp_kwargs` for the gradient_as_bucket_view advice."""
+    """`_registry.summary_context` reads `DDPStrategy._ddp_kwargs` for the gradient_as_bucket_view advice."""
     from lightning.pytorch.strategies import DDPStrategy
 
     assert DDPStrategy(gradient_as_bucket_view=True)._ddp_kwargs == {"gradient_as_bucket_view": True}

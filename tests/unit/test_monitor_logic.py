@@ -102,7 +102,7 @@ def test_validation_reports_the_loop_peak_and_skips_sanity_check(tmp_path):
     val = column(rows, "gpumem/val_peak_allocated_gib")
     assert list(val.values()) == pytest.approx([3.0, 3.0])  # one value per epoch, sanity check not logged
     assert max(column(rows, "gpumem/train_peak_allocated_gib").values()) == pytest.approx(1.0)
-    assert monitor.peaks["validate"][0] == 3 * GIB
+    assert monitor.peaks["val"][0] == 3 * GIB
 
 
 def test_device_wide_metrics_and_progress_bar(tmp_path):

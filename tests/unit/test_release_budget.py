@@ -37,17 +37,11 @@ class FakeRelease(EmptyCacheOnThreshold):
         super().__init__(**kwargs)
         self.fake = probe
 
-    def _make_probe(self, device):
-        return self.fake
-
 
 class FakeBudget(MemoryBudget):
     def __init__(self, probe: FakeProbe, budget) -> None:
         super().__init__(budget)
         self.fake = probe
-
-    def _make_probe(self, device):
-        return self.fake
 
 
 def _trainer(tmp_path, callbacks, **kwargs) -> Trainer:

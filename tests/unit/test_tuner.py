@@ -48,9 +48,6 @@ class FakeTuner(BatchSizeTuner):
         super().__init__(**kwargs)
         self.fake = probe
 
-    def _make_probe(self, device):
-        return self.fake
-
 
 class MemoryModel(OOMModel):
     """Drives a fake allocator: `per_sample` bytes per sample on top of the fake's base."""
@@ -455,14 +452,12 @@ def test_a_size_kept_that_does_not_run_gives_way_to_the_next_smaller_one_that_do
 def test_without_a_budget_of_its_own_the_tuner_takes_a_memory_budgets():
     from lightning_gpumem import MemoryBudget
 
-    class FakeBudget(MemoryBudget):
-        def _make_probe(self, device):
-            return probe
-
     probe = CappedFakeProbe(base=2 * GIB, total=80 * GIB)
+    budget = MemoryBudget("24GiB")
+    budget.fake = probe  # read through the tests' probe factory
     model = MemoryModel(probe, per_sample=300 * MIB, n=100_000)
     tuner = FakeTuner(probe, headroom=0.1, include_validation=False)
-    _trainer(None, callbacks=[FakeBudget("24GiB"), tuner], max_steps=1, limit_val_batches=0).fit(model)
+    _trainer(None, callbacks=[budget, tuner], max_steps=1, limit_val_batches=0).fit(model)
     assert tuner.budget_bytes == 24 * GIB
     assert tuner.optimal_batch_size == kept(int((24 * GIB - 2 * GIB) // (300 * MIB)), 0.1)
 

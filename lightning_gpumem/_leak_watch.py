@@ -1,0 +1,69 @@
+"""The monitor's leak detection wired to the run: samples from the allocator, the census of live tensors, the warning.
+
+The verdicts are :class:`~lightning_gpumem._leaks.LeakDetector`'s (pure); this adds what needs the hardware and the
+Trainer, so the monitor calls two methods.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+from lightning_gpumem import keys
+from lightning_gpumem._leaks import LeakDetector, LeakVerdict, grown_tensors
+from lightning_gpumem._logging import batches_that_stepped, log_to_loggers
+from lightning_gpumem._registry import budget_bytes
+from lightning_gpumem._units import MIB, format_gib
+from lightning_gpumem.probe import Probe, tensor_census
+
+
+class LeakWatch:
+    """Feeds a :class:`LeakDetector` at training-batch ends and warns once, on rank zero, when it finds a leak."""
+
+    def __init__(self, probe: Probe, warmup_steps: int, threshold_bytes: int) -> None:
+        self.probe = probe
+        self.detector = LeakDetector(warmup_steps, threshold_bytes=threshold_bytes)
+        self.verdict: LeakVerdict | None = None
+        self._census: tuple[int, Any] | None = None  # (step, census) when memory first rose by half the threshold
+
+    def wants(self, step: int) -> bool:
+        """Whether a sample is due at ``step`` (the allocator is read only then)."""
+        return self.detector.wants(step)
+
+    def rate(self) -> float | None:
+        """Growth of allocated memory in bytes per step, ``None`` with too few samples."""
+        return self.detector.rate()
+
+    def sample(self, trainer: pl.Trainer, allocated: int | None, total_bytes: int | None) -> LeakVerdict | None:
+        """Add a sample (``allocated``: read now when ``None``); warn and log when it completes a leak verdict."""
+        allocated = self.probe.allocated_bytes() if allocated is None else allocated
+        if allocated is None:
+            return None
+        step = trainer.global_step
+        verdict = self.detector.add(step, allocated)
+        if self.detector.suspected_at is not None and self._census is None:
+            # What was alive when memory first rose by half the threshold: a `gc` scan (milliseconds), so taken only
+            # on a suspicion, never on a healthy run; a verdict comes on a later sample, when the leak has grown.
+            self._census = (step, tensor_census(self.probe.device))
+        if verdict is None or self._census is None:
+            return None
+        self.verdict = verdict
+        start_step, before = self._census
+        budget = budget_bytes(trainer) or total_bytes
+        rate = verdict.bytes_per_step
+        runs_out = ""
+        if budget and rate > 0 and budget > allocated:
+            at = step + int((budget - allocated) / rate)
+            runs_out = f"; at this rate the {format_gib(budget)} budget runs out near step {at}"
+        rank_zero_warn(
+            f"MemoryMonitor: allocated memory keeps growing, {rate / MIB:.2f} MiB per step over steps"
+            f" {verdict.first_step}-{verdict.last_step} (+{verdict.growth_bytes / MIB:.0f} MiB, now"
+            f" {format_gib(allocated)}){runs_out}. Tensors that grew since step {start_step}:"
+            f" {grown_tensors(before, tensor_census(self.probe.device))}. Look for tensors kept across steps: a loss or"
+            " output appended to a list without `.detach()`, a cache keyed by step, metrics that hold graphs."
+        )
+        if trainer.is_global_zero:
+            log_to_loggers(trainer, {keys.LEAK_WARNINGS.format(): 1.0}, step=batches_that_stepped(trainer))
+        return verdict
