@@ -9,14 +9,14 @@ from lightning_gpumem._peak_window import RunningMaxima
 from lightning_gpumem._registry import summary_context
 from lightning_gpumem._summary import RunMemory
 from lightning_gpumem.keys import STAGES
-from lightning_gpumem.probe import MemorySample
+from lightning_gpumem.probe import MemorySample, Probe
 
 
 def gather_run(
     trainer: pl.Trainer,
     maxima: RunningMaxima,
     last: MemorySample | None,
-    device_name: str,
+    probe: Probe,
     total_bytes: int | None,
     collective: bool = True,
 ) -> RunMemory:
@@ -27,6 +27,7 @@ def gather_run(
     ``collective=False`` uses this rank's values alone (after an exception, when the other ranks may not get here).
     """
     last = last or MemorySample()
+    device_name = probe.device_name if probe.device.type == "cpu" else f"{probe.device_name} ({probe.device})"
     values: dict[str, float | None] = {}
     for stage in STAGES:
         values[f"{stage}_allocated"], values[f"{stage}_reserved"] = maxima.peaks.get(stage, (None, None))

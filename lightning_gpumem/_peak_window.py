@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_gpumem.keys import STAGE_OF_LOOP
+from lightning_gpumem.probe import MemorySample
 
 
 class PeakWindow:
@@ -75,6 +76,13 @@ class RunningMaxima:
     def peak(self, stage: str, allocated: int | None, reserved: int | None) -> None:
         old_allocated, old_reserved = self.peaks.get(stage, (None, None))
         self.peaks[stage] = (larger(old_allocated, allocated), larger(old_reserved, reserved))
+
+    def add(self, stage: str, sample: MemorySample, device_memory: bool) -> None:
+        """Fold a logged sample in: the stage's peaks (with device memory), the non-PyTorch share and host RSS."""
+        if device_memory:
+            self.peak(stage, sample.peak_allocated_bytes, sample.peak_reserved_bytes)
+        self.value("non_torch_bytes", sample.non_torch_bytes)
+        self.value("host_rss_bytes", sample.host_rss_bytes)
 
     def value(self, name: str, value: int | None) -> None:
         self.values[name] = larger(self.values.get(name), value)

@@ -5,8 +5,12 @@ Keys from :mod:`lightning_gpumem.keys`; values in the keys' units.
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Mapping
+
 from lightning_gpumem import keys
-from lightning_gpumem._units import GIB
+from lightning_gpumem._units import GIB, MIB
 from lightning_gpumem.probe import MemorySample
 
 # The sample's fields logged per rank as `<key>_max` / `<key>_min` under DDP/FSDP, with their keys.
@@ -63,3 +67,65 @@ def cross_rank_metrics(
         name = key.format(stage) if key.staged else key.format()
         metrics[f"{name}_max"], metrics[f"{name}_min"] = high / GIB, low / GIB
     return metrics
+
+
+def logged_metrics(
+    stage: str,
+    sample: MemorySample,
+    device_memory: bool,
+    device_wide: bool,
+    budget: int | None = None,
+    leak_rate: float | None = None,
+    allocator_stats: Mapping[str, int] | None = None,
+) -> dict[str, float]:
+    """Everything one logging point logs: the stage's keys and, with ``device_wide``, the rest.
+
+    The rest: the device's keys, the budget, the leak rate and the allocator's statistics (``verbose``).
+    """
+    metrics = stage_metrics(stage, sample) if device_memory else {}
+    if device_wide:
+        metrics.update(device_wide_metrics(sample))
+        if budget is not None:
+            metrics[keys.BUDGET.format()] = budget / GIB
+        if leak_rate is not None:
+            metrics[keys.LEAK_RATE.format()] = leak_rate / MIB
+        for stat, value in (allocator_stats or {}).items():
+            metrics[keys.ALLOCATOR_STAT.name.format(stat=stat)] = float(value)
+    return metrics
+
+
+def progress_text(sample: MemorySample, total: int | None, host_rss: int | None) -> str:
+    """``12.3/139.8 GiB``: the last logged peak against ``total`` (the budget or the device); host RSS without one."""
+    if sample.peak_allocated_bytes is None:
+        return f"rss {host_rss / GIB:.1f} GiB" if host_rss is not None else "n/a"
+    shown = f"{sample.peak_allocated_bytes / GIB:.1f}"
+    return f"{shown}/{total / GIB:.1f} GiB" if total else f"{shown} GiB"
+
+
+class SlowReads:
+    """When a logging step also reads NVML and host memory: at most every ``interval_s`` seconds.
+
+    They change slowly and cost tens to hundreds of µs each, unlike the allocator's counters. Under DDP the ranks
+    agree one logging step ahead (:meth:`agree`), so that every rank logs the same keys at the same steps.
+    """
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.last = -math.inf  # time.monotonic() of the last slow reading
+        self.next = True  # under DDP: whether the next logging step reads them (agreed by the ranks)
+
+    def now(self, distributed: bool) -> bool:
+        """Whether this logging step reads them."""
+        now = time.monotonic()
+        slow = self.next if distributed else now - self.last >= self.interval_s
+        if slow:
+            self.last = now
+        return slow
+
+    def due(self) -> float:
+        """This rank's vote for the next logging step (1.0: due), to gather over ranks."""
+        return float(time.monotonic() - self.last >= self.interval_s)
+
+    def agree(self, due_anywhere: bool) -> None:
+        """Every rank reads them at the next logging step when any rank is due."""
+        self.next = due_anywhere

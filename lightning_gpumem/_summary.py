@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lightning_gpumem._units import GIB, format_gib
@@ -125,3 +126,12 @@ def format_summary(run: RunMemory, interrupted: str | None = None) -> str:
         lines.append(f"  host RSS peak {format_gib(run.max_host_rss_bytes, 2)} (sampled on logging steps)")
     lines.extend(f"  advice: {line}" for line in advice(run))
     return "\n".join(lines)
+
+
+def print_summary(run: RunMemory, say: Callable[[str], object], interrupted: str | None = None) -> str | None:
+    """Pass :func:`format_summary` to ``say`` and return it; nothing when nothing was measured (no empty table)."""
+    if not has_measurements(run):
+        return None
+    text = format_summary(run, interrupted)
+    say(text)
+    return text

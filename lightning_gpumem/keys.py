@@ -174,9 +174,9 @@ def parse(logged: str) -> Parsed | None:
     return None
 
 
-def markdown_table(writer: str) -> str:
-    """The Markdown table of ``writer``'s keys (key, unit, meaning), as the docs show it."""
-    lines = ["| Key | Unit | Meaning |", "| --- | --- | --- |"]
+def _rows(writer: str, code: str) -> list[tuple[str, str, str]]:
+    r"""(key, unit, meaning) of ``writer``'s keys, with ``code`` around names (Markdown ``\```, RST ``\`\```)."""
+    rows = []
     for key in KEYS:
         if key.writer != writer:
             continue
@@ -186,8 +186,33 @@ def markdown_table(writer: str) -> str:
             meaning += "; DDP/FSDP: also `_max`, `_min` over ranks"
         elif key.ranks == "per_rank":
             meaning += "; DDP/FSDP: `_rank<r>` per rank instead"
-        lines.append(f"| `{shown}` | {key.unit} | {meaning} |")
+        rows.append((f"{code}{shown}{code}", key.unit, meaning.replace("`", code)))
+    return rows
+
+
+def markdown_table(writer: str) -> str:
+    """The Markdown table of ``writer``'s keys (key, unit, meaning), as the docs show it."""
+    lines = ["| Key | Unit | Meaning |", "| --- | --- | --- |"]
+    lines += [f"| {key} | {unit} | {meaning} |" for key, unit, meaning in _rows(writer, "`")]
     return "\n".join(lines)
+
+
+def rst_table(writer: str, indent: int = 4) -> str:
+    """The reStructuredText table of ``writer``'s keys (key, unit, meaning), for its docstring."""
+    rows = [("Key", "Unit", "Meaning"), *_rows(writer, "``")]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    rule = "  ".join("=" * w for w in widths)
+    lines = [rule, "  ".join(c.ljust(w) for c, w in zip(rows[0], widths, strict=True)).rstrip(), rule]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows[1:]]
+    lines.append(rule)
+    return "\n".join(" " * indent + line if i else line for i, line in enumerate(lines))
+
+
+def document(cls: type, writer: str | None = None) -> type:
+    """Put ``writer``'s (default: the class name's) key table into ``cls``'s docstring at ``{logged_metrics}``."""
+    if cls.__doc__:
+        cls.__doc__ = cls.__doc__.replace("{logged_metrics}", rst_table(writer or cls.__name__))
+    return cls
 
 
 def writers() -> tuple[str, ...]:

@@ -22,6 +22,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
+from lightning_gpumem import keys
 from lightning_gpumem._checks import require_flags, require_int
 from lightning_gpumem._compat import Callback
 from lightning_gpumem._distributed import gather_values
@@ -91,6 +92,7 @@ class ReleasePolicy:
         self._last_step = step
 
 
+@keys.document
 class EmptyCacheOnThreshold(Callback):
     r"""Empty the allocator's cache when this process holds more than ``threshold`` of its budget.
 
@@ -102,15 +104,9 @@ class EmptyCacheOnThreshold(Callback):
     decides for itself, with no collective. Without an accelerator it warns once and does nothing.
 
     **Logged metrics** (to every logger on Lightning's logging steps, at the end of each validation during fit and
-    at the end of training; under DDP each key gets ``_rank<r>``)
+    at the end of training; the table comes from :mod:`lightning_gpumem.keys`):
 
-    ===========================  =======  ======================================================
-    Key                          Unit     Meaning
-    ===========================  =======  ======================================================
-    ``gpumem/cache_releases``    count    releases so far
-    ``gpumem/released_gib``      GiB      reserved memory before minus after, summed over releases
-    ``gpumem/release_seconds``   s        time spent releasing (``gc`` + ``empty_cache``), summed
-    ===========================  =======  ======================================================
+    {logged_metrics}
 
     Args:
         threshold: fraction of the budget, in (0, 1], above which the cache is released.

@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_gpumem import keys
 from lightning_gpumem._checks import require_flags, require_int
 from lightning_gpumem._compat import Callback
 from lightning_gpumem._distributed import gather_named
@@ -33,6 +34,7 @@ from lightning_gpumem.tuning.search import SearchResult, Trial, search_batch_siz
 MAX_TRIALS = 25
 
 
+@keys.document
 class BatchSizeTuner(Callback):
     r"""Find the largest batch size whose training and validation steps fit a memory budget, then fit with it.
 
@@ -65,13 +67,9 @@ class BatchSizeTuner(Callback):
     ``max_val`` bounds the search. :meth:`scale` runs only from ``on_fit_start`` (where the tuner calls it) or
     ``on_train_epoch_start``.
 
-    **Logged metrics**
+    **Logged metrics** (from :mod:`lightning_gpumem.keys`):
 
-    ========================  ======  =====================================================
-    Key                       Unit    Meaning
-    ========================  ======  =====================================================
-    ``gpumem/batch_size``     count   the batch size chosen, at the step where tuning ran
-    ========================  ======  =====================================================
+    {logged_metrics}
 
     The trials (batch size, outcome, peaks, seconds) also go to every logger as a table (TensorBoard text, a W&B
     table, an MLflow artifact; for the others ``gpumem_batch_size_trials.csv`` in their directory) and are kept in
