@@ -40,6 +40,20 @@ class RunMemory:
         values = [reserved for _, reserved in self.stage_peaks.values() if reserved is not None]
         return max(values) if values else None
 
+    @property
+    def headroom_bytes(self) -> int | None:
+        """What is left at the highest peak reserved, in bytes; ``None`` where unknown.
+
+        The budget less that peak (the budget caps the allocator alone), or without a budget the device less the peak
+        and the non-PyTorch share.
+        """
+        peak = self.peak_reserved_bytes
+        if peak is None:
+            return None
+        if self.budget_bytes:
+            return self.budget_bytes - peak
+        return None if not self.total_bytes else self.total_bytes - peak - (self.max_non_torch_bytes or 0)
+
 
 def advice(run: RunMemory) -> list[str]:
     """One line per piece of advice, each quoting the measurement it rests on; empty without evidence."""
@@ -113,12 +127,12 @@ def format_summary(run: RunMemory, interrupted: str | None = None) -> str:
         lines.append(f"  {'stage':<10} {'peak allocated':>15} {'peak reserved':>15}")
         for stage, (allocated, reserved) in run.stage_peaks.items():
             lines.append(f"  {stage:<10} {format_gib(allocated, 2):>15} {format_gib(reserved, 2):>15}")
-    peak = run.peak_reserved_bytes
-    if run.total_bytes:
-        line = f"  device total {format_gib(run.total_bytes)}"
-        if peak is not None:
-            headroom = run.total_bytes - peak - (run.max_non_torch_bytes or 0)
-            line += f"; headroom {format_gib(headroom)} ({headroom / run.total_bytes:.0%}) at the highest peak"
+    limit = run.budget_bytes or run.total_bytes
+    if limit:
+        line = f"  {'budget' if run.budget_bytes else 'device total'} {format_gib(limit)}"
+        headroom = run.headroom_bytes
+        if headroom is not None:
+            line += f"; headroom {format_gib(headroom)} ({headroom / limit:.0%}) at the highest peak"
         lines.append(line)
     if run.max_non_torch_bytes is not None:
         lines.append(f"  non-PyTorch share {format_gib(run.max_non_torch_bytes, 2)} (CUDA context, NCCL, cuBLAS)")

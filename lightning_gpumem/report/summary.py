@@ -5,10 +5,10 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
+from lightning_gpumem import keys
+from lightning_gpumem._summary import RunMemory, advice
 from lightning_gpumem._units import GIB, format_gib
 from lightning_gpumem.report.runs import Run
-
-STAGES = ("train", "val", "test", "predict")
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class RunSummary:
         alloc_retries: allocator retries (cumulative count, last value).
         ooms: out-of-memory errors (cumulative count, last value).
         over_ranks: cross-rank ``_max`` keys were logged (DDP/FSDP): the peaks above are the highest over ranks.
+        advice: the fit-end summary's advice (:func:`~lightning_gpumem._summary.advice`) on what the logs say.
     """
 
     name: str
@@ -63,6 +64,7 @@ class RunSummary:
     alloc_retries: int | None = None
     ooms: int | None = None
     over_ranks: bool = False
+    advice: list[str] = field(default_factory=list)
 
     @property
     def peak_reserved(self) -> float | None:
@@ -72,45 +74,82 @@ class RunSummary:
 
 
 def summarize(run: Run) -> RunSummary:
-    """Reduce a run's series to its :class:`RunSummary`."""
+    """Reduce a run's series to its :class:`RunSummary` (its ``memory`` the same model the fit-end summary uses)."""
     steps = [step for points in run.series.values() for step, _ in points]
     peaks = {
-        stage: (_highest(run, f"gpumem/{stage}_peak_allocated_gib"), _highest(run, f"gpumem/{stage}_peak_reserved_gib"))
-        for stage in STAGES
+        stage: (_highest(run, keys.PEAK_ALLOCATED.format(stage)), _highest(run, keys.PEAK_RESERVED.format(stage)))
+        for stage in keys.STAGES
     }
     peaks = {stage: pair for stage, pair in peaks.items() if pair != (None, None)}
-    batch_peaks = run.values("gpumem/train_peak_allocated_gib")
-    budget = run.last("gpumem/budget_gib")
-    nvml_total = run.last("gpumem/nvml_total_gib")
-    reserved = [r for _, r in peaks.values() if r is not None]
-    releases = _per_rank_total(run, "gpumem/cache_releases")
-    batch_size = run.last("gpumem/batch_size")
-    retries, ooms = run.last("gpumem/alloc_retries"), run.last("gpumem/ooms")
+    train_peak = keys.PEAK_ALLOCATED.format("train")
+    batch_peaks = run.values(train_peak)
+    budget = run.last(keys.BUDGET.format())
+    nvml_total = run.last(keys.NVML_TOTAL.format())
+    releases = _per_rank_total(run, keys.CACHE_RELEASES)
+    batch_size = run.last(keys.BATCH_SIZE.format())
+    memory = run_memory(run, peaks)
+    headroom = memory.headroom_bytes
     return RunSummary(
         name=run.name,
         steps=(min(steps), max(steps)) if steps else None,
         stage_peaks=peaks,
         batch_peak_mean=statistics.fmean(batch_peaks) if batch_peaks else None,
-        batch_peak_max=_highest(run, "gpumem/train_peak_allocated_gib"),
+        batch_peak_max=_highest(run, train_peak),
         logged_batches=len(batch_peaks),
-        nvml_process_peak=_highest(run, "gpumem/nvml_process_gib"),
-        nvml_used_peak=run.maximum("gpumem/nvml_used_gib"),
+        nvml_process_peak=_highest(run, keys.NVML_PROCESS.format()),
+        nvml_used_peak=run.maximum(keys.NVML_USED.format()),
         nvml_total=nvml_total,
-        non_torch_peak=run.maximum("gpumem/non_torch_gib"),
-        host_rss_peak=_highest(run, "gpumem/host_rss_gib"),
+        non_torch_peak=run.maximum(keys.NON_TORCH.format()),
+        host_rss_peak=_highest(run, keys.HOST_RSS.format()),
         budget=budget,
-        headroom=_headroom(
-            budget, nvml_total, max(reserved) if reserved else None, run.maximum("gpumem/non_torch_gib")
-        ),
+        headroom=None if headroom is None else headroom / GIB,
         batch_size=None if batch_size is None else round(batch_size),
         cache_releases=None if releases is None else round(releases),
-        released=_per_rank_total(run, "gpumem/released_gib"),
-        leak_warnings=len(run.values("gpumem/leak_warnings")),
-        leak_rate_max=run.maximum("gpumem/leak_mib_per_step"),
-        alloc_retries=None if retries is None else round(retries),
-        ooms=None if ooms is None else round(ooms),
-        over_ranks=any(key.endswith("_max") for key in run.series),
+        released=_per_rank_total(run, keys.RELEASED),
+        leak_warnings=len(run.values(keys.LEAK_WARNINGS.format())),
+        leak_rate_max=run.maximum(keys.LEAK_RATE.format()),
+        alloc_retries=memory.alloc_retries,
+        ooms=memory.num_ooms,
+        over_ranks=any(found is not None and found.suffix == "_max" for found in map(keys.parse, run.series)),
+        advice=advice(memory),
     )
+
+
+def run_memory(run: Run, peaks: dict[str, tuple[float | None, float | None]] | None = None) -> RunMemory:
+    """The run as the fit-end summary models it (:class:`~lightning_gpumem._summary.RunMemory`, bytes), from its logs.
+
+    What the logs cannot say (precision, DDP settings, layers) is left unknown, and the advice that rests on it is not
+    given.
+    """
+    if peaks is None:
+        peaks = {
+            stage: (_highest(run, keys.PEAK_ALLOCATED.format(stage)), _highest(run, keys.PEAK_RESERVED.format(stage)))
+            for stage in keys.STAGES
+        }
+        peaks = {stage: pair for stage, pair in peaks.items() if pair != (None, None)}
+    ranks = [int(found.suffix[5:]) for found in map(keys.parse, run.series) if found and found.suffix[:5] == "_rank"]
+    return RunMemory(
+        device_name=run.name,
+        total_bytes=_bytes(run.last(keys.NVML_TOTAL.format())),
+        stage_peaks={stage: (_bytes(a), _bytes(r)) for stage, (a, r) in peaks.items()},
+        max_non_torch_bytes=_bytes(run.maximum(keys.NON_TORCH.format())),
+        max_host_rss_bytes=_bytes(_highest(run, keys.HOST_RSS.format())),
+        alloc_retries=_count(run.last(keys.ALLOC_RETRIES.format())),
+        num_ooms=_count(run.last(keys.OOMS.format())),
+        max_inactive_split_bytes=_bytes(run.last(keys.INACTIVE_SPLIT.format())),
+        max_reserved_bytes=_bytes(run.last(keys.RESERVED.format("train"))),
+        world_size=max(ranks) + 1 if ranks else 1,
+        budget_bytes=_bytes(run.last(keys.BUDGET.format())),
+        tuned=run.last(keys.BATCH_SIZE.format()) is not None,
+    )
+
+
+def _bytes(gib: float | None) -> int | None:
+    return None if gib is None else round(gib * GIB)
+
+
+def _count(value: float | None) -> int | None:
+    return None if value is None else round(value)
 
 
 def _highest(run: Run, key: str) -> float | None:
@@ -119,26 +158,18 @@ def _highest(run: Run, key: str) -> float | None:
     return max(values) if values else None
 
 
-def _headroom(budget: float | None, total: float | None, peak: float | None, non_torch: float | None) -> float | None:
-    """The budget less the highest peak reserved (the budget caps the allocator alone).
-
-    Without a budget: the device less that peak and the non-PyTorch share, as in the monitor's fit-end summary.
-    """
-    if peak is None:
-        return None
-    if budget is not None:
-        return budget - peak
-    return None if total is None else total - peak - (non_torch or 0.0)
-
-
-def _per_rank_total(run: Run, key: str) -> float | None:
-    """The last value of a cumulative ``key``, or the sum of its ``key_rank<r>`` last values under DDP."""
-    value = run.last(key)
+def _per_rank_total(run: Run, key: keys.Key) -> float | None:
+    """The last value of a cumulative key, or the sum of its ``_rank<r>`` last values under DDP."""
+    value = run.last(key.format())
     if value is not None:
         return value
-    ranks = [run.last(name) for name in run.series if name.startswith(f"{key}_rank")]
-    values = [v for v in ranks if v is not None]
-    return sum(values) if values else None
+    values = []
+    for name in run.series:
+        found = keys.parse(name)
+        if found is not None and found.key is key and found.suffix.startswith("_rank"):
+            values.append(run.last(name))
+    present = [v for v in values if v is not None]
+    return sum(present) if present else None
 
 
 def _gib(value: float | None, digits: int = 2) -> str:
@@ -193,6 +224,7 @@ def rows(summary: RunSummary) -> list[tuple[str, str]]:
         out.append(("allocator retries / OOMs", f"{summary.alloc_retries} / {summary.ooms}"))
     if summary.host_rss_peak is not None:
         out.append(("host RSS peak", _gib(summary.host_rss_peak)))
+    out.extend(("advice", line) for line in summary.advice)
     return out
 
 

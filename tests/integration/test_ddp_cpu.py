@@ -76,3 +76,12 @@ def test_tuner_agrees_across_ranks_when_only_one_rank_runs_out_of_memory(tmp_pat
     assert any(size > 24 and not fits for size, fits in rank0["trials"])  # failed on rank 1 only, agreed on both
     assert rank0["global_step"] == rank1["global_step"] == 3
     assert not list(tmp_path.glob(".gpumem_tuner_*.ckpt"))  # the snapshot checkpoint is removed
+
+
+def test_every_key_logged_under_ddp_is_in_the_schema(ddp_run):
+    from lightning_gpumem import keys
+
+    logged = {name for row in read_csv_metrics(ddp_run) for name in row if name.startswith(keys.PREFIX)}
+    assert any(name.endswith("_max") for name in logged)
+    assert any("_rank1" in name for name in logged)
+    assert sorted(name for name in logged if keys.parse(name) is None) == []

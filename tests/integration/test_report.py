@@ -480,3 +480,27 @@ def test_infinite_cells_are_left_out_and_the_png_is_still_drawn(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "line 3: step 'inf' is not a finite number" in result.stderr
     assert "line 4: gpumem/train_peak_allocated_gib = 'inf' is not a finite number" in result.stderr
+
+
+@pytest.mark.parametrize("retries", [0, 3])
+def test_the_report_gives_the_fit_end_summarys_advice_and_headroom(tmp_path, retries):
+    probe = FakeProbe(base=GIB, retries=retries)
+    monitor = FakeMonitor(probe, nvml_host_interval_s=0)
+    Trainer(
+        accelerator="cpu",
+        max_steps=6,
+        limit_val_batches=1,
+        logger=CSVLogger(tmp_path, name="run"),
+        callbacks=[monitor],
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        log_every_n_steps=1,
+    ).fit(SpikeModel(probe, train_spikes={2: 3 * GIB}))
+    lines = (monitor.summary_text or "").splitlines()
+    fit_advice = [line.split("advice: ", 1)[1] for line in lines if "advice: " in line]
+    summary = summarize(load_runs(tmp_path).runs[0])
+    assert fit_advice, monitor.summary_text  # low use of the device (and the retries) give advice
+    assert summary.advice == fit_advice
+    headroom = next(line for line in lines if "headroom" in line).split("headroom ")[1].split(" GiB")[0]
+    assert f"{summary.headroom:.1f}" == headroom
