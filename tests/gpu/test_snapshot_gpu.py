@@ -90,3 +90,31 @@ def test_at_steps_writes_snapshots_without_an_oom(tmp_path):
         "snapshot_rank0_step1.pickle",
         "snapshot_rank0_step3.pickle",
     ]
+
+
+def test_every_live_allocation_listed_points_at_code_outside_the_libraries_or_says_none_exists(tmp_path):
+    from lightning_gpumem._snapshot_report import _is_library, format_report
+
+    trainer = Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_steps=5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[MemoryBudget("2GiB"), OOMSnapshot(dirpath=tmp_path)],
+    )
+    with pytest.raises(torch.OutOfMemoryError):
+        trainer.fit(OverBudget())
+    with open(tmp_path / "oom_rank0_step2.pickle", "rb") as f:
+        report = format_report(pickle.load(f))
+    listed = report.split("largest live allocations", 1)[1].splitlines()[1:]
+    assert listed, report
+    for line in listed:
+        where = line.split(" MiB  ", 1)[1]
+        if where.endswith(("(no frame of your code)", "(no stack recorded)")):
+            continue
+        assert not _is_library(where.rsplit(" in ", 1)[0]), report
+    assert "test_snapshot_gpu.py" in report.split("largest live allocations", 1)[0]  # the failed one: this file
+    print(f"\n{report}")
