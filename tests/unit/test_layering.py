@@ -1,0 +1,46 @@
+"""The package's layering: no callback imports another, the monitor stays thin, the report starts without torch."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "lightning_gpumem"
+CALLBACKS = {
+    "lightning_gpumem.monitor": "monitor.py",
+    "lightning_gpumem.release": "release.py",
+    "lightning_gpumem.budget": "budget.py",
+    "lightning_gpumem.snapshot": "snapshot.py",
+    "lightning_gpumem.layers": "layers.py",
+    "lightning_gpumem.tuning.tuner": "tuning/tuner.py",
+}
+PURE = ["keys.py", "_peak_window.py", "_leaks.py", "_summary.py", "_snapshot_report.py"]
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+@pytest.mark.parametrize("module", sorted(CALLBACKS))
+def test_no_callback_imports_another(module):
+    others = set(CALLBACKS) - {module}
+    assert not _imports(PACKAGE / CALLBACKS[module]) & others
+
+
+@pytest.mark.parametrize("name", PURE)
+def test_the_pure_parts_import_neither_lightning_nor_the_hardware(name):
+    imported = _imports(PACKAGE / name)
+    assert not {m for m in imported if m.split(".")[0] in ("lightning", "pytorch_lightning", "torch", "psutil")}
+
+
+def test_the_monitor_module_stays_thin():
+    assert len((PACKAGE / "monitor.py").read_text(encoding="utf-8").splitlines()) <= 300
