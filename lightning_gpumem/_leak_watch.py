@@ -47,8 +47,8 @@ class LeakWatch:
             # What was alive when memory first rose by half the threshold: a `gc` scan (milliseconds), so taken only
             # on a suspicion, never on a healthy run; a verdict comes on a later sample, when the leak has grown.
             self._census = (step, tensor_census(self.probe.device))
-        if verdict is None or self._census is None:
-            return None
+        if verdict is None or self._census is None or self._census[0] == step:
+            return None  # (a verdict always follows a census taken at an earlier sample)
         self.verdict = verdict
         start_step, before = self._census
         budget = budget_bytes(trainer) or total_bytes

@@ -89,9 +89,9 @@ class LeakDetector:
                 self._stride *= 2
         if self._count % EVALUATE_EVERY:
             return None  # a verdict costs a few sorts: looked for every few samples only
-        verdict = self._verdict_of([self.samples, self.samples[len(self.samples) // 2 :]])
+        verdict = self._verdict_of([self.samples, self.samples[len(self.samples) // 2 :]], step)
         if verdict is None and len(self.recent) == RECENT_SAMPLES:
-            verdict = self._verdict_of([list(self.recent)])  # a leak that started late, long after the first sample
+            verdict = self._verdict_of([list(self.recent)], step)  # a leak that started late
         return self._flag(step, verdict)
 
     def _flag(self, step: int, verdict: LeakVerdict | None) -> LeakVerdict | None:
@@ -108,7 +108,7 @@ class LeakDetector:
         """A leak verdict from the history (whole, its recent half, or the last samples at full rate), or ``None``."""
         return self._verdict_of([self.samples, self.samples[len(self.samples) // 2 :], list(self.recent)])
 
-    def _verdict_of(self, parts: list[list[tuple[int, int]]]) -> LeakVerdict | None:
+    def _verdict_of(self, parts: list[list[tuple[int, int]]], step: int | None = None) -> LeakVerdict | None:
         for part in parts:
             if len(part) < MIN_SAMPLES:
                 continue
@@ -118,8 +118,8 @@ class LeakDetector:
             rate, growth, rising = _rise(part)
             if not rising or growth <= self.threshold_bytes / 2:
                 continue
-            if self.suspected_at is None:
-                self.suspected_at = part[-1][0]
+            if self.suspected_at is None and step is not None:
+                self.suspected_at = step  # the sample now, not the part's last (thinned histories skip some)
             # Kendall's tau last: O(n^2), so only where the cheap tests already point to a leak.
             if growth > self.threshold_bytes and _kendall_tau([v for _, v in part]) >= MIN_TAU:
                 return LeakVerdict(rate, part[0][0], part[-1][0], int(growth))

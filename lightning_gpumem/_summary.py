@@ -33,6 +33,8 @@ class RunMemory:
     gradient_bytes: int | None = None  # parameters that need gradients, in bytes (a DDP bucket copy costs as much)
     top_layers: list[tuple[str, int]] = field(default_factory=list)  # LayerMemoryProfiler: (layer, activations)
     tuned: bool = False  # a BatchSizeTuner chose the batch size
+    oom_recoveries: int | None = None  # AutoMicrobatch: out-of-memory errors recovered
+    microbatches: int | None = None  # AutoMicrobatch: micro-batches per batch at the end
 
     @property
     def peak_reserved_bytes(self) -> int | None:
@@ -129,7 +131,9 @@ def format_summary(run: RunMemory, interrupted: str | None = None) -> str:
             lines.append(f"  {stage:<10} {format_gib(allocated, 2):>15} {format_gib(reserved, 2):>15}")
     limit = run.budget_bytes or run.total_bytes
     if limit:
-        line = f"  {'budget' if run.budget_bytes else 'device total'} {format_gib(limit)}"
+        parts = [f"device total {format_gib(run.total_bytes)}"] if run.total_bytes else []
+        parts += [f"budget {format_gib(run.budget_bytes)}"] if run.budget_bytes else []
+        line = "  " + "; ".join(parts)
         headroom = run.headroom_bytes
         if headroom is not None:
             line += f"; headroom {format_gib(headroom)} ({headroom / limit:.0%}) at the highest peak"
@@ -138,6 +142,11 @@ def format_summary(run: RunMemory, interrupted: str | None = None) -> str:
         lines.append(f"  non-PyTorch share {format_gib(run.max_non_torch_bytes, 2)} (CUDA context, NCCL, cuBLAS)")
     if run.max_host_rss_bytes is not None:
         lines.append(f"  host RSS peak {format_gib(run.max_host_rss_bytes, 2)} (sampled on logging steps)")
+    if run.oom_recoveries:
+        lines.append(
+            f"  AutoMicrobatch recovered {run.oom_recoveries} out-of-memory error(s); batches ended as"
+            f" {run.microbatches} micro-batch(es)"
+        )
     lines.extend(f"  advice: {line}" for line in advice(run))
     return "\n".join(lines)
 

@@ -45,9 +45,8 @@ class MemoryMonitor(Callback):
 
     {logged_metrics}
 
-    Un-suffixed keys are rank zero's. The device-wide keys go with the training keys (or end a stand-alone
-    ``validate``/``test``/``predict``). The progress bar shows ``mem=12.3/139.8 GiB``: the last logged peak against
-    the device, or the budget of a :class:`~lightning_gpumem.MemoryBudget`.
+    Un-suffixed keys are rank zero's. The progress bar shows ``mem=12.3/139.8 GiB``: the last logged peak against the
+    device, or the budget of a :class:`~lightning_gpumem.MemoryBudget`.
 
     **Leak detection** (``detect_leaks``, on an accelerator): allocated memory is sampled at training-batch ends after
     ``leak_warmup_steps``; a sustained rise above ``leak_threshold_mib`` is warned about once on rank zero, with its
@@ -121,8 +120,7 @@ class MemoryMonitor(Callback):
         self._tensorboard_layout = tensorboard_layout
         self._layouts_written: dict[int, tuple[str, ...]] = {}
         self._probe: Probe | None = None
-        self._every_n = 0
-        self._announced = False
+        self._every_n, self._announced = 0, False
         self._total_bytes: int | None = None
         self._reset_run()
 
@@ -191,12 +189,11 @@ class MemoryMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
     ) -> None:
         accumulating = _logging.is_accumulating(trainer)
-        logged = self._window.batch_end(accumulating)
-        if logged:
-            self._measure_and_log(trainer, "train", device_wide=True)
-        if self._leaks is not None and not accumulating and self._leaks.wants(trainer.global_step):
-            allocated = self._last_sample.allocated_bytes if logged and self._last_sample else None  # just read
-            self.leak = self._leaks.sample(trainer, allocated, self._total_bytes) or self.leak
+        leak_sample = self._leaks is not None and not accumulating and self._leaks.wants(trainer.global_step)
+        if self._window.batch_end(accumulating):  # a logging step: its allocator read feeds the leak watch too
+            self._measure_and_log(trainer, "train", device_wide=True, leak_sample=leak_sample)
+        elif leak_sample:
+            self._watch_leaks(trainer, None)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -269,15 +266,19 @@ class MemoryMonitor(Callback):
 
     def _fold(self, stage: str) -> None:
         """Add the peaks since the last reset to ``stage``'s running maximum."""
-        probe = self._require_probe()
-        if probe.has_allocator:
+        if (probe := self._require_probe()).has_allocator:
             self._maxima.peak(stage, *probe.read_peaks())
 
-    def _measure_and_log(self, trainer: pl.Trainer, stage: str, device_wide: bool) -> None:
+    def _watch_leaks(self, trainer: pl.Trainer, allocated: int | None) -> None:
+        self.leak = (self._leaks.sample(trainer, allocated, self._total_bytes) if self._leaks else None) or self.leak
+
+    def _measure_and_log(self, trainer: pl.Trainer, stage: str, device_wide: bool, leak_sample: bool = False) -> None:
         probe = self._require_probe()
         distributed = trainer.world_size > 1
         slow = self._slow.now(distributed)
         sample = self._last_sample = probe.read(nvml=self._nvml and slow, host=self._host and slow)
+        if leak_sample:
+            self._watch_leaks(trainer, sample.allocated_bytes)
         self._last_host_rss = sample.host_rss_bytes or self._last_host_rss
         self._maxima.add(stage, sample, probe.has_allocator)
         budget = budget_bytes(trainer)
@@ -295,6 +296,5 @@ class MemoryMonitor(Callback):
                 _logging.show_in_progress_bar(trainer, "mem", text)
 
     def _gather_run(self, trainer: pl.Trainer, collective: bool = True) -> RunMemory:
-        return gather_run(
-            trainer, self._maxima, self._last_sample, self._require_probe(), self._total_bytes, collective
-        )
+        probe, last = self._require_probe(), self._last_sample
+        return gather_run(trainer, self._maxima, last, probe, self._total_bytes, collective)

@@ -154,3 +154,23 @@ def test_a_leak_that_starts_after_a_long_healthy_run_is_flagged_within_about_a_h
     step, verdict = _first_verdict(values)
     assert verdict is not None
     assert 20_000 < step <= 20_150
+
+
+@pytest.mark.parametrize(("start", "rate_mib"), [(1000, 0.1), (1000, 0.5), (3000, 0.2), (5000, 1.0), (20, 4.0)])
+def test_a_verdict_comes_on_a_later_sample_than_the_suspicion(start, rate_mib):
+    """The census of live tensors is taken at the suspicion: a verdict on the same sample would compare it to itself."""
+    detector = LeakDetector(warmup_steps=0, every=2, threshold_bytes=32 * MIB)
+    verdict_step = suspected_on = None
+    for step in range(start + 5000):
+        allocated = GIB + int(max(0, step - start) * rate_mib * MIB)
+        if not detector.wants(step):
+            continue
+        verdict = detector.add(step, allocated)
+        if suspected_on is None and detector.suspected_at is not None:
+            suspected_on = step  # the sample at which the caller takes its census
+        if verdict is not None:
+            verdict_step = step
+            break
+    assert verdict_step is not None
+    assert suspected_on is not None
+    assert suspected_on < verdict_step
