@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "AutoMicrobatch": "lightning_gpumem.microbatch",
     "BatchSizeTuner": "lightning_gpumem.tuning.tuner",
     "EmptyCacheOnThreshold": "lightning_gpumem.release",
     "LayerMemoryProfiler": "lightning_gpumem.layers",
@@ -23,6 +24,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "AutoMicrobatch",
     "BatchSizeTuner",
     "EmptyCacheOnThreshold",
     "LayerMemoryProfiler",
@@ -37,6 +39,7 @@ __all__ = [
 if TYPE_CHECKING:
     from lightning_gpumem.budget import MemoryBudget
     from lightning_gpumem.layers import LayerMemoryProfiler
+    from lightning_gpumem.microbatch import AutoMicrobatch
     from lightning_gpumem.monitor import MemoryMonitor
     from lightning_gpumem.probe import MemoryProbe, MemorySample
     from lightning_gpumem.release import EmptyCacheOnThreshold

@@ -112,6 +112,8 @@ BATCH_SIZE = _key("batch_size", "count", "the batch size chosen, at the step whe
 BATCH_SIZE_TRIALS = _key(
     "batch_size_trials", "table", "one row per trial: size, outcome, peaks (GiB), seconds", "BatchSizeTuner"
 )
+MICROBATCHES = _key("microbatches", "count", "micro-batches a batch runs as now (1: unsplit)", "AutoMicrobatch")
+OOM_RECOVERIES = _key("oom_recoveries", "count", "out-of-memory errors recovered, cumulative", "AutoMicrobatch")
 LAYER_MEMORY = _key("layer_memory", "table", "activation memory kept for backward, per layer", "LayerMemoryProfiler")
 
 KEYS: tuple[Key, ...] = (
@@ -138,6 +140,8 @@ KEYS: tuple[Key, ...] = (
     RELEASE_SECONDS,
     BATCH_SIZE,
     BATCH_SIZE_TRIALS,
+    MICROBATCHES,
+    OOM_RECOVERIES,
     LAYER_MEMORY,
 )
 """Every key, in the order the docs list them."""

@@ -11,6 +11,7 @@ from pytorch_lightning.demos.boring_classes import BoringModel, RandomDataset  #
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_gpumem import (  # noqa: E402
+    AutoMicrobatch,
     BatchSizeTuner,
     EmptyCacheOnThreshold,
     LayerMemoryProfiler,
@@ -63,7 +64,7 @@ def test_every_callback_is_a_callback_of_both_namespaces(tmp_path):
     import lightning.pytorch
 
     callbacks = [MemoryMonitor(), BatchSizeTuner(), MemoryBudget("1GiB"), EmptyCacheOnThreshold()]
-    callbacks += [OOMSnapshot(), LayerMemoryProfiler()]
+    callbacks += [OOMSnapshot(), LayerMemoryProfiler(), AutoMicrobatch()]
     for callback in callbacks:
         assert isinstance(callback, pl.Callback)
         assert isinstance(callback, lightning.pytorch.Callback)
@@ -123,3 +124,13 @@ def test_callbacks_without_state_are_not_stateful_in_either_namespace():
     for callback in (MemoryMonitor(), BatchSizeTuner(), EmptyCacheOnThreshold()):
         assert new_is_overridden("state_dict", callback, parent=lightning.pytorch.Callback)
         assert old_is_overridden("state_dict", callback, parent=pl.Callback)
+
+
+def test_auto_microbatch_recovers_under_the_pytorch_lightning_trainer(tmp_path):
+    model = OOMModel(batch_size=32, train_limit=20)  # every batch of 32 runs out of memory; 16 fits
+    callback = AutoMicrobatch()
+    trainer = _trainer(tmp_path, [callback], logger=False, limit_val_batches=0)
+    with pytest.warns(UserWarning, match="re-running it as 2 micro-batches of about 16"):
+        trainer.fit(model)
+    assert trainer.global_step == 3
+    assert (callback.oom_recoveries, callback.microbatches) == (1, 2)

@@ -11,7 +11,14 @@ import pytest
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_gpumem import BatchSizeTuner, EmptyCacheOnThreshold, LayerMemoryProfiler, MemoryMonitor, keys
+from lightning_gpumem import (
+    AutoMicrobatch,
+    BatchSizeTuner,
+    EmptyCacheOnThreshold,
+    LayerMemoryProfiler,
+    MemoryMonitor,
+    keys,
+)
 from lightning_gpumem._units import GIB, MIB
 from lightning_gpumem.report import load_runs
 from tests._fakes import FakeMonitor, FakeProbe, FakeRelease, SpikeModel
@@ -59,7 +66,7 @@ def test_the_docs_tables_are_generated_from_the_schema():
     assert documented == set(keys.writers())
 
 
-@pytest.mark.parametrize("cls", [MemoryMonitor, EmptyCacheOnThreshold, BatchSizeTuner])
+@pytest.mark.parametrize("cls", [MemoryMonitor, EmptyCacheOnThreshold, BatchSizeTuner, AutoMicrobatch])
 def test_the_docstring_tables_are_the_schemas(cls):
     doc = cls.__doc__ or ""
     assert "{logged_metrics}" not in doc

@@ -15,6 +15,7 @@ CALLBACKS = {
     "lightning_gpumem.snapshot": "snapshot.py",
     "lightning_gpumem.layers": "layers.py",
     "lightning_gpumem.tuning.tuner": "tuning/tuner.py",
+    "lightning_gpumem.microbatch": "microbatch.py",
 }
 PURE = ["keys.py", "_peak_window.py", "_leaks.py", "_summary.py", "_snapshot_report.py"]
 

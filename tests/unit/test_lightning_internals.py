@@ -173,3 +173,39 @@ def test_dataloader_workers_told_to_exit_are_gone_without_a_join():
     _session.join_workers(stopping)
     assert stopping == []
     assert iterator._shutdown
+
+
+def test_automatic_optimization_internals_that_auto_microbatch_wraps():
+    """`AutoMicrobatch` wraps the loop's `run`, `_on_before_zero_grad`, `_optimizer_zero_grad`, restores
+    `optim_progress` from its `state_dict` and files buffered logs under `LightningModule._current_fx_name`."""
+    import inspect
+
+    seen = {}
+
+    class Spy(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            loop = trainer.fit_loop.epoch_loop.automatic_optimization
+            seen["run"] = list(inspect.signature(loop.run).parameters)
+            seen["zero"] = list(inspect.signature(loop._optimizer_zero_grad).parameters)
+            seen["before_zero"] = list(inspect.signature(loop._on_before_zero_grad).parameters)
+            state = loop.optim_progress.state_dict()
+            loop.optim_progress.load_state_dict(state)
+            seen["progress"] = loop.optim_progress.optimizer.step.total.completed
+            seen["fx"] = pl_module._current_fx_name
+
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        callbacks=[Spy()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(BoringModel())
+    assert seen["run"] == ["optimizer", "batch_idx", "kwargs"]
+    assert seen["zero"] == ["batch_idx", "optimizer"]
+    assert seen["before_zero"] == ["optimizer"]
+    assert seen["progress"] == 0
+    assert seen["fx"] == "on_train_batch_start"

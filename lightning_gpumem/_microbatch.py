@@ -1,0 +1,172 @@
+"""AutoMicrobatch's pure parts: splitting a batch, combining what micro-batches log, and when to split or grow back.
+
+No Trainer here: :mod:`lightning_gpumem.microbatch` wires these to Lightning.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
+
+
+def batch_length(batch: Any) -> int | None:
+    """The size of a batch's first dimension: that of its first tensor with at least one dimension (``None``: none)."""
+    found: list[int] = []
+
+    def visit(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() > 0 and not found:
+            found.append(int(tensor.shape[0]))
+        return tensor
+
+    apply_to_collection(batch, torch.Tensor, visit)
+    return found[0] if found else None
+
+
+def split_batch(batch: Any, k: int) -> list[tuple[Any, int]]:
+    """``batch`` cut into ``k`` micro-batches along the first dimension, with their sizes.
+
+    Every tensor whose first dimension is the batch's is split (``torch.tensor_split``: sizes differ by at most one,
+    the larger first); other tensors and non-tensor leaves are given whole to every micro-batch. Nested lists, tuples,
+    dicts and dataclasses keep their structure.
+
+    Example:
+        >>> chunks = split_batch({"x": torch.arange(5), "label": "a"}, 2)
+        >>> [(c["x"].tolist(), c["label"], n) for c, n in chunks]
+        [([0, 1, 2], 'a', 3), ([3, 4], 'a', 2)]
+    """
+    length = batch_length(batch)
+    if length is None:
+        raise ValueError("AutoMicrobatch: the batch holds no tensor with a batch dimension to split.")
+    k = min(k, length)
+    sizes = [len(part) for part in torch.tensor_split(torch.arange(length), k)]
+    chunks = []
+    for index in range(k):
+
+        def take(tensor: torch.Tensor, index: int = index) -> torch.Tensor:
+            if tensor.dim() == 0 or tensor.shape[0] != length:
+                return tensor
+            return torch.tensor_split(tensor, k)[index]
+
+        chunks.append((apply_to_collection(batch, torch.Tensor, take), sizes[index]))
+    return chunks
+
+
+@dataclass
+class LogCall:
+    """One ``self.log`` call of a micro-batch: its arguments and the micro-batch's size."""
+
+    name: str
+    value: Any
+    kwargs: dict[str, Any]
+    size: int
+
+
+def combine_logs(calls: list[LogCall]) -> list[tuple[str, Any, dict[str, Any]]]:
+    """What one unsplit step would have logged, from the micro-batches' calls, in first-call order.
+
+    Per name: a ``mean`` (the default) is the mean weighted by micro-batch size, ``sum`` the sum, ``max``/``min`` the
+    largest/smallest; a metric object (``torchmetrics.Metric``, updated by every micro-batch) is logged once; any
+    other value or reduction takes the last micro-batch's value. A ``batch_size`` given per micro-batch is summed.
+
+    Example:
+        >>> calls = [LogCall("loss", torch.tensor(1.0), {}, 3), LogCall("loss", torch.tensor(4.0), {}, 1)]
+        >>> [(name, round(float(value), 2)) for name, value, _ in combine_logs(calls)]
+        [('loss', 1.75)]
+    """
+    by_name: dict[str, list[LogCall]] = {}
+    for call in calls:
+        by_name.setdefault(call.name, []).append(call)
+    out = []
+    for name, group in by_name.items():
+        last = group[-1]
+        kwargs = dict(last.kwargs)
+        if len(group) > 1 and all(c.kwargs.get("batch_size") is not None for c in group):
+            kwargs["batch_size"] = sum(int(c.kwargs["batch_size"]) for c in group)
+        out.append((name, _combine([c.value for c in group], [c.size for c in group], kwargs.get("reduce_fx")), kwargs))
+    return out
+
+
+def _combine(values: list[Any], sizes: list[int], reduce_fx: Any) -> Any:
+    if len(values) == 1:
+        return values[0]
+    numeric = all(isinstance(v, (torch.Tensor, numbers.Number)) and not isinstance(v, bool) for v in values)
+    if not numeric or any(isinstance(v, torch.Tensor) and v.numel() != 1 for v in values):
+        return values[-1]  # a metric object, a dict, a vector: the last micro-batch's
+    stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64).detach().cpu().reshape(()) for v in values])
+    reduce = reduce_fx if reduce_fx is not None else "mean"
+    if reduce in ("mean", torch.mean):
+        weights = torch.tensor(sizes, dtype=torch.float64)
+        result = (stacked * weights).sum() / weights.sum()
+    elif reduce in ("sum", torch.sum):
+        result = stacked.sum()
+    elif reduce in ("max", torch.max):
+        result = stacked.max()
+    elif reduce in ("min", torch.min):
+        result = stacked.min()
+    else:
+        return values[-1]
+    template = values[-1]
+    if isinstance(template, torch.Tensor):
+        return result.to(dtype=template.dtype, device=template.device)
+    return float(result)
+
+
+@dataclass
+class MicrobatchPolicy:
+    """How many micro-batches the next batch runs as: doubled on an OOM, halved again after a quiet period.
+
+    After an OOM the split stays for ``grow_after`` optimizer steps, then one step tries half as many micro-batches; if
+    that step runs out of memory too, the split doubles back and the wait doubles (16, 32, 64, ... steps by default);
+    once it runs, the wait starts over. ``cannot_fit`` (from the measured peak) skips a try as if it had failed.
+
+    Example:
+        >>> policy = MicrobatchPolicy(grow_after=2)
+        >>> policy.after_oom(step=5, length=8), policy.next_k(step=6), policy.next_k(step=7)
+        (2, 2, 1)
+        >>> policy.after_oom(step=7, length=8), policy.wait  # the try failed: back to 2, twice the wait
+        (2, 4)
+    """
+
+    grow_after: int = 16
+    k: int = 1
+    wait: int = field(init=False)
+    since: int = 0  # the step at which ``k`` was last set
+    trying_from: int | None = None  # the split a try came from (``None``: not trying)
+    oom_recoveries: int = 0
+
+    def __post_init__(self) -> None:
+        self.wait = self.grow_after
+
+    def next_k(self, step: int, cannot_fit: Callable[[int], bool] | None = None) -> int:
+        """The split for the step starting now (may begin a try of half the micro-batches)."""
+        if self.k > 1 and self.trying_from is None and step - self.since >= self.wait:
+            if cannot_fit is not None and cannot_fit(self.k // 2):
+                self.since, self.wait = step, self.wait * 2  # the measured peak says it would not fit: as failed
+            else:
+                self.trying_from, self.k = self.k, self.k // 2
+        return self.k
+
+    def after_success(self, step: int) -> bool:
+        """The step ran: a try that ran is accepted (and the wait starts over); returns whether one was."""
+        if self.trying_from is None:
+            return False
+        self.trying_from, self.since, self.wait = None, step, self.grow_after
+        return True
+
+    def after_oom(self, step: int, length: int) -> int | None:
+        """The split to re-run the step with after an OOM, or ``None`` when the batch cannot be split further."""
+        if self.trying_from is not None:  # the try failed: back to the split that ran, and wait longer
+            k, self.wait = self.trying_from, self.wait * 2
+        else:
+            k, self.wait = self.k * 2, self.grow_after
+        self.trying_from = None
+        if k > length:
+            return None
+        self.k, self.since = k, step
+        self.oom_recoveries += 1
+        return k

@@ -1,0 +1,358 @@
+"""AutoMicrobatch: a training step that runs out of memory is re-run as micro-batches, the same step, not a crash."""
+
+from __future__ import annotations
+
+import gc
+import traceback
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from lightning_gpumem import _logging, keys
+from lightning_gpumem._checks import is_int_at_least, require_int
+from lightning_gpumem._compat import Callback
+from lightning_gpumem._microbatch import LogCall, MicrobatchPolicy, batch_length, combine_logs, split_batch
+from lightning_gpumem._oom import is_oom_error, oom_expected
+from lightning_gpumem.probe import Probe, make_probe
+
+_PATCHED_MODULE = ("training_step", "log", "backward")
+_PATCHED_LOOP = ("run", "_on_before_zero_grad", "_optimizer_zero_grad")
+
+
+@keys.document
+class AutoMicrobatch(Callback):
+    r"""Survive an out-of-memory error in a training step: re-run that batch as micro-batches, then grow back.
+
+    When a training step (its forward, its backward or the optimizer step) runs out of memory, the same batch is run
+    again as ``k`` micro-batches (``k`` = 2, 4, ...: the batch split along its first dimension, tensors in nested
+    lists, tuples, dicts and dataclasses alike), their gradients accumulated, and one optimizer step taken: for a
+    loss that is a mean over the batch the step equals the unsplit one, and ``global_step``, the LR schedule and what
+    ``self.log`` records in ``training_step`` are those of one unsplit step (values combined, weighted by micro-batch
+    size). After ``grow_after`` optimizer steps without an OOM, one step tries half as many micro-batches; when that
+    fails too the split doubles back and the wait doubles. The split only ever changes after an OOM or a try.
+
+    Limits: a ``sum`` loss must be divided by the batch size to stay exact, and BatchNorm sees micro-batches (its
+    statistics differ); a random op (dropout) draws different numbers for a split batch. An OOM inside
+    ``optimizer.step`` is recovered exactly when the optimizer had not changed anything yet (PyTorch's optimizers
+    create their state, the usual cause, before they update). Manual optimization, DDP/FSDP and an OOM on a batch
+    that is not the first of a ``accumulate_grad_batches`` window are not recovered yet: the callback says so once
+    and the OOM propagates as without it. The OOMs of :class:`~lightning_gpumem.BatchSizeTuner`'s trials are left to
+    the tuner.
+
+    **Logged metrics** (on Lightning's logging steps; the table comes from :mod:`lightning_gpumem.keys`):
+
+    {logged_metrics}
+
+    Args:
+        grow_after: optimizer steps after an OOM before one step tries half as many micro-batches (doubled after each
+            try that runs out of memory).
+        max_microbatches: the most micro-batches to split a batch into (``None``: as many as the batch has samples);
+            an OOM at that split propagates.
+
+    Raises:
+        ValueError: if ``grow_after`` is not an integer >= 1 or ``max_microbatches`` not ``None`` or an integer >= 2.
+
+    Example::
+
+        from lightning import Trainer
+        from lightning_gpumem import AutoMicrobatch
+        trainer = Trainer(callbacks=[AutoMicrobatch()])
+    """
+
+    def __init__(self, grow_after: int = 16, max_microbatches: int | None = None) -> None:
+        require_int("AutoMicrobatch", "grow_after", grow_after, 1)
+        if max_microbatches is not None and not is_int_at_least(max_microbatches, 2):
+            raise ValueError(
+                f"`AutoMicrobatch(max_microbatches={max_microbatches!r})` is not valid. Expected None or an integer"
+                " >= 2."
+            )
+        self.grow_after = grow_after
+        self.max_microbatches = max_microbatches
+        self.policy = MicrobatchPolicy(grow_after)
+        self._trainer: pl.Trainer | None = None
+        self._saved: dict[str, tuple[object, dict[str, Any]]] = {}  # what the patches replaced, to put back
+        self._probe: Probe | None = None
+        self._calls: list[LogCall] = []
+        self._buffering = False
+        self._size = 0
+        self._zeroed = False
+        self._after_backward = False
+        self._warned: set[str] = set()
+
+    @property
+    def microbatches(self) -> int:
+        """How many micro-batches a batch runs as now (1: unsplit)."""
+        return self.policy.k
+
+    @property
+    def oom_recoveries(self) -> int:
+        """Out-of-memory errors recovered so far."""
+        return self.policy.oom_recoveries
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        policy = self.policy
+        return {"k": policy.k, "wait": policy.wait, "since": policy.since, "oom_recoveries": policy.oom_recoveries}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume with the split, the wait and the count the checkpoint's run had (a try in flight is not resumed)."""
+        for name in ("k", "wait", "since", "oom_recoveries"):
+            if name in state_dict:
+                setattr(self.policy, name, int(state_dict[name]))
+
+    def _summary_context(self) -> dict[str, Any]:
+        return {"oom_recoveries": self.policy.oom_recoveries, "microbatches": self.policy.k}
+
+    # ------------------------------------------------------------------ install
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        reason = None
+        if not pl_module.automatic_optimization:
+            reason = "manual optimization (`automatic_optimization = False`) is not supported"
+        elif trainer.world_size > 1:
+            reason = f"{type(trainer.strategy).__name__} with {trainer.world_size} processes is not supported yet"
+        if reason is not None:
+            self._warn_once(reason, f"AutoMicrobatch: {reason}; out-of-memory errors propagate as without it.")
+            return
+        self._trainer = trainer
+        self._probe = make_probe(trainer.strategy.root_device, self)
+        loop = trainer.fit_loop.epoch_loop.automatic_optimization
+        self._patch(pl_module, "training_step", self._training_step)
+        self._patch(pl_module, "log", self._log)
+        self._patch(pl_module, "backward", self._backward_hook)
+        self._patch(loop, "run", self._run)
+        self._patch(loop, "_on_before_zero_grad", self._skip_if_zeroed("_on_before_zero_grad"))
+        self._patch(loop, "_optimizer_zero_grad", self._skip_if_zeroed("_optimizer_zero_grad"))
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._unpatch()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._unpatch()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._unpatch()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._trainer is None or not trainer.is_global_zero or not trainer.loggers:
+            return
+        every_n = trainer.log_every_n_steps  # type: ignore[attr-defined]
+        if _logging.is_logging_step(trainer, every_n) and not _logging.is_accumulating(trainer):
+            metrics = {keys.MICROBATCHES.format(): float(self.policy.k)}
+            metrics[keys.OOM_RECOVERIES.format()] = float(self.oom_recoveries)
+            _logging.log_to_loggers(trainer, metrics, step=_logging.batches_that_stepped(trainer))
+
+    def _patch(self, owner: object, name: str, replacement: object) -> None:
+        key = f"{id(owner)}.{name}"
+        if key in self._saved:
+            return
+        self._saved[key] = (owner, {name: vars(owner)[name]} if name in vars(owner) else {})
+        setattr(owner, f"_gpumem_original_{name}", getattr(owner, name))
+        setattr(owner, name, replacement)
+
+    def _unpatch(self) -> None:
+        for key, (owner, previous) in self._saved.items():
+            name = key.split(".", 1)[1]
+            delattr(owner, name)
+            delattr(owner, f"_gpumem_original_{name}")
+            if name in previous:
+                setattr(owner, name, previous[name])
+        self._saved.clear()
+        self._trainer = None
+
+    @staticmethod
+    def _original(owner: object, name: str) -> Any:
+        return getattr(owner, f"_gpumem_original_{name}")
+
+    # ------------------------------------------------------------------ the step
+    def _run(self, optimizer: torch.optim.Optimizer, batch_idx: int, kwargs: Any) -> Any:
+        """Lightning's automatic-optimization step (training step, backward, optimizer step), re-run on an OOM."""
+        trainer = self._require_trainer()
+        loop = trainer.fit_loop.epoch_loop.automatic_optimization
+        step = trainer.global_step
+        self.policy.next_k(step)
+        progress = loop.optim_progress.state_dict()  # private: the step's counters, put back after a failed attempt
+        while True:
+            self._calls, self._zeroed, self._after_backward = [], False, False
+            try:
+                result = self._original(loop, "run")(optimizer, batch_idx, kwargs)
+                break
+            except Exception as error:
+                if not is_oom_error(error) or oom_expected():
+                    raise
+                self._recover(trainer, error, kwargs.get("batch"), batch_idx)
+                loop.optim_progress.load_state_dict(progress)
+        self._flush_logs(trainer.lightning_module)
+        if self.policy.after_success(step):
+            rank_zero_warn(
+                f"AutoMicrobatch: step {step} ran as {self.policy.k} micro-batch(es); batches run so from now on."
+            )
+        return result
+
+    def _recover(self, trainer: pl.Trainer, error: Exception, batch: Any, batch_idx: int) -> None:
+        """Undo what the failed attempt did and choose the split to re-run it with; raise when there is none."""
+        step, failed_k, after_backward = trainer.global_step, self.policy.k, self._after_backward
+        traceback.clear_frames(error.__traceback__)  # the frames hold the attempt's activations
+        self._calls = []
+        if batch_idx % trainer.accumulate_grad_batches != 0:
+            raise RuntimeError(
+                f"AutoMicrobatch: out of memory in batch {batch_idx % trainer.accumulate_grad_batches + 1} of an"
+                f" `accumulate_grad_batches={trainer.accumulate_grad_batches}` window; the gradients of the window's"
+                " earlier batches cannot be rebuilt, so this OOM is not recovered (see the error above)."
+            ) from error
+        length = batch_length(batch) or 1
+        limit = min(length, self.max_microbatches or length)
+        k = self.policy.after_oom(step, limit)
+        if k is None:
+            raise RuntimeError(
+                f"AutoMicrobatch: out of memory at step {step} even with the batch of {length} split into {failed_k}"
+                f" micro-batches{' (max_microbatches)' if limit < length else ''}; nothing smaller to try (see the"
+                " error above)."
+            ) from error
+        for optimizer in trainer.optimizers:
+            optimizer.zero_grad(set_to_none=True)  # partial gradients of the failed attempt
+        _reset_scaler(trainer)
+        gc.collect()
+        if self._probe is not None:
+            self._probe.release_cache()
+        where = "after the backward (in the optimizer step)" if after_backward else "in the forward or backward"
+        rank_zero_warn(
+            f"AutoMicrobatch: out of memory {where} at step {step} with the batch of {length} as {failed_k}"
+            f" micro-batch(es); re-running it as {k} micro-batches of about {-(-length // k)}."
+        )
+
+    def _training_step(self, *args: Any, **kwargs: Any) -> Any:
+        trainer = self._require_trainer()
+        module = trainer.lightning_module
+        original = self._original(module, "training_step")
+        batch, rest = (args[0], args[1:]) if args else (kwargs.pop("batch"), ())
+        k = self.policy.k
+        self._buffering = True
+        try:
+            if k == 1:
+                self._size = batch_length(batch) or 1
+                return original(batch, *rest, **kwargs)
+            return self._split_step(trainer, original, batch, rest, kwargs, k)
+        finally:
+            self._buffering = False
+
+    def _split_step(self, trainer: pl.Trainer, original: Any, batch: Any, rest: Any, kwargs: Any, k: int) -> Any:
+        """Run ``batch`` as ``k`` micro-batches: backward of all but the last here, the last returned to Lightning."""
+        chunks = split_batch(batch, k)
+        length = sum(size for _, size in chunks)
+        optimizer = trainer.optimizers[0]
+        loop = trainer.fit_loop.epoch_loop.automatic_optimization
+        batch_idx = rest[0] if rest else kwargs.get("batch_idx", 0)
+        carried: torch.Tensor | None = None
+        for index, (chunk, size) in enumerate(chunks):
+            self._size = size
+            output = original(chunk, *rest, **kwargs)
+            loss = output.get("loss") if isinstance(output, Mapping) else output
+            if not isinstance(loss, torch.Tensor):
+                return output  # `training_step` skipped this batch (returned None)
+            weighted = loss * (size / length)
+            if index == len(chunks) - 1:
+                final = weighted if carried is None else weighted + carried
+                return {**output, "loss": final} if isinstance(output, Mapping) else final
+            if index == 0 and batch_idx % trainer.accumulate_grad_batches == 0:
+                # Lightning zeroes the gradients after `training_step` returns: do it now, before these backwards.
+                self._original(loop, "_on_before_zero_grad")(optimizer)
+                self._original(loop, "_optimizer_zero_grad")(batch_idx, optimizer)
+                self._zeroed = True
+            self._micro_backward(trainer, weighted / trainer.accumulate_grad_batches, optimizer)
+            carried = weighted.detach() if carried is None else carried + weighted.detach()
+        return None  # pragma: no cover - the loop returns at the last micro-batch
+
+    def _micro_backward(self, trainer: pl.Trainer, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        """One micro-batch's backward, as Lightning's (loss scaling, the module's ``backward``) without its hooks."""
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        tensor = scaler.scale(loss) if scaler is not None else loss
+        trainer.precision_plugin.backward(tensor, trainer.lightning_module, optimizer)
+
+    def _backward_hook(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        module = self._require_trainer().lightning_module
+        self._original(module, "backward")(loss, *args, **kwargs)
+        self._after_backward = True
+
+    def _skip_if_zeroed(self, name: str) -> Any:
+        def zero_grad_step(*args: Any) -> None:
+            if self._zeroed:
+                return  # done before the micro-batches' backwards
+            loop = self._require_trainer().fit_loop.epoch_loop.automatic_optimization
+            self._original(loop, name)(*args)
+
+        return zero_grad_step
+
+    # ------------------------------------------------------------------ logging
+    def _log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        module = self._require_trainer().lightning_module
+        if not self._buffering:
+            return self._original(module, "log")(name, value, *args, **kwargs)
+        if args:
+            kwargs = {**dict(zip(_LOG_ARGS, args, strict=False)), **kwargs}
+        self._calls.append(LogCall(name, value, kwargs, self._size))
+        return None
+
+    def _flush_logs(self, module: pl.LightningModule) -> None:
+        """Log what the step's ``training_step`` logged, as one unsplit step would have."""
+        calls, self._calls = self._calls, []
+        if not calls:
+            return
+        log = self._original(module, "log")
+        previous = module._current_fx_name  # private: the hook `self.log` files values under
+        module._current_fx_name = "training_step"
+        try:
+            if self.policy.k == 1:
+                for call in calls:
+                    log(call.name, call.value, **call.kwargs)
+            else:
+                for name, value, kwargs in combine_logs(calls):
+                    log(name, value, **kwargs)
+        finally:
+            module._current_fx_name = previous
+
+    # ------------------------------------------------------------------ helpers
+    def _require_trainer(self) -> pl.Trainer:
+        if self._trainer is None:
+            raise RuntimeError("AutoMicrobatch was used outside `Trainer.fit`; add it to `Trainer(callbacks=[...])`.")
+        return self._trainer
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            rank_zero_warn(message)
+
+
+_LOG_ARGS = (
+    "prog_bar",
+    "logger",
+    "on_step",
+    "on_epoch",
+    "reduce_fx",
+    "enable_graph",
+    "sync_dist",
+    "sync_dist_group",
+    "add_dataloader_idx",
+    "batch_size",
+    "metric_attribute",
+    "rank_zero_only",
+)
+
+
+def _reset_scaler(trainer: pl.Trainer) -> None:
+    """Forget a failed attempt's ``unscale_`` (AMP's ``GradScaler`` refuses a second one before ``update``)."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    states = getattr(scaler, "_per_optimizer_states", None)  # private: GradScaler's per-optimizer stage
+    if isinstance(states, dict):
+        states.clear()

@@ -1,0 +1,337 @@
+"""AutoMicrobatch on CPU with simulated OOMs: the recovered run equals a run that never ran out of memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_gpumem import AutoMicrobatch
+from lightning_gpumem._microbatch import LogCall, MicrobatchPolicy, combine_logs, split_batch
+from tests._fakes import column, read_csv_metrics
+
+STEPS = 30
+
+
+def _oom() -> torch.OutOfMemoryError:
+    return torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+
+
+class RaiseInBackward(torch.autograd.Function):
+    """Identity whose backward runs out of memory when asked to."""
+
+    @staticmethod
+    def forward(ctx, x, fail):
+        ctx.fail = fail
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.fail:
+            raise _oom()
+        return grad, None
+
+
+class FlakySGD(torch.optim.SGD):
+    """SGD whose step runs out of memory, before changing anything, at the steps listed (once each)."""
+
+    def __init__(self, params, fail_at, **kwargs):
+        super().__init__(params, **kwargs)
+        self.fail_at, self.calls = set(fail_at), 0
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        self.calls += 1
+        if self.calls - 1 in self.fail_at:
+            self.fail_at.discard(self.calls - 1)
+            raise _oom()
+        super().step()
+        return loss
+
+
+class Net(LightningModule):
+    """Regression; a (micro)batch larger than ``limit`` runs out of memory at ``where`` in the ``pressure`` batches."""
+
+    def __init__(self, limit=None, where="forward", pressure=(), optimizer_fails=(), batch_size=16):
+        super().__init__()
+        self.layer = nn.Linear(8, 4)
+        self.head = nn.Linear(4, 1)
+        self.limit, self.where, self.pressure = limit, where, set(pressure)
+        self.optimizer_fails = optimizer_fails
+        self.batch_size = batch_size
+        self.sizes: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.sizes.append(len(x))
+        too_big = self.limit is not None and batch_idx in self.pressure and len(x) > self.limit
+        if self.where == "forward" and too_big:
+            raise _oom()
+        hidden = RaiseInBackward.apply(torch.tanh(self.layer(x)), self.where == "backward" and too_big)
+        loss = F.mse_loss(self.head(hidden).squeeze(-1), y)
+        self.log("train_loss", loss)
+        self.log("samples", float(len(x)), reduce_fx="sum", on_step=True)
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = FlakySGD(self.parameters(), self.optimizer_fails, lr=0.1, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 7, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def train_dataloader(self):
+        generator = torch.Generator().manual_seed(0)
+        data = TensorDataset(
+            torch.randn(self.batch_size * STEPS, 8, generator=generator),
+            torch.randn(self.batch_size * STEPS, generator=generator),
+        )
+        return DataLoader(data, batch_size=self.batch_size)
+
+
+def _fit(tmp_path, model, callbacks=(), **kwargs):
+    seed_everything(0)
+    options = dict(
+        accelerator="cpu",
+        max_steps=STEPS,
+        logger=CSVLogger(tmp_path),
+        callbacks=list(callbacks),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+    )
+    ckpt_path = kwargs.pop("ckpt_path", None)
+    options.update(kwargs)
+    trainer = Trainer(**options)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return trainer
+
+
+def _weights(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def _reference(tmp_path, **kwargs):
+    seed_everything(0)
+    model = Net()
+    _fit(tmp_path / "reference", model, **kwargs)
+    return model, read_csv_metrics(tmp_path / "reference")
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_recovered_run_equals_one_that_never_ran_out_of_memory(tmp_path, where):
+    reference, reference_rows = _reference(tmp_path)
+    seed_everything(0)
+    model = Net(limit=5, where=where, pressure=range(4, 12))
+    callback = AutoMicrobatch(grow_after=4)
+    with pytest.warns(UserWarning, match="AutoMicrobatch: out of memory"):
+        trainer = _fit(tmp_path / "split", model, [callback])
+    assert trainer.global_step == STEPS
+    assert callback.oom_recoveries >= 2  # 16 -> 8 -> 4 (a micro-batch of at most 5)
+    assert max(model.sizes) == 16
+    assert 4 in model.sizes
+    torch.testing.assert_close(_weights(model), _weights(reference), atol=1e-5, rtol=0)
+    rows = read_csv_metrics(tmp_path / "split")
+    assert column(rows, "train_loss_step") == pytest.approx(column(reference_rows, "train_loss_step"), abs=1e-6)
+    assert column(rows, "samples_step") == column(reference_rows, "samples_step")  # one batch of 16 a step
+    assert callback.microbatches == 1  # grown back after the pressure
+
+
+def test_without_the_callback_the_same_pressure_kills_the_run(tmp_path):
+    with pytest.raises(torch.OutOfMemoryError):
+        _fit(tmp_path, Net(limit=5, pressure=range(4, 12)))
+
+
+def test_the_lr_schedule_and_step_count_are_those_of_the_unsplit_run(tmp_path):
+    reference, _ = _reference(tmp_path)
+    seed_everything(0)
+    model = Net(limit=5, pressure=range(4, 12))
+    with pytest.warns(UserWarning, match="AutoMicrobatch"):
+        trainer = _fit(tmp_path / "split", model, [AutoMicrobatch(grow_after=4)])
+    reference_lr = reference.trainer.optimizers[0].param_groups[0]["lr"]
+    assert trainer.optimizers[0].param_groups[0]["lr"] == reference_lr == 0.1 * 0.5**4
+    progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer
+    assert progress.step.total.ready == progress.step.total.completed == STEPS
+    assert progress.zero_grad.total.completed == STEPS
+
+
+def test_accumulation_first_batch_of_a_window_is_recovered_the_others_say_why_not(tmp_path):
+    seed_everything(0)
+    reference = Net(batch_size=8)
+    _fit(tmp_path / "reference", reference, accumulate_grad_batches=2, max_steps=10)
+    seed_everything(0)
+    model = Net(batch_size=8, limit=5, pressure={4, 8})  # batches that start a window
+    with pytest.warns(UserWarning, match="AutoMicrobatch"):
+        _fit(tmp_path / "split", model, [AutoMicrobatch(grow_after=2)], accumulate_grad_batches=2, max_steps=10)
+    torch.testing.assert_close(_weights(model), _weights(reference), atol=1e-5, rtol=0)
+    seed_everything(0)
+    late = Net(batch_size=8, limit=5, pressure={5})  # the second batch of a window
+    with pytest.raises(RuntimeError, match=r"batch 2 of an `accumulate_grad_batches=2` window"):
+        _fit(tmp_path / "late", late, [AutoMicrobatch()], accumulate_grad_batches=2, max_steps=10)
+
+
+def test_an_oom_in_the_optimizer_step_is_recovered(tmp_path):
+    reference, _ = _reference(tmp_path)
+    seed_everything(0)
+    model = Net(optimizer_fails=[3, 9])
+    callback = AutoMicrobatch(grow_after=2)
+    with pytest.warns(UserWarning, match="in the optimizer step"):
+        _fit(tmp_path / "split", model, [callback])
+    assert callback.oom_recoveries == 2
+    torch.testing.assert_close(_weights(model), _weights(reference), atol=1e-5, rtol=0)
+
+
+def test_bf16_and_gradient_clipping_still_match(tmp_path):
+    seed_everything(0)
+    reference = Net()
+    _fit(tmp_path / "reference", reference, precision="bf16-mixed", gradient_clip_val=0.5)
+    seed_everything(0)
+    model = Net(limit=5, pressure=range(2, 6))
+    with pytest.warns(UserWarning, match="AutoMicrobatch"):
+        _fit(tmp_path / "split", model, [AutoMicrobatch(grow_after=2)], precision="bf16-mixed", gradient_clip_val=0.5)
+    torch.testing.assert_close(_weights(model), _weights(reference), atol=2e-2, rtol=0)  # bf16 sums differ a little
+
+
+def test_an_oom_that_a_split_cannot_fix_propagates_with_a_clear_message(tmp_path):
+    model = Net(limit=0, pressure=range(STEPS))
+    with pytest.raises(
+        RuntimeError, match=r"even with the batch of 16 split into 4 micro-batches \(max_microbatches\)"
+    ):
+        _fit(tmp_path, model, [AutoMicrobatch(max_microbatches=4)])
+
+
+def test_other_errors_propagate_unchanged(tmp_path):
+    class Broken(Net):
+        def training_step(self, batch, batch_idx):
+            raise ValueError("the user's own bug")
+
+    with pytest.raises(ValueError, match="the user's own bug"):
+        _fit(tmp_path, Broken(), [AutoMicrobatch()])
+
+
+def test_without_pressure_nothing_changes(tmp_path):
+    reference, reference_rows = _reference(tmp_path)
+    seed_everything(0)
+    model = Net()
+    _fit(tmp_path / "with", model, [AutoMicrobatch()])
+    assert torch.equal(_weights(model), _weights(reference))
+    rows = read_csv_metrics(tmp_path / "with")
+    assert column(rows, "train_loss_step") == column(reference_rows, "train_loss_step")
+    assert set(column(rows, "gpumem/microbatches").values()) == {1.0}
+    assert set(column(rows, "gpumem/oom_recoveries").values()) == {0.0}
+
+
+def test_the_module_is_left_as_it_was(tmp_path):
+    model = Net()
+    _fit(tmp_path, model, [AutoMicrobatch()])
+    assert "training_step" not in vars(model)
+    assert "log" not in vars(model)
+    assert not [name for name in vars(model) if name.startswith("_gpumem")]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"grow_after": 0}, r"AutoMicrobatch\(grow_after=0\)"),
+        ({"grow_after": 1.5}, r"AutoMicrobatch\(grow_after=1.5\)"),
+        ({"max_microbatches": 1}, r"AutoMicrobatch\(max_microbatches=1\).*None or an integer >= 2"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AutoMicrobatch(**kwargs)
+
+
+def test_split_keeps_nested_structure_and_leaves_other_leaves_whole():
+    batch = {"x": torch.arange(10).view(5, 2), "pair": (torch.arange(5), torch.tensor(3.0)), "name": "b"}
+    chunks = split_batch(batch, 2)
+    assert [n for _, n in chunks] == [3, 2]
+    assert chunks[1][0]["x"].tolist() == [[6, 7], [8, 9]]
+    assert chunks[0][0]["pair"][1] is batch["pair"][1]
+    assert chunks[0][0]["name"] == "b"
+
+
+def test_logs_combine_as_one_unsplit_step():
+    calls = [
+        LogCall("loss", torch.tensor(2.0), {}, 3),
+        LogCall("n", 3.0, {"reduce_fx": "sum"}, 3),
+        LogCall("loss", torch.tensor(6.0), {}, 1),
+        LogCall("n", 1.0, {"reduce_fx": "sum"}, 1),
+    ]
+    combined = {name: float(value) for name, value, _ in combine_logs(calls)}
+    assert combined == {"loss": 3.0, "n": 4.0}
+
+
+def test_policy_grows_back_and_waits_longer_after_a_failed_try():
+    policy = MicrobatchPolicy(grow_after=3)
+    assert policy.after_oom(10, 16) == 2
+    assert [policy.next_k(s) for s in (11, 12, 13)] == [2, 2, 1]  # a try at step 13
+    assert policy.after_oom(13, 16) == 2  # failed: back, and the wait doubles
+    assert policy.wait == 6
+    assert [policy.next_k(s) for s in range(14, 20)] == [2] * 5 + [1]
+    policy.after_success(19)
+    assert (policy.k, policy.wait) == (1, 3)
+
+
+def test_hooks_run_once_per_step_and_after_backward_sees_the_whole_gradient(tmp_path):
+    class Hooked(Net):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.after_backward, self.before_zero = [], 0
+
+        def on_after_backward(self):
+            self.after_backward.append(self.layer.weight.grad.clone())
+
+        def on_before_zero_grad(self, optimizer):
+            self.before_zero += 1
+
+    seed_everything(0)
+    reference = Hooked()
+    _fit(tmp_path / "reference", reference, max_steps=8)
+    seed_everything(0)
+    model = Hooked(limit=5, pressure=range(2, 6))
+    with pytest.warns(UserWarning, match="AutoMicrobatch"):
+        _fit(tmp_path / "split", model, [AutoMicrobatch()], max_steps=8)
+    assert len(model.after_backward) == len(reference.after_backward) == 8
+    assert model.before_zero == reference.before_zero == 8
+    for got, expected in zip(model.after_backward, reference.after_backward, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
+def test_a_checkpoint_keeps_the_split(tmp_path):
+    seed_everything(0)
+    model = Net(limit=5, pressure={1})
+    callback = AutoMicrobatch(grow_after=100)
+    with pytest.warns(UserWarning, match="AutoMicrobatch"):
+        trainer = _fit(tmp_path, model, [callback], max_steps=3)
+    trainer.save_checkpoint(tmp_path / "split.ckpt")
+    resumed = AutoMicrobatch(grow_after=100)
+    _fit(tmp_path / "resumed", Net(), [resumed], max_steps=5, ckpt_path=tmp_path / "split.ckpt")
+    assert (resumed.microbatches, resumed.oom_recoveries) == (callback.microbatches, callback.oom_recoveries) == (4, 2)
+
+
+def test_the_tuners_planned_ooms_stay_the_tuners_and_the_monitor_reports_recoveries(tmp_path):
+    from lightning_gpumem import BatchSizeTuner
+    from tests._fakes import FakeMonitor, FakeProbe
+
+    class Tunable(Net):
+        def training_step(self, batch, batch_idx):
+            if len(batch[0]) > 8 and not self.trainer.fit_loop.epoch_loop.automatic_optimization.__dict__.get("run"):
+                raise _oom()  # the tuner's trials (before AutoMicrobatch takes over): above 8 does not fit
+            return super().training_step(batch, batch_idx)
+
+    probe = FakeProbe()
+    monitor = FakeMonitor(probe)
+    callback = AutoMicrobatch()
+    model = Tunable(limit=4, pressure={2}, batch_size=4)
+    tuner = BatchSizeTuner(init_val=4, max_val=16, headroom=0.0, steps_per_trial=1)
+    with pytest.warns(UserWarning, match="AutoMicrobatch: out of memory"):
+        _fit(tmp_path, model, [tuner, callback, monitor], max_steps=6, limit_val_batches=0)
+    assert model.batch_size == 8  # the tuner's OOMs above 8 were not recovered (nor counted)
+    assert callback.oom_recoveries == 1  # the OOM of batch 2, in the fit
+    assert "AutoMicrobatch recovered 1 out-of-memory error(s); batches ended as 2 micro-batch(es)" in (
+        monitor.summary_text or ""
+    )
