@@ -158,6 +158,12 @@ class MicrobatchPolicy:
         self.trying_from, self.since, self.wait = None, step, self.grow_after
         return True
 
+    def adopt(self, k: int, wait: int, step: int, count: bool) -> None:
+        """Take the split and wait the ranks agreed on after an OOM on one of them (``count``: it was another's)."""
+        self.k, self.wait, self.since, self.trying_from = k, wait, step, None
+        if count:
+            self.oom_recoveries += 1
+
     def after_oom(self, step: int, length: int) -> int | None:
         """The split to re-run the step with after an OOM, or ``None`` when the batch cannot be split further."""
         if self.trying_from is not None:  # the try failed: back to the split that ran, and wait longer

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -14,7 +15,7 @@ from typing_extensions import override
 
 from lightning_gpumem import _logging, keys
 from lightning_gpumem._checks import is_int_at_least, require_int
-from lightning_gpumem._compat import Callback
+from lightning_gpumem._compat import Callback, either
 from lightning_gpumem._microbatch import LogCall, MicrobatchPolicy, batch_length, combine_logs, split_batch
 from lightning_gpumem._oom import is_oom_error, oom_expected
 from lightning_gpumem.probe import Probe, make_probe
@@ -35,13 +36,19 @@ class AutoMicrobatch(Callback):
     size). After ``grow_after`` optimizer steps without an OOM, one step tries half as many micro-batches; when that
     fails too the split doubles back and the wait doubles. The split only ever changes after an OOM or a try.
 
+    Under DDP every rank's backward stays local and the ranks agree after it (one small all-reduce): an OOM on one
+    rank re-runs the step on all, with the same split; the callback then averages the gradients itself (bucketed
+    all-reduces, which do not overlap the backward as DDP's do). Values logged with ``sync_dist=True`` are reduced
+    once the step has run on every rank.
+
     Limits: a ``sum`` loss must be divided by the batch size to stay exact, and BatchNorm sees micro-batches (its
-    statistics differ); a random op (dropout) draws different numbers for a split batch. An OOM inside
+    statistics differ); a random op (dropout) draws different numbers for a split batch; a re-run step runs
+    ``training_step`` again, with its side effects (a ``torchmetrics`` update counts the batch twice). An OOM inside
     ``optimizer.step`` is recovered exactly when the optimizer had not changed anything yet (PyTorch's optimizers
-    create their state, the usual cause, before they update). Manual optimization, DDP/FSDP and an OOM on a batch
-    that is not the first of a ``accumulate_grad_batches`` window are not recovered yet: the callback says so once
-    and the OOM propagates as without it. The OOMs of :class:`~lightning_gpumem.BatchSizeTuner`'s trials are left to
-    the tuner.
+    create their state, the usual cause, before they update), and under DDP not at all. Manual optimization, FSDP and
+    other strategies, and an OOM on a batch that is not the first of an ``accumulate_grad_batches`` window are not
+    recovered: the callback says so once and the OOM propagates as without it. The OOMs of
+    :class:`~lightning_gpumem.BatchSizeTuner`'s trials are left to the tuner.
 
     **Logged metrics** (on Lightning's logging steps; the table comes from :mod:`lightning_gpumem.keys`):
 
@@ -81,6 +88,8 @@ class AutoMicrobatch(Callback):
         self._size = 0
         self._zeroed = False
         self._after_backward = False
+        self._distributed = False
+        self._agreed = False  # under DDP: this attempt's ranks have agreed (after its backward)
         self._warned: set[str] = set()
 
     @property
@@ -114,12 +123,13 @@ class AutoMicrobatch(Callback):
         reason = None
         if not pl_module.automatic_optimization:
             reason = "manual optimization (`automatic_optimization = False`) is not supported"
-        elif trainer.world_size > 1:
-            reason = f"{type(trainer.strategy).__name__} with {trainer.world_size} processes is not supported yet"
+        elif trainer.world_size > 1 and not isinstance(trainer.strategy, either("strategies", "DDPStrategy")):
+            reason = f"{type(trainer.strategy).__name__} is not supported yet (DDP is)"
         if reason is not None:
             self._warn_once(reason, f"AutoMicrobatch: {reason}; out-of-memory errors propagate as without it.")
             return
         self._trainer = trainer
+        self._distributed = trainer.world_size > 1
         self._probe = make_probe(trainer.strategy.root_device, self)
         loop = trainer.fit_loop.epoch_loop.automatic_optimization
         self._patch(pl_module, "training_step", self._training_step)
@@ -184,15 +194,18 @@ class AutoMicrobatch(Callback):
         self.policy.next_k(step)
         progress = loop.optim_progress.state_dict()  # private: the step's counters, put back after a failed attempt
         while True:
-            self._calls, self._zeroed, self._after_backward = [], False, False
+            self._calls, self._zeroed, self._after_backward, self._agreed = [], False, False, False
             try:
-                result = self._original(loop, "run")(optimizer, batch_idx, kwargs)
+                with self._local_backward(trainer):
+                    result = self._original(loop, "run")(optimizer, batch_idx, kwargs)
                 break
+            except _Retry:
+                self._clean_up(trainer)  # another rank ran out of memory: all ranks run the step again
             except Exception as error:
                 if not is_oom_error(error) or oom_expected():
                     raise
                 self._recover(trainer, error, kwargs.get("batch"), batch_idx)
-                loop.optim_progress.load_state_dict(progress)
+            loop.optim_progress.load_state_dict(progress)
         self._flush_logs(trainer.lightning_module)
         if self.policy.after_success(step):
             rank_zero_warn(
@@ -211,26 +224,80 @@ class AutoMicrobatch(Callback):
                 f" `accumulate_grad_batches={trainer.accumulate_grad_batches}` window; the gradients of the window's"
                 " earlier batches cannot be rebuilt, so this OOM is not recovered (see the error above)."
             ) from error
+        if self._distributed and self._agreed:
+            raise RuntimeError(
+                f"AutoMicrobatch: out of memory at step {step} after the ranks had agreed on the step (in the"
+                " optimizer step or after it): under DDP the other ranks have moved on, so it cannot be re-run"
+                " (see the error above)."
+            ) from error
         length = batch_length(batch) or 1
         limit = min(length, self.max_microbatches or length)
         k = self.policy.after_oom(step, limit)
+        if self._distributed:  # every rank is at its agreement point of this attempt: tell them
+            agreed = self._agree(trainer, failed=True, give_up=k is None)
+            if not agreed["give_up"]:
+                k = int(agreed["k"])
+                self.policy.adopt(k, int(agreed["wait"]), step, count=False)
         if k is None:
             raise RuntimeError(
                 f"AutoMicrobatch: out of memory at step {step} even with the batch of {length} split into {failed_k}"
                 f" micro-batches{' (max_microbatches)' if limit < length else ''}; nothing smaller to try (see the"
                 " error above)."
             ) from error
-        for optimizer in trainer.optimizers:
-            optimizer.zero_grad(set_to_none=True)  # partial gradients of the failed attempt
-        _reset_scaler(trainer)
-        gc.collect()
-        if self._probe is not None:
-            self._probe.release_cache()
+        self._clean_up(trainer)
         where = "after the backward (in the optimizer step)" if after_backward else "in the forward or backward"
         rank_zero_warn(
             f"AutoMicrobatch: out of memory {where} at step {step} with the batch of {length} as {failed_k}"
             f" micro-batch(es); re-running it as {k} micro-batches of about {-(-length // k)}."
         )
+
+    def _clean_up(self, trainer: pl.Trainer) -> None:
+        """Undo a failed attempt: its gradients, its ``GradScaler`` stage, its logs; give its memory back."""
+        self._calls = []
+        for optimizer in trainer.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        _reset_scaler(trainer)
+        gc.collect()
+        if self._probe is not None:
+            self._probe.release_cache()
+
+    @contextlib.contextmanager
+    def _local_backward(self, trainer: pl.Trainer) -> Iterator[None]:
+        """Under DDP, the step's backwards stay local: the gradients are reduced once every rank is through them."""
+        if not self._distributed:
+            yield
+            return
+        with trainer.strategy.block_backward_sync():  # type: ignore[attr-defined]
+            yield
+
+    def _agree(self, trainer: pl.Trainer, failed: bool, give_up: bool) -> dict[str, float]:
+        """Every rank's word on this attempt (collective): whether any ran out of memory, the split and wait to use."""
+        values = [float(failed), float(self.policy.k), float(self.policy.wait), float(give_up)]
+        reduced = trainer.strategy.reduce(
+            torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device), reduce_op="max"
+        )
+        self._agreed = True
+        return dict(zip(("failed", "k", "wait", "give_up"), reduced.tolist(), strict=True))
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._distributed or self._trainer is None:
+            return
+        agreed = self._agree(trainer, failed=False, give_up=False)
+        if agreed["give_up"]:
+            raise RuntimeError(
+                f"AutoMicrobatch: another rank ran out of memory at step {trainer.global_step} with nothing smaller"
+                " to try; the run stops on every rank."
+            )
+        if agreed["failed"]:
+            self.policy.adopt(int(agreed["k"]), int(agreed["wait"]), trainer.global_step, count=True)
+            rank_zero_warn(
+                f"AutoMicrobatch: out of memory on another rank at step {trainer.global_step}; every rank is"
+                f" re-running it as {self.policy.k} micro-batches."
+            )
+            raise _Retry
+        if not _logging.is_accumulating(trainer):
+            _all_reduce_gradients(trainer)
 
     def _training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self._require_trainer()
@@ -356,3 +423,42 @@ def _reset_scaler(trainer: pl.Trainer) -> None:
     states = getattr(scaler, "_per_optimizer_states", None)  # private: GradScaler's per-optimizer stage
     if isinstance(states, dict):
         states.clear()
+
+
+class _Retry(Exception):
+    """Another rank ran out of memory in this step: every rank runs it again."""
+
+
+def _all_reduce_gradients(trainer: pl.Trainer, bucket_bytes: int = 25 * 2**20) -> None:
+    """Average the gradients over ranks, as DDP's backward would have (the step's backwards ran without it).
+
+    A parameter without a gradient on every rank keeps none (DDP leaves globally unused parameters alone); one that has
+    a gradient on some rank gets the average, counting zero for the others.
+    """
+    params = [p for p in trainer.lightning_module.parameters() if p.requires_grad]
+    device = trainer.strategy.root_device
+    present = torch.tensor([float(p.grad is not None) for p in params], dtype=torch.float64, device=device)
+    present = trainer.strategy.reduce(present, reduce_op="max")
+    used = [p for p, flag in zip(params, present.tolist(), strict=True) if flag]
+    for p in used:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in used:
+        grad = p.grad
+        if grad is not None:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+    for grads in by_dtype.values():
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for grad in [*grads, None]:
+            if grad is not None:
+                bucket.append(grad)
+                size += grad.numel() * grad.element_size()
+            if bucket and (grad is None or size >= bucket_bytes):
+                flat = trainer.strategy.reduce(torch.cat([g.reshape(-1) for g in bucket]), reduce_op="mean")
+                offset = 0
+                for g in bucket:
+                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                    offset += g.numel()
+                bucket, size = [], 0

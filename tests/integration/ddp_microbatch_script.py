@@ -1,0 +1,81 @@
+"""Run by test_microbatch_ddp.py: 2 CPU ranks (gloo); rank 1 alone runs out of memory in some batches.
+
+Usage: python ddp_microbatch_script.py OUT_DIR WHERE   (WHERE: forward or backward)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+
+from lightning_gpumem import AutoMicrobatch
+from tests._fakes import close_process_group
+from tests.unit.test_microbatch import STEPS, Net
+
+
+class RankOneNet(Net):
+    """Only rank 1 runs out of memory (its batches of 16 above 5 samples, in the pressure batches)."""
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank != 1:
+            self.limit = None
+        loss = super().training_step(batch, batch_idx)
+        self.log("synced_loss", loss, sync_dist=True)  # a collective in training_step: must not hang either
+        return loss
+
+
+class Splits(Callback):
+    """The split each optimizer step ran with."""
+
+    def __init__(self, auto: AutoMicrobatch) -> None:
+        self.auto, self.history = auto, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.history.append(self.auto.microbatches)
+
+
+def fit(root: Path, model: Net, callbacks) -> Trainer:
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=STEPS // 2,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
+    trainer.fit(model)
+    return trainer
+
+
+def main(out_dir: str, where: str) -> None:
+    out = Path(out_dir)
+    seed_everything(0)
+    reference = Net()
+    fit(out, reference, [])
+    seed_everything(0)
+    model = RankOneNet(limit=5, where=where, pressure=range(2, 6))
+    auto = AutoMicrobatch(grow_after=4)
+    splits = Splits(auto)
+    trainer = fit(out, model, [auto, splits])
+    result = {
+        "reference": torch.cat([p.detach().flatten() for p in reference.parameters()]),
+        "weights": torch.cat([p.detach().flatten() for p in model.parameters()]),
+        "splits": splits.history,
+        "recoveries": auto.oom_recoveries,
+        "global_step": trainer.global_step,
+    }
+    torch.save(result, out / f"rank{trainer.global_rank}.pt")
+    close_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

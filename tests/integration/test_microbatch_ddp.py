@@ -1,0 +1,30 @@
+"""AutoMicrobatch under DDP on 2 CPU ranks: an OOM on one rank splits on both, weights stay equal, nothing hangs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).with_name("ddp_microbatch_script.py")
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_an_oom_on_one_rank_splits_on_both_and_matches_a_run_without_one(tmp_path, where):
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path), where], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    assert ranks[0]["splits"] == ranks[1]["splits"]  # both ranks ran every step with the same split
+    assert max(ranks[0]["splits"]) >= 4  # rank 1's batches of 16 fit only at 4 micro-batches of 4
+    assert ranks[0]["splits"][-1] == 1  # grown back after the pressure
+    assert ranks[0]["recoveries"] == ranks[1]["recoveries"] >= 2
+    for rank in ranks:
+        assert rank["global_step"] == 15
+        torch.testing.assert_close(rank["weights"], ranks[0]["weights"], atol=0, rtol=0)  # ranks agree exactly
+        torch.testing.assert_close(rank["weights"], rank["reference"], atol=1e-5, rtol=0)
+    assert "re-running it as" in proc.stderr + proc.stdout
