@@ -45,9 +45,11 @@ class AutoMicrobatch(Callback):
     statistics differ); a random op (dropout) draws different numbers for a split batch; a re-run step runs
     ``training_step`` again, with its side effects (a ``torchmetrics`` update counts the batch twice). An OOM inside
     ``optimizer.step`` is recovered exactly when the optimizer had not changed anything yet (PyTorch's optimizers
-    create their state, the usual cause, before they update), and under DDP not at all. Manual optimization, FSDP and
-    other strategies, and an OOM on a batch that is not the first of an ``accumulate_grad_batches`` window are not
-    recovered: the callback says so once and the OOM propagates as without it. The OOMs of
+    create their state, the usual cause, before they update), and under DDP not at all. With
+    ``accumulate_grad_batches``, an OOM in a later batch of a window re-runs the window's earlier batches too (their
+    gradients went with the failed attempt's); the window's batches are kept until it ends. Manual optimization and
+    strategies other than DDP (FSDP, DeepSpeed) are not supported: the callback says so once and an OOM propagates as
+    without it. The OOMs of
     :class:`~lightning_gpumem.BatchSizeTuner`'s trials are left to the tuner.
 
     **Logged metrics** (on Lightning's logging steps; the table comes from :mod:`lightning_gpumem.keys`):
@@ -89,6 +91,7 @@ class AutoMicrobatch(Callback):
         self._zeroed = False
         self._after_backward = False
         self._distributed = False
+        self._window: list[tuple[Any, int]] = []  # the accumulation window's batches that ran so far
         self._agreed = False  # under DDP: this attempt's ranks have agreed (after its backward)
         self._warned: set[str] = set()
 
@@ -193,6 +196,8 @@ class AutoMicrobatch(Callback):
         step = trainer.global_step
         self.policy.next_k(step)
         progress = loop.optim_progress.state_dict()  # private: the step's counters, put back after a failed attempt
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            self._window = []  # a new accumulation window
         while True:
             self._calls, self._zeroed, self._after_backward, self._agreed = [], False, False, False
             try:
@@ -206,7 +211,10 @@ class AutoMicrobatch(Callback):
                     raise
                 self._recover(trainer, error, kwargs.get("batch"), batch_idx)
             loop.optim_progress.load_state_dict(progress)
+            self._replay_window(trainer, optimizer)
         self._flush_logs(trainer.lightning_module)
+        if _logging.is_accumulating(trainer):
+            self._window.append((kwargs.get("batch"), batch_idx))  # rebuilt if a later batch of the window fails
         if self.policy.after_success(step):
             rank_zero_warn(
                 f"AutoMicrobatch: step {step} ran as {self.policy.k} micro-batch(es); batches run so from now on."
@@ -218,12 +226,6 @@ class AutoMicrobatch(Callback):
         step, failed_k, after_backward = trainer.global_step, self.policy.k, self._after_backward
         traceback.clear_frames(error.__traceback__)  # the frames hold the attempt's activations
         self._calls = []
-        if batch_idx % trainer.accumulate_grad_batches != 0:
-            raise RuntimeError(
-                f"AutoMicrobatch: out of memory in batch {batch_idx % trainer.accumulate_grad_batches + 1} of an"
-                f" `accumulate_grad_batches={trainer.accumulate_grad_batches}` window; the gradients of the window's"
-                " earlier batches cannot be rebuilt, so this OOM is not recovered (see the error above)."
-            ) from error
         if self._distributed and self._agreed:
             raise RuntimeError(
                 f"AutoMicrobatch: out of memory at step {step} after the ranks had agreed on the step (in the"
@@ -260,6 +262,31 @@ class AutoMicrobatch(Callback):
         gc.collect()
         if self._probe is not None:
             self._probe.release_cache()
+
+    def _replay_window(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> None:
+        """Rebuild the gradients of the accumulation window's earlier batches (cleared with the failed attempt's).
+
+        Their ``training_step`` runs again at the new split, its logs dropped (they were logged when it first ran).
+        """
+        if not self._window:
+            return
+        module = trainer.lightning_module
+        original = self._original(module, "training_step")
+        with self._local_backward(trainer), trainer.precision_plugin.train_step_context():
+            for batch, batch_idx in self._window:
+                chunks = split_batch(batch, self.policy.k)
+                length = sum(size for _, size in chunks)
+                self._buffering = True
+                try:
+                    for chunk, size in chunks:
+                        self._size = size
+                        output = original(chunk, batch_idx)
+                        loss = output.get("loss") if isinstance(output, Mapping) else output
+                        if isinstance(loss, torch.Tensor):  # (a batch `training_step` skips adds nothing)
+                            weight = size / length / trainer.accumulate_grad_batches
+                            self._micro_backward(trainer, loss * weight, optimizer)
+                finally:
+                    self._buffering, self._calls = False, []
 
     @contextlib.contextmanager
     def _local_backward(self, trainer: pl.Trainer) -> Iterator[None]:

@@ -1,6 +1,6 @@
 """Run by test_microbatch_ddp.py: 2 CPU ranks (gloo); rank 1 alone runs out of memory in some batches.
 
-Usage: python ddp_microbatch_script.py OUT_DIR WHERE   (WHERE: forward or backward)
+Usage: python ddp_microbatch_script.py OUT_DIR WHERE ACCUMULATE   (WHERE: forward or backward)
 """
 
 from __future__ import annotations
@@ -39,12 +39,13 @@ class Splits(Callback):
         self.history.append(self.auto.microbatches)
 
 
-def fit(root: Path, model: Net, callbacks) -> Trainer:
+def fit(root: Path, model: Net, callbacks, accumulate: int) -> Trainer:
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
         strategy="ddp",
         max_steps=STEPS // 2,
+        accumulate_grad_batches=accumulate,
         callbacks=callbacks,
         logger=False,
         enable_checkpointing=False,
@@ -56,16 +57,17 @@ def fit(root: Path, model: Net, callbacks) -> Trainer:
     return trainer
 
 
-def main(out_dir: str, where: str) -> None:
+def main(out_dir: str, where: str, accumulate: int) -> None:
     out = Path(out_dir)
     seed_everything(0)
     reference = Net()
-    fit(out, reference, [])
+    fit(out, reference, [], accumulate)
     seed_everything(0)
-    model = RankOneNet(limit=5, where=where, pressure=range(2, 6))
+    pressure = {3, 5} if accumulate > 1 else range(2, 6)  # with accumulation: second batches of windows
+    model = RankOneNet(limit=5, where=where, pressure=pressure)
     auto = AutoMicrobatch(grow_after=4)
     splits = Splits(auto)
-    trainer = fit(out, model, [auto, splits])
+    trainer = fit(out, model, [auto, splits], accumulate)
     result = {
         "reference": torch.cat([p.detach().flatten() for p in reference.parameters()]),
         "weights": torch.cat([p.detach().flatten() for p in model.parameters()]),
@@ -78,4 +80,4 @@ def main(out_dir: str, where: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
