@@ -280,13 +280,16 @@ def test_hooks_run_once_per_step_and_after_backward_sees_the_whole_gradient(tmp_
     class Hooked(Net):
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
-            self.after_backward, self.before_zero = [], 0
+            self.after_backward, self.before_zero, self.losses = [], 0, []
 
         def on_after_backward(self):
             self.after_backward.append(self.layer.weight.grad.clone())
 
         def on_before_zero_grad(self, optimizer):
             self.before_zero += 1
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            self.losses.append(float(outputs["loss"]))
 
     seed_everything(0)
     reference = Hooked()
@@ -297,6 +300,7 @@ def test_hooks_run_once_per_step_and_after_backward_sees_the_whole_gradient(tmp_
         _fit(tmp_path / "split", model, [AutoMicrobatch()], max_steps=8)
     assert len(model.after_backward) == len(reference.after_backward) == 8
     assert model.before_zero == reference.before_zero == 8
+    assert model.losses == pytest.approx(reference.losses, abs=1e-6)  # `outputs["loss"]`: the batch's
     for got, expected in zip(model.after_backward, reference.after_backward, strict=True):
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
 
