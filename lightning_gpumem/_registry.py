@@ -6,6 +6,8 @@ A callback that has something for the others says so through a method:
   monitor, the release callback and the tuner measure against it.
 - ``_summary_context() -> dict``: fields of the fit-end summary's run model (``RunMemory``) it adds, e.g. the tuner's
   ``tuned`` or the layer profiler's ``top_layers``.
+- ``_gpumem_oom_recovered()``: told that the OOM just raised was recovered (``AutoMicrobatch``), e.g. so that
+  ``OOMSnapshot`` marks the snapshot it wrote for it.
 """
 
 from __future__ import annotations
@@ -40,3 +42,11 @@ def summary_context(trainer: pl.Trainer) -> dict[str, Any]:
         if callable(contribute):
             context.update(contribute())
     return context
+
+
+def tell_oom_recovered(trainer: pl.Trainer) -> None:
+    """Tell the callbacks that listen (``_gpumem_oom_recovered()``) that the OOM just raised was recovered."""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        listen = getattr(callback, "_gpumem_oom_recovered", None)
+        if callable(listen):
+            listen()

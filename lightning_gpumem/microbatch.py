@@ -18,6 +18,7 @@ from lightning_gpumem._checks import is_int_at_least, require_int
 from lightning_gpumem._compat import Callback, either
 from lightning_gpumem._microbatch import LogCall, MicrobatchPolicy, batch_length, combine_logs, split_batch
 from lightning_gpumem._oom import is_oom_error, oom_expected
+from lightning_gpumem._registry import tell_oom_recovered
 from lightning_gpumem.probe import Probe, make_probe
 
 _PATCHED_MODULE = ("training_step", "log", "backward")
@@ -247,6 +248,7 @@ class AutoMicrobatch(Callback):
                 " error above)."
             ) from error
         self._clean_up(trainer)
+        tell_oom_recovered(trainer)  # e.g. OOMSnapshot marks the snapshot it wrote for this OOM
         where = "after the backward (in the optimizer step)" if after_backward else "in the forward or backward"
         rank_zero_warn(
             f"AutoMicrobatch: out of memory {where} at step {step} with the batch of {length} as {failed_k}"

@@ -156,6 +156,25 @@ class OOMSnapshot(Callback):
             print(f"OOMSnapshot: {title}\n  {pickle_path}\n  {html_path}\n{format_report(snapshot)}", flush=True)
         return pickle_path, html_path
 
+    def _gpumem_oom_recovered(self) -> None:
+        """An ``AutoMicrobatch`` recovered the OOM just written: rename its files ``oom_recovered_...``.
+
+        (How the callbacks find each other: ``lightning_gpumem._registry``.) The OOM's snapshot is kept, so the memory
+        that ran out can still be looked at; the name says the run went on.
+        """
+        if not self._dumped_for_oom:
+            return
+        self._dumped_for_oom = False
+        renamed = []
+        for path in self.paths[-2:]:
+            if path.name.startswith("oom_rank") and path.exists():
+                target = path.with_name(path.name.replace("oom_rank", "oom_recovered_rank", 1))
+                path.rename(target)
+                renamed.append(target)
+            else:
+                renamed.append(path)
+        self.paths[-2:] = renamed
+
     def _on_oom(self) -> None:
         if not self._recording or oom_expected() or self._oom_dumps >= MAX_OOM_DUMPS:
             return

@@ -57,3 +57,13 @@ def test_a_recovered_run_matches_a_run_that_had_room(precision):
         _, model = _fit([MemoryBudget(budget), AutoMicrobatch()], precision=precision, steps=LONG_BATCH + 4)
     for got, expected in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got, expected, atol=2e-3 if precision != "32-true" else 1e-4, rtol=0)
+
+
+def test_a_recovered_oom_leaves_a_snapshot_marked_recovered(tmp_path):
+    from lightning_gpumem import OOMSnapshot
+
+    budget = budget_between_normal_and_long()
+    with pytest.warns(UserWarning, match="AutoMicrobatch"):
+        trainer, _ = _fit([MemoryBudget(budget), OOMSnapshot(dirpath=tmp_path), AutoMicrobatch()], steps=LONG_BATCH + 2)
+    assert trainer.global_step == LONG_BATCH + 2
+    assert sorted(tmp_path.glob(f"oom_recovered_rank0_step{LONG_BATCH}.*")), sorted(tmp_path.iterdir())

@@ -339,3 +339,37 @@ def test_the_tuners_planned_ooms_stay_the_tuners_and_the_monitor_reports_recover
     assert "AutoMicrobatch recovered 1 out-of-memory error(s); batches ended as 2 micro-batch(es)" in (
         monitor.summary_text or ""
     )
+
+
+def test_callbacks_that_listen_are_told_of_each_recovered_oom(tmp_path):
+    from lightning.pytorch import Callback
+
+    class Listener(Callback):
+        told = 0
+
+        def _gpumem_oom_recovered(self):
+            self.told += 1
+
+    listener = Listener()
+    callback = AutoMicrobatch()
+    with pytest.warns(UserWarning, match="AutoMicrobatch"):
+        _fit(tmp_path, Net(limit=5, pressure={2}), [callback, listener], max_steps=4)
+    assert listener.told == callback.oom_recoveries == 2
+
+
+def test_oom_snapshot_marks_the_snapshot_of_a_recovered_oom(tmp_path):
+    from lightning_gpumem import OOMSnapshot
+
+    snapshot = OOMSnapshot(dirpath=tmp_path)
+    files = [tmp_path / "oom_rank0_step3.pickle", tmp_path / "oom_rank0_step3.html"]
+    for path in files:
+        path.write_text("x")
+    snapshot.paths, snapshot._dumped_for_oom = list(files), True  # as the OOM observer leaves them
+    snapshot._gpumem_oom_recovered()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "oom_recovered_rank0_step3.html",
+        "oom_recovered_rank0_step3.pickle",
+    ]
+    assert [p.name for p in snapshot.paths] == ["oom_recovered_rank0_step3.pickle", "oom_recovered_rank0_step3.html"]
+    snapshot._gpumem_oom_recovered()  # nothing new was written: nothing more is renamed
+    assert len(list(tmp_path.iterdir())) == 2
