@@ -75,6 +75,7 @@ class Net(LightningModule):
         loss = F.mse_loss(self.head(hidden).squeeze(-1), y)
         self.log("train_loss", loss)
         self.log("samples", float(len(x)), reduce_fx="sum", on_step=True)
+        self.log("epoch_loss", loss, on_step=False, on_epoch=True)  # each batch counted once, by its size
         return loss
 
     def configure_optimizers(self):
@@ -137,6 +138,8 @@ def test_a_recovered_run_equals_one_that_never_ran_out_of_memory(tmp_path, where
     rows = read_csv_metrics(tmp_path / "split")
     assert column(rows, "train_loss_step") == pytest.approx(column(reference_rows, "train_loss_step"), abs=1e-6)
     assert column(rows, "samples_step") == column(reference_rows, "samples_step")  # one batch of 16 a step
+    assert column(rows, "epoch_loss") == pytest.approx(column(reference_rows, "epoch_loss"), abs=1e-6)
+    assert column(rows, "epoch_loss")  # (logged at the epoch's end)
     assert callback.microbatches == 1  # grown back after the pressure
 
 
