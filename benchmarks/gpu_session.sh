@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One call on the GPU machine for what the CPU cannot check: the GPU tests, then the benchmarks whose figures the docs
+# quote. Run from the repository root (the `run` tool's working directory); results go to $OUT (or ./gpu-out).
+#
+#   bash benchmarks/gpu_session.sh [tests|monitor|microbatch|tuner]...   (default: tests monitor microbatch)
+#
+# Each part writes its log and JSON under $OUT; a failing part does not stop the others; the exit status is the
+# number of failed parts.
+set -u
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH=.
+failed=0
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests monitor microbatch)
+for part in "${parts[@]}"; do
+  start=$(date +%s)
+  case "$part" in
+    tests) python3 -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1 ;;
+    monitor) python3 benchmarks/monitor_overhead.py --rounds 3 --steps 150 --json "$OUT/monitor-overhead.json" \
+      > "$OUT/monitor-overhead.log" 2>&1 ;;
+    microbatch) python3 benchmarks/microbatch_overhead.py --json "$OUT/microbatch-overhead.json" \
+      > "$OUT/microbatch-overhead.log" 2>&1 ;;
+    tuner) python3 benchmarks/tuner.py --models gpt,gpt-longval --budget-gib 24 --json "$OUT/tuner-24gib.json" \
+      > "$OUT/tuner-24gib.log" 2>&1 ;;
+    *) echo "unknown part: $part" >&2; false ;;
+  esac
+  status=$?
+  echo "$part: exit $status in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
+  [ $status -ne 0 ] && failed=$((failed + 1))
+done
+tail -n 3 "$OUT/gpu-tests.log" 2>/dev/null
+exit $failed
