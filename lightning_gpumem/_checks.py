@@ -65,3 +65,17 @@ def require_number(owner: str, name: str, value: object, minimum: float, unit: s
         raise ValueError(
             f"`{owner}({name}={value!r})` is not valid. Expected a finite number of {unit} {sign} {minimum:g}."
         )
+
+
+def require_int_or_none(owner: str, name: str, value: object, minimum: int, none_means: str) -> None:
+    """Raise ``ValueError`` unless ``value`` is ``None`` or an integer >= ``minimum`` (``none_means``: what None does).
+
+    >>> require_int_or_none("X", "every", None, 1, "use the Trainer's")
+    >>> require_int_or_none("X", "every", 0, 1, "use the Trainer's")
+    Traceback (most recent call last):
+    ValueError: `X(every=0)` is not valid. Expected an integer >= 1, or None to use the Trainer's.
+    """
+    if value is not None and not is_int_at_least(value, minimum):
+        raise ValueError(
+            f"`{owner}({name}={value!r})` is not valid. Expected an integer >= {minimum}, or None to {none_means}."
+        )

@@ -8,6 +8,8 @@ A callback that has something for the others says so through a method:
   ``tuned`` or the layer profiler's ``top_layers``.
 - ``_gpumem_oom_recovered()``: told that the OOM just raised was recovered (``AutoMicrobatch``), e.g. so that
   ``OOMSnapshot`` marks the snapshot it wrote for it.
+- ``_gpumem_before_peak_reset()``: told that another callback is about to reset the allocator's peak counters, so
+  that one keeping a peak window (``MemoryMonitor``) folds it into its running maximum first.
 """
 
 from __future__ import annotations
@@ -48,5 +50,13 @@ def tell_oom_recovered(trainer: pl.Trainer) -> None:
     """Tell the callbacks that listen (``_gpumem_oom_recovered()``) that the OOM just raised was recovered."""
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         listen = getattr(callback, "_gpumem_oom_recovered", None)
+        if callable(listen):
+            listen()
+
+
+def tell_peak_reset(trainer: pl.Trainer) -> None:
+    """Tell the callbacks that listen (``_gpumem_before_peak_reset()``) that the peak counters are about to be reset."""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        listen = getattr(callback, "_gpumem_before_peak_reset", None)
         if callable(listen):
             listen()

@@ -18,7 +18,7 @@ from lightning_gpumem._checks import is_int_at_least, require_int
 from lightning_gpumem._compat import Callback, either
 from lightning_gpumem._microbatch import LogCall, MicrobatchPolicy, batch_length, combine_logs, split_batch
 from lightning_gpumem._oom import is_oom_error, oom_expected
-from lightning_gpumem._registry import tell_oom_recovered
+from lightning_gpumem._registry import budget_bytes, tell_oom_recovered, tell_peak_reset
 from lightning_gpumem.probe import Probe, make_probe
 
 _PATCHED_MODULE = ("training_step", "log", "backward")
@@ -35,7 +35,8 @@ class AutoMicrobatch(Callback):
     loss that is a mean over the batch the step equals the unsplit one, and ``global_step``, the LR schedule and what
     ``self.log`` records in ``training_step`` are those of one unsplit step (values combined, weighted by micro-batch
     size). After ``grow_after`` optimizer steps without an OOM, one step tries half as many micro-batches; when that
-    fails too the split doubles back and the wait doubles. The split only ever changes after an OOM or a try.
+    fails too the split doubles back and the wait doubles. A try that the last split step's measured peak says cannot
+    fit the budget is skipped as if it had failed. The split only ever changes after an OOM or a try.
 
     Under DDP every rank's backward stays local and the ranks agree after it (one small all-reduce): an OOM on one
     rank re-runs the step on all, with the same split; the callback then averages the gradients itself (bucketed
@@ -93,6 +94,7 @@ class AutoMicrobatch(Callback):
         self._after_backward = False
         self._distributed = False
         self._window: list[tuple[Any, int]] = []  # the accumulation window's batches that ran so far
+        self._measure: dict[str, int] = {}  # the last split step's memory: base, new gradients, activations, split
         self._agreed = False  # under DDP: this attempt's ranks have agreed (after its backward)
         self._warned: set[str] = set()
 
@@ -195,7 +197,8 @@ class AutoMicrobatch(Callback):
         trainer = self._require_trainer()
         loop = trainer.fit_loop.epoch_loop.automatic_optimization
         step = trainer.global_step
-        self.policy.next_k(step)
+        self.policy.next_k(step, self._cannot_fit)
+        measuring = self.policy.k > 1 and self._start_measuring(trainer)
         progress = loop.optim_progress.state_dict()  # private: the step's counters, put back after a failed attempt
         if batch_idx % trainer.accumulate_grad_batches == 0:
             self._window = []  # a new accumulation window
@@ -214,6 +217,8 @@ class AutoMicrobatch(Callback):
             loop.optim_progress.load_state_dict(progress)
             self._replay_window(trainer, optimizer)
         self._flush_logs(trainer.lightning_module)
+        if measuring:
+            self._stop_measuring()
         if _logging.is_accumulating(trainer):
             self._window.append((kwargs.get("batch"), batch_idx))  # rebuilt if a later batch of the window fails
         if self.policy.after_success(step):
@@ -254,6 +259,37 @@ class AutoMicrobatch(Callback):
             f"AutoMicrobatch: out of memory {where} at step {step} with the batch of {length} as {failed_k}"
             f" micro-batch(es); re-running it as {k} micro-batches of about {-(-length // k)}."
         )
+
+    def _start_measuring(self, trainer: pl.Trainer) -> bool:
+        """Reset the peak counters for this split step (callbacks that keep a peak window fold it first)."""
+        probe = self._probe
+        if probe is None or not probe.has_allocator:
+            return False
+        tell_peak_reset(trainer)
+        probe.reset_peaks()
+        params = list(trainer.lightning_module.parameters())
+        existing = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+        needed = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        self._measure = {"base": probe.allocated_bytes() or 0, "grads": max(0, needed - existing)}
+        return True
+
+    def _stop_measuring(self) -> None:
+        """The split step's peak above its start, less the gradients it created: its micro-batches' activations."""
+        peak = self._probe.read_peaks()[0] if self._probe is not None and self._measure else None
+        if peak is not None:
+            self._measure["activations"] = max(0, peak - self._measure["base"] - self._measure["grads"])
+            self._measure["split"] = self.policy.k
+
+    def _cannot_fit(self, k: int) -> bool:
+        """Whether the last split step's measured peak says ``k`` micro-batches would not fit in the budget."""
+        measured, trainer = self._measure, self._trainer
+        if trainer is None or self._probe is None or "activations" not in measured:
+            return False
+        limit = budget_bytes(trainer) or self._probe.total_bytes()
+        if not limit:
+            return False
+        scale = measured["split"] / k  # micro-batches that many times larger hold that many times the activations
+        return measured["base"] + measured["grads"] + scale * measured["activations"] > limit
 
     def _clean_up(self, trainer: pl.Trainer) -> None:
         """Undo a failed attempt: its gradients, its ``GradScaler`` stage, its logs; give its memory back."""

@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_gpumem import _logging, keys
-from lightning_gpumem._checks import is_int_at_least, require_flags, require_int, require_number
+from lightning_gpumem._checks import require_flags, require_int, require_int_or_none, require_number
 from lightning_gpumem._compat import Callback
 from lightning_gpumem._distributed import gather_named
 from lightning_gpumem._fit_run import gather_run
@@ -94,11 +94,7 @@ class MemoryMonitor(Callback):
         leak_warmup_steps: int = 10,
         tensorboard_layout: bool = True,
     ) -> None:
-        if log_every_n_steps is not None and not is_int_at_least(log_every_n_steps, 1):
-            raise ValueError(
-                f"`MemoryMonitor(log_every_n_steps={log_every_n_steps!r})` is not valid."
-                " Expected a positive integer, or None to use the Trainer's `log_every_n_steps`."
-            )
+        require_int_or_none("MemoryMonitor", "log_every_n_steps", log_every_n_steps, 1, "use the Trainer's setting")
         require_flags(
             "MemoryMonitor",
             verbose=verbose,
@@ -263,6 +259,10 @@ class MemoryMonitor(Callback):
         if self._probe is None:
             raise RuntimeError("MemoryMonitor was used before `setup`; add it to `Trainer(callbacks=[...])`.")
         return self._probe
+
+    def _gpumem_before_peak_reset(self) -> None:  # another callback resets the counters: keep what they hold
+        if self._probe is not None and self._window.training and not self._window.open:
+            self._fold("train")
 
     def _fold(self, stage: str) -> None:
         """Add the peaks since the last reset to ``stage``'s running maximum."""

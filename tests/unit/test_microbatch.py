@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -376,3 +376,80 @@ def test_oom_snapshot_marks_the_snapshot_of_a_recovered_oom(tmp_path):
     assert [p.name for p in snapshot.paths] == ["oom_recovered_rank0_step3.pickle", "oom_recovered_rank0_step3.html"]
     snapshot._gpumem_oom_recovered()  # nothing new was written: nothing more is renamed
     assert len(list(tmp_path.iterdir())) == 2
+
+
+class FakeMemoryNet(Net):
+    """Each sample of a (micro)batch takes ``per_sample`` bytes of a fake allocator capped at ``budget``."""
+
+    def __init__(self, probe, per_sample, budget, light_after=None, **kwargs):
+        super().__init__(**kwargs)
+        self.fake, self.per_sample, self.budget, self.light_after = probe, per_sample, budget, light_after
+
+    def training_step(self, batch, batch_idx):
+        per_sample = self.per_sample
+        if self.light_after is not None and batch_idx >= self.light_after:
+            per_sample //= 4  # the pressure ends: a whole batch fits again
+        need = len(batch[0]) * per_sample
+        if self.fake.allocated + need > self.budget:
+            raise _oom()
+        self.fake.spike(need)
+        return super().training_step(batch, batch_idx)
+
+
+class Budget(Callback):
+    """A callback that sets a budget (found through the registry, as a MemoryBudget is)."""
+
+    def __init__(self, nbytes):
+        self.nbytes = nbytes
+
+    def _gpumem_budget(self):
+        return self.nbytes
+
+
+def test_a_measured_peak_that_says_the_whole_batch_cannot_fit_skips_the_try(tmp_path):
+    from lightning_gpumem._units import GIB
+    from tests._fakes import FakeProbe
+
+    probe = FakeProbe(base=GIB, total=24 * GIB)
+    callback = AutoMicrobatch(grow_after=2)
+    callback.fake = probe
+    model = FakeMemoryNet(probe, per_sample=GIB // 4, budget=4 * GIB)  # 16 samples: 4 GiB on top of 1 GiB
+    with pytest.warns(UserWarning, match="AutoMicrobatch: out of memory"):
+        _fit(tmp_path, model, [callback, Budget(4 * GIB)])
+    assert callback.oom_recoveries == 1  # the first OOM only: every try of the whole batch was skipped
+    assert callback.microbatches == 2
+    assert callback.policy.wait >= 16  # each skipped try doubled the wait
+
+
+def test_a_measured_peak_that_says_it_fits_lets_the_batch_grow_back(tmp_path):
+    from lightning_gpumem._units import GIB
+    from tests._fakes import FakeProbe
+
+    probe = FakeProbe(base=GIB, total=24 * GIB)
+    callback = AutoMicrobatch(grow_after=2)
+    callback.fake = probe
+    model = FakeMemoryNet(probe, per_sample=GIB // 4, budget=4 * GIB, light_after=10)
+    with pytest.warns(UserWarning, match="AutoMicrobatch"):
+        _fit(tmp_path, model, [callback, Budget(4 * GIB)])
+    assert callback.oom_recoveries == 1
+    assert callback.microbatches == 1  # grown back once the measured peak allowed it
+
+
+def test_the_monitors_running_peak_keeps_what_the_split_steps_reset(tmp_path):
+    from lightning_gpumem._units import GIB
+    from tests._fakes import FakeMonitor, FakeProbe
+
+    class Spiky(FakeMemoryNet):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 4 and len(batch[0]) < 16:  # an unlogged batch: 0.5 GiB more than the others, once
+                self.fake.spike(len(batch[0]) * self.per_sample + GIB // 2)
+            return super().training_step(batch, batch_idx)
+
+    probe = FakeProbe(base=GIB, total=24 * GIB)
+    callback = AutoMicrobatch(grow_after=100)
+    callback.fake = probe
+    monitor = FakeMonitor(probe, log_every_n_steps=10)
+    model = Spiky(probe, per_sample=GIB // 4, budget=4 * GIB)
+    with pytest.warns(UserWarning, match="AutoMicrobatch"):
+        _fit(tmp_path, model, [monitor, callback, Budget(4 * GIB)])
+    assert monitor.peaks["train"][0] == GIB + 2 * GIB + GIB // 2  # batch 4's micro-batch of 8, plus its 0.5 GiB

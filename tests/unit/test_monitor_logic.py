@@ -32,7 +32,7 @@ def _trainer(tmp_path, monitor, **kwargs) -> Trainer:
 
 @pytest.mark.parametrize("value", [0, -3, 1.5, True, "10"])
 def test_log_every_n_steps_is_validated(value):
-    with pytest.raises(ValueError, match=r"MemoryMonitor\(log_every_n_steps=.*Expected a positive integer"):
+    with pytest.raises(ValueError, match=r"MemoryMonitor\(log_every_n_steps=.*Expected an integer >= 1, or None"):
         MemoryMonitor(log_every_n_steps=value)
 
 
