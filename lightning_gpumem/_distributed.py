@@ -52,3 +52,27 @@ def max_min(rows: list[list[float | None]], column: int) -> tuple[float | None, 
     if not present:
         return None, None
     return max(present), min(present)  # type: ignore[type-var]
+
+
+def side_group(timeout_s: float) -> object | None:
+    """A gloo process group over every rank, apart from the strategy's, whose collectives fail after ``timeout_s``.
+
+    Collective: every rank must call it. ``None`` without an initialised process group. For agreements that must not
+    hang forever when one rank is stuck elsewhere (in a collective of the user's own, say).
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def all_reduce_max(values: Sequence[float], group: object | None) -> list[float]:
+    """The largest of each value over ranks, through ``group`` (a :func:`side_group`); collective."""
+    import torch.distributed as dist
+
+    tensor = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor.tolist()

@@ -5,8 +5,9 @@ No Trainer here: :mod:`lightning_gpumem.microbatch` wires these to Lightning.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,30 +31,73 @@ def batch_length(batch: Any) -> int | None:
 def split_batch(batch: Any, k: int) -> list[tuple[Any, int]]:
     """``batch`` cut into ``k`` micro-batches along the first dimension, with their sizes.
 
-    Every tensor whose first dimension is the batch's is split (``torch.tensor_split``: sizes differ by at most one,
-    the larger first); other tensors and non-tensor leaves are given whole to every micro-batch. Nested lists, tuples,
-    dicts and dataclasses keep their structure.
+    The batch dimension is the first dimension of its first tensor, as Lightning's ``extract_batch_size`` takes it;
+    every tensor is split along it (``torch.tensor_split``: sizes differ by at most one, the larger first), and so is
+    every list or tuple of non-tensors as long as the batch (e.g. a list of file names); other leaves are given whole
+    to every micro-batch. Nested lists, tuples, dicts and dataclasses keep their structure.
+
+    Raises:
+        ValueError: when the batch holds no tensor with a dimension, or a tensor whose first dimension is not the
+            batch's (a batch given as a list of per-sample tensors, as torchvision's detection models take it):
+            which dimension to split cannot be told, so nothing is split.
 
     Example:
-        >>> chunks = split_batch({"x": torch.arange(5), "label": "a"}, 2)
-        >>> [(c["x"].tolist(), c["label"], n) for c, n in chunks]
-        [([0, 1, 2], 'a', 3), ([3, 4], 'a', 2)]
+        >>> chunks = split_batch({"x": torch.arange(5), "names": list("abcde"), "tag": "t"}, 2)
+        >>> [(c["x"].tolist(), c["names"], c["tag"], n) for c, n in chunks]
+        [([0, 1, 2], ['a', 'b', 'c'], 't', 3), ([3, 4], ['d', 'e'], 't', 2)]
     """
     length = batch_length(batch)
     if length is None:
-        raise ValueError("AutoMicrobatch: the batch holds no tensor with a batch dimension to split.")
+        raise ValueError("the batch holds no tensor with a batch dimension to split")
+    others: list[int] = []
+
+    def check(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() > 0 and tensor.shape[0] != length:
+            others.append(int(tensor.shape[0]))
+        return tensor
+
+    apply_to_collection(batch, torch.Tensor, check)
+    if others:
+        raise ValueError(
+            f"the batch's tensors do not share their first dimension ({length} and {sorted(set(others))}), so the"
+            " batch dimension cannot be told"
+        )
     k = min(k, length)
-    sizes = [len(part) for part in torch.tensor_split(torch.arange(length), k)]
-    chunks = []
-    for index in range(k):
+    bounds = [0]
+    for part in torch.tensor_split(torch.arange(length), k):
+        bounds.append(bounds[-1] + len(part))
+    return [(_take(batch, length, k, index, bounds), bounds[index + 1] - bounds[index]) for index in range(k)]
 
-        def take(tensor: torch.Tensor, index: int = index) -> torch.Tensor:
-            if tensor.dim() == 0 or tensor.shape[0] != length:
-                return tensor
-            return torch.tensor_split(tensor, k)[index]
 
-        chunks.append((apply_to_collection(batch, torch.Tensor, take), sizes[index]))
-    return chunks
+def _take(node: Any, length: int, k: int, index: int, bounds: list[int]) -> Any:
+    """Micro-batch ``index`` of ``node``: tensors and batch-long sequences of non-tensors split, the rest whole."""
+    if isinstance(node, torch.Tensor):
+        return node if node.dim() == 0 else torch.tensor_split(node, k)[index]
+    if isinstance(node, (list, tuple)) and len(node) == length and not any(_has_tensor(v) for v in node):
+        part = node[bounds[index] : bounds[index + 1]]
+        return type(node)(part) if not hasattr(node, "_fields") else type(node)(*part)
+    if isinstance(node, (list, tuple)) or dataclasses.is_dataclass(node) or isinstance(node, Mapping):
+        return _map(node, length, k, index, bounds)
+    return node
+
+
+def _map(node: Any, length: int, k: int, index: int, bounds: list[int]) -> Any:
+    """``node``'s container rebuilt around :func:`_take` of its items."""
+    if isinstance(node, Mapping):
+        return type(node)({key: _take(value, length, k, index, bounds) for key, value in node.items()})  # type: ignore[call-arg]
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        changes = {
+            f.name: _take(getattr(node, f.name), length, k, index, bounds) for f in dataclasses.fields(node) if f.init
+        }
+        return dataclasses.replace(node, **changes)
+    items = [_take(value, length, k, index, bounds) for value in node]
+    return type(node)(*items) if hasattr(node, "_fields") else type(node)(items)
+
+
+def _has_tensor(node: Any) -> bool:
+    found: list[torch.Tensor] = []
+    apply_to_collection(node, torch.Tensor, found.append)
+    return bool(found)
 
 
 @dataclass

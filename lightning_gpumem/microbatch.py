@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import inspect
 import traceback
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -16,13 +18,13 @@ from typing_extensions import override
 from lightning_gpumem import _logging, keys
 from lightning_gpumem._checks import is_int_at_least, require_int
 from lightning_gpumem._compat import Callback, either
+from lightning_gpumem._distributed import all_reduce_max, side_group
 from lightning_gpumem._microbatch import LogCall, MicrobatchPolicy, batch_length, combine_logs, split_batch
 from lightning_gpumem._oom import is_oom_error, oom_expected
 from lightning_gpumem._registry import budget_bytes, tell_oom_recovered, tell_peak_reset
 from lightning_gpumem.probe import Probe, make_probe
 
-_PATCHED_MODULE = ("training_step", "log", "backward")
-_PATCHED_LOOP = ("run", "_on_before_zero_grad", "_optimizer_zero_grad")
+AGREE_TIMEOUT_S = 600.0  # a rank still not at the agreement after this is stuck elsewhere: fail, do not hang
 
 
 @keys.document
@@ -95,6 +97,9 @@ class AutoMicrobatch(Callback):
         self._distributed = False
         self._window: list[tuple[Any, int]] = []  # the accumulation window's batches that ran so far
         self._measure: dict[str, int] = {}  # the last split step's memory: base, new gradients, activations, split
+        self._in_run = False  # inside the loop's `run`: `training_step` calls are the step's
+        self._group: object | None = None  # under DDP: the ranks' agreement group
+        self._batch_idx = 0
         self._agreed = False  # under DDP: this attempt's ranks have agreed (after its backward)
         self._warned: set[str] = set()
 
@@ -129,6 +134,8 @@ class AutoMicrobatch(Callback):
         reason = None
         if not pl_module.automatic_optimization:
             reason = "manual optimization (`automatic_optimization = False`) is not supported"
+        elif "dataloader_iter" in inspect.signature(pl_module.training_step).parameters:
+            reason = "`training_step(self, dataloader_iter)` is not supported (the batch is not known to split)"
         elif trainer.world_size > 1 and not isinstance(trainer.strategy, either("strategies", "DDPStrategy")):
             reason = f"{type(trainer.strategy).__name__} is not supported yet (DDP is)"
         if reason is not None:
@@ -136,14 +143,27 @@ class AutoMicrobatch(Callback):
             return
         self._trainer = trainer
         self._distributed = trainer.world_size > 1
+        if self._distributed:  # the ranks agree on a group of their own: a rank stuck elsewhere fails it, not hangs it
+            self._group = side_group(AGREE_TIMEOUT_S)
         self._probe = make_probe(trainer.strategy.root_device, self)
         loop = trainer.fit_loop.epoch_loop.automatic_optimization
-        self._patch(pl_module, "training_step", self._training_step)
+
+        # The wrapper shows the original's signature: Lightning reads it to decide what to pass (`batch_idx` or not).
+        @functools.wraps(pl_module.training_step)
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            return self._training_step(*args, **kwargs)
+
+        self._patch(pl_module, "training_step", training_step)
         self._patch(pl_module, "log", self._log)
         self._patch(pl_module, "backward", self._backward_hook)
         self._patch(loop, "run", self._run)
         self._patch(loop, "_on_before_zero_grad", self._skip_if_zeroed("_on_before_zero_grad"))
         self._patch(loop, "_optimizer_zero_grad", self._skip_if_zeroed("_optimizer_zero_grad"))
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":  # a new fit starts unsplit (a checkpoint's state is loaded after this hook)
+            self.policy = MicrobatchPolicy(self.grow_after)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -185,7 +205,8 @@ class AutoMicrobatch(Callback):
             if name in previous:
                 setattr(owner, name, previous[name])
         self._saved.clear()
-        self._trainer = None
+        self._trainer = self._probe = None
+        self._window, self._calls, self._measure = [], [], {}
 
     @staticmethod
     def _original(owner: object, name: str) -> Any:
@@ -202,8 +223,10 @@ class AutoMicrobatch(Callback):
         progress = loop.optim_progress.state_dict()  # private: the step's counters, put back after a failed attempt
         if batch_idx % trainer.accumulate_grad_batches == 0:
             self._window = []  # a new accumulation window
+        self._batch_idx = batch_idx
         while True:
             self._calls, self._zeroed, self._after_backward, self._agreed = [], False, False, False
+            self._in_run = True
             try:
                 with self._local_backward(trainer):
                     result = self._original(loop, "run")(optimizer, batch_idx, kwargs)
@@ -214,6 +237,8 @@ class AutoMicrobatch(Callback):
                 if not is_oom_error(error) or oom_expected():
                     raise
                 self._recover(trainer, error, kwargs.get("batch"), batch_idx)
+            finally:
+                self._in_run = False
             loop.optim_progress.load_state_dict(progress)
             self._replay_window(trainer, optimizer)
         self._flush_logs(trainer.lightning_module)
@@ -239,6 +264,11 @@ class AutoMicrobatch(Callback):
                 " (see the error above)."
             ) from error
         length = batch_length(batch) or 1
+        try:
+            split_batch(batch, 2)
+        except ValueError as reason:  # nothing can be split: the OOM propagates, with why
+            getattr(error, "add_note", lambda note: None)(f"AutoMicrobatch: not recovered: {reason}.")
+            raise error from None
         limit = min(length, self.max_microbatches or length)
         k = self.policy.after_oom(step, limit)
         if self._distributed:  # every rank is at its agreement point of this attempt: tell them
@@ -247,11 +277,11 @@ class AutoMicrobatch(Callback):
                 k = int(agreed["k"])
                 self.policy.adopt(k, int(agreed["wait"]), step, count=False)
         if k is None:
-            raise RuntimeError(
+            getattr(error, "add_note", lambda note: None)(
                 f"AutoMicrobatch: out of memory at step {step} even with the batch of {length} split into {failed_k}"
-                f" micro-batches{' (max_microbatches)' if limit < length else ''}; nothing smaller to try (see the"
-                " error above)."
-            ) from error
+                f" micro-batch(es){' (max_microbatches)' if limit < length else ''}; nothing smaller to try."
+            )
+            raise error
         self._clean_up(trainer)
         tell_oom_recovered(trainer)  # e.g. OOMSnapshot marks the snapshot it wrote for this OOM
         where = "after the backward (in the optimizer step)" if after_backward else "in the forward or backward"
@@ -338,11 +368,16 @@ class AutoMicrobatch(Callback):
     def _agree(self, trainer: pl.Trainer, failed: bool, give_up: bool) -> dict[str, float]:
         """Every rank's word on this attempt (collective): whether any ran out of memory, the split and wait to use."""
         values = [float(failed), float(self.policy.k), float(self.policy.wait), float(give_up)]
-        reduced = trainer.strategy.reduce(
-            torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device), reduce_op="max"
-        )
+        try:
+            reduced = all_reduce_max(values, self._group)
+        except RuntimeError as error:  # a rank stuck elsewhere: most likely a collective in `training_step`
+            raise RuntimeError(
+                f"AutoMicrobatch: the ranks did not all reach the agreement on step {trainer.global_step} within"
+                f" {AGREE_TIMEOUT_S:.0f} s (a rank waits in another collective, such as an `all_gather` inside"
+                " `training_step`, which AutoMicrobatch cannot re-run on one rank alone); the run stops."
+            ) from error
         self._agreed = True
-        return dict(zip(("failed", "k", "wait", "give_up"), reduced.tolist(), strict=True))
+        return dict(zip(("failed", "k", "wait", "give_up"), reduced, strict=True))
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -368,6 +403,8 @@ class AutoMicrobatch(Callback):
         trainer = self._require_trainer()
         module = trainer.lightning_module
         original = self._original(module, "training_step")
+        if not self._in_run:  # called from elsewhere (a `validation_step` that calls `self.training_step`): as is
+            return original(*args, **kwargs)
         batch, rest = (args[0], args[1:]) if args else (kwargs.pop("batch"), ())
         k = self.policy.k
         self._buffering = True
@@ -385,14 +422,18 @@ class AutoMicrobatch(Callback):
         length = sum(size for _, size in chunks)
         optimizer = trainer.optimizers[0]
         loop = trainer.fit_loop.epoch_loop.automatic_optimization
-        batch_idx = rest[0] if rest else kwargs.get("batch_idx", 0)
+        batch_idx = self._batch_idx
         carried: torch.Tensor | None = None
         for index, (chunk, size) in enumerate(chunks):
             self._size = size
             output = original(chunk, *rest, **kwargs)
             loss = output.get("loss") if isinstance(output, Mapping) else output
-            if not isinstance(loss, torch.Tensor):
-                return output  # `training_step` skipped this batch (returned None)
+            if not isinstance(loss, torch.Tensor):  # `training_step` skips the batch: undo its micro-batches' part
+                if index > 0:
+                    for opt in trainer.optimizers:
+                        opt.zero_grad(set_to_none=True)
+                    self._replay_window(trainer, optimizer)
+                return output
             weighted = loss * (size / length)
             if index == len(chunks) - 1:
                 final = weighted if carried is None else weighted + carried
@@ -433,6 +474,8 @@ class AutoMicrobatch(Callback):
             return self._original(module, "log")(name, value, *args, **kwargs)
         if args:
             kwargs = {**dict(zip(_LOG_ARGS, args, strict=False)), **kwargs}
+        if isinstance(value, torch.Tensor):  # the value now, not after the optimizer step (a parameter, a view)
+            value = value.clone() if kwargs.get("enable_graph") else value.detach().clone()
         self._calls.append(LogCall(name, value, kwargs, self._size))
         return None
 

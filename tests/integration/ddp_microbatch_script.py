@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
-from lightning_gpumem import AutoMicrobatch
+from lightning_gpumem import AutoMicrobatch, microbatch
 from tests._fakes import close_process_group
 from tests.unit.test_microbatch import STEPS, Net
 
@@ -27,6 +27,14 @@ class RankOneNet(Net):
         loss = super().training_step(batch, batch_idx)
         self.log("synced_loss", loss, sync_dist=True)  # a collective in training_step: must not hang either
         return loss
+
+
+class GathersInStep(RankOneNet):
+    """A collective of the user's own inside `training_step`, after the point where rank 1 runs out of memory."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return self.all_gather(loss, sync_grads=True).mean()
 
 
 class Splits(Callback):
@@ -59,6 +67,10 @@ def fit(root: Path, model: Net, callbacks, accumulate: int) -> Trainer:
 
 def main(out_dir: str, where: str, accumulate: int) -> None:
     out = Path(out_dir)
+    if where == "user-collective":  # must end (the agreement times out), not hang
+        microbatch.AGREE_TIMEOUT_S = 5.0
+        fit(out, GathersInStep(limit=5, where="forward", pressure={2}), [AutoMicrobatch()], accumulate)
+        return
     seed_everything(0)
     reference = Net()
     fit(out, reference, [], accumulate)

@@ -28,3 +28,11 @@ def test_an_oom_on_one_rank_splits_on_both_and_matches_a_run_without_one(tmp_pat
         torch.testing.assert_close(rank["weights"], ranks[0]["weights"], atol=0, rtol=0)  # ranks agree exactly
         torch.testing.assert_close(rank["weights"], rank["reference"], atol=1e-5, rtol=0)
     assert "re-running it as" in proc.stderr + proc.stdout
+
+
+def test_a_collective_of_the_users_in_training_step_makes_the_run_fail_not_hang(tmp_path):
+    """Rank 1 runs out of memory before the user's `all_gather`, rank 0 waits in it: the agreement times out."""
+    command = [sys.executable, str(SCRIPT), str(tmp_path), "user-collective", "1"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "did not all reach the agreement" in proc.stderr

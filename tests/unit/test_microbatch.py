@@ -201,7 +201,7 @@ def test_bf16_and_gradient_clipping_still_match(tmp_path):
 def test_an_oom_that_a_split_cannot_fix_propagates_with_a_clear_message(tmp_path):
     model = Net(limit=0, pressure=range(STEPS))
     with pytest.raises(
-        RuntimeError, match=r"even with the batch of 16 split into 4 micro-batches \(max_microbatches\)"
+        torch.OutOfMemoryError, match=r"even with the batch of 16 split into 4 micro-batch\(es\) \(max_microbatches\)"
     ):
         _fit(tmp_path, model, [AutoMicrobatch(max_microbatches=4)])
 
@@ -453,3 +453,124 @@ def test_the_monitors_running_peak_keeps_what_the_split_steps_reset(tmp_path):
     with pytest.warns(UserWarning, match="AutoMicrobatch"):
         _fit(tmp_path, model, [monitor, callback, Budget(4 * GIB)])
     assert monitor.peaks["train"][0] == GIB + 2 * GIB + GIB // 2  # batch 4's micro-batch of 8, plus its 0.5 GiB
+
+
+def test_a_validation_step_that_calls_training_step_is_left_alone_even_when_split(tmp_path):
+    class Shared(Net):
+        def validation_step(self, batch, batch_idx):
+            limit, self.limit = self.limit, None  # (the pressure is on training only)
+            loss = self.training_step(batch, batch_idx)
+            self.limit = limit
+            self.log("val_loss", loss)
+
+        def val_dataloader(self):
+            return self.train_dataloader()
+
+    seed_everything(0)
+    model = Shared(limit=5, pressure={1})
+    trainer = Trainer(
+        accelerator="cpu", max_steps=6, val_check_interval=3, limit_val_batches=2, logger=False,
+        callbacks=[AutoMicrobatch(grow_after=100)], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match="AutoMicrobatch"):
+        trainer.fit(model)
+    assert "val_loss" in trainer.callback_metrics  # validation's logs were not taken for the step's
+
+
+def test_a_training_step_without_batch_idx_is_called_as_lightning_calls_it(tmp_path):
+    class NoIndex(Net):
+        def training_step(self, batch):  # Lightning passes `batch_idx` only where the signature takes it
+            return super().training_step(batch, 0)
+
+    trainer = _fit(tmp_path, NoIndex(), [AutoMicrobatch()], max_steps=3)
+    assert trainer.global_step == 3
+
+
+def test_training_step_with_dataloader_iter_is_refused_with_a_warning(tmp_path):
+    class Iterating(Net):
+        def training_step(self, dataloader_iter):
+            batch, _, _ = next(dataloader_iter)
+            x, y = batch
+            loss = F.mse_loss(self.head(torch.tanh(self.layer(x))).squeeze(-1), y)
+            self.log("train_loss", loss, batch_size=len(x))
+            return loss
+
+    with pytest.warns(UserWarning, match=r"dataloader_iter\)` is not supported"):
+        _fit(tmp_path, Iterating(), [AutoMicrobatch()], max_steps=2)
+
+
+def test_a_logged_parameter_is_its_value_at_log_time(tmp_path):
+    class LogsWeight(Net):
+        def training_step(self, batch, batch_idx):
+            self.log("bias", self.head.bias[0])  # a view of a parameter the optimizer step changes
+            return super().training_step(batch, batch_idx)
+
+    seed_everything(0)
+    _fit(tmp_path / "reference", LogsWeight(), max_steps=4)
+    seed_everything(0)
+    _fit(tmp_path / "with", LogsWeight(), [AutoMicrobatch()], max_steps=4)
+    expected = column(read_csv_metrics(tmp_path / "reference"), "bias")
+    assert column(read_csv_metrics(tmp_path / "with"), "bias") == expected
+
+
+def test_a_micro_batch_that_returns_none_skips_the_whole_batch_as_unsplit(tmp_path):
+    class SkipsBatchThree(Net):
+        """Batch 3 holds a sample `training_step` refuses (returns None): the whole batch is skipped."""
+
+        def on_train_batch_start(self, batch, batch_idx):
+            self._last_sample = batch[0][-1]
+
+        def training_step(self, batch, batch_idx):
+            if self.limit is not None and batch_idx in self.pressure and len(batch[0]) > self.limit:
+                raise _oom()
+            if batch_idx == 3 and any(torch.equal(row, self._last_sample) for row in batch[0]):
+                return None  # unsplit: the whole batch; split in two: the second half only
+            return super().training_step(batch, batch_idx)
+
+    seed_everything(0)
+    reference = SkipsBatchThree()
+    _fit(tmp_path / "reference", reference, max_steps=6)
+    seed_everything(0)
+    model = SkipsBatchThree(limit=8, pressure={3})  # batch 3 runs as two micro-batches of 8
+    with pytest.warns(UserWarning, match="AutoMicrobatch"):
+        _fit(tmp_path / "split", model, [AutoMicrobatch(grow_after=100)], max_steps=6)
+    assert 8 in model.sizes
+    torch.testing.assert_close(_weights(model), _weights(reference), atol=1e-6, rtol=0)
+
+
+def test_a_second_fit_starts_unsplit_and_nothing_is_kept_after_a_fit(tmp_path):
+    callback = AutoMicrobatch(grow_after=100)
+    with pytest.warns(UserWarning, match="AutoMicrobatch"):
+        _fit(tmp_path / "first", Net(batch_size=8, limit=5, pressure={1}), [callback], accumulate_grad_batches=4)
+    assert callback.microbatches == 2
+    assert (callback._window, callback._calls, callback._probe) == ([], [], None)
+    model = Net(batch_size=8)
+    _fit(tmp_path / "second", model, [callback], max_steps=3)
+    assert set(model.sizes) == {8}  # unsplit from the start
+    assert callback.microbatches == 1
+
+
+def test_a_batch_whose_dimension_cannot_be_told_is_not_split_and_the_oom_propagates(tmp_path):
+    class PerSample(Net):
+        """Batches carry per-sample tensors of other first dimensions (boxes per image, as in object detection)."""
+
+        def train_dataloader(self):
+            def collate(samples):
+                x, y = torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])
+                return x, y, [torch.zeros(i % 3 + 1, 4) for i in range(len(samples))]
+
+            return DataLoader(super().train_dataloader().dataset, batch_size=16, collate_fn=collate)
+
+        def training_step(self, batch, batch_idx):
+            if self.global_step == 1:
+                raise _oom()
+            return super().training_step(batch[:2], batch_idx)
+
+    with pytest.raises(torch.OutOfMemoryError, match=r"not recovered: the batch's tensors do not share"):
+        _fit(tmp_path, PerSample(), [AutoMicrobatch()], max_steps=3)
+
+
+def test_split_refuses_a_batch_of_per_sample_tensors():
+    with pytest.raises(ValueError, match=r"do not share their first dimension \(3 and \[5\]\)"):
+        split_batch([torch.zeros(3, 4, 4), torch.zeros(5, 4, 4)], 2)
