@@ -33,6 +33,8 @@ class RunMemory:
     gradient_bytes: int | None = None  # parameters that need gradients, in bytes (a DDP bucket copy costs as much)
     top_layers: list[tuple[str, int]] = field(default_factory=list)  # LayerMemoryProfiler: (layer, activations)
     tuned: bool = False  # a BatchSizeTuner chose the batch size
+    planned_ooms: int = 0  # BatchSizeTuner: OOMs (and retries) of its trials, planned, counted apart from the run's
+    planned_retries: int = 0
     oom_recoveries: int | None = None  # AutoMicrobatch: out-of-memory errors recovered
     microbatches: int | None = None  # AutoMicrobatch: micro-batches per batch at the end
 
@@ -61,9 +63,11 @@ def advice(run: RunMemory) -> list[str]:
     """One line per piece of advice, each quoting the measurement it rests on; empty without evidence."""
     lines = []
     peak = run.peak_reserved_bytes
-    if run.alloc_retries:
+    retries = (run.alloc_retries or 0) - run.planned_retries
+    ooms = (run.num_ooms or 0) - run.planned_ooms
+    if retries > 0:
         lines.append(
-            f"{run.alloc_retries} allocator retries (cudaMalloc failed, the cache was flushed and the allocation"
+            f"{retries} allocator retries (cudaMalloc failed, the cache was flushed and the allocation"
             " retried; each costs a synchronisation): set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."
         )
     elif (
@@ -77,8 +81,8 @@ def advice(run: RunMemory) -> list[str]:
             " split blocks that large tensors cannot reuse (fragmentation):"
             " set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."
         )
-    if run.num_ooms:
-        lines.append(f"{run.num_ooms} out-of-memory error(s) were raised in this process (caught somewhere).")
+    if ooms > 0:
+        lines.append(f"{ooms} out-of-memory error(s) were raised in this process (caught somewhere).")
     limit = run.budget_bytes or run.total_bytes
     of_what = "the budget" if run.budget_bytes else "the device"
     if peak is not None and limit:

@@ -182,8 +182,15 @@ class BatchSizeTuner(Callback):
         self.scale(trainer, pl_module)
 
     def _summary_context(self) -> dict[str, Any]:
-        """What this callback adds to ``MemoryMonitor``'s fit-end advice: whether a batch size was tuned."""
-        return {"tuned": True} if self.optimal_batch_size is not None else {}
+        """What this callback adds to ``MemoryMonitor``'s fit-end advice.
+
+        Whether a batch size was tuned, and the allocator's OOM and retry counts when the trials ended (planned, so
+        not the run's).
+        """
+        context: dict[str, Any] = dict(getattr(self, "_planned", {}))
+        if self.optimal_batch_size is not None:
+            context["tuned"] = True
+        return context
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -252,6 +259,8 @@ class BatchSizeTuner(Callback):
         finally:
             self._tuning = False
             _release(probe, baseline)
+            counters = probe.read(nvml=False, host=False)  # the trials' planned OOMs are not the run's
+            self._planned = {"planned_ooms": counters.num_ooms or 0, "planned_retries": counters.alloc_retries or 0}
         seconds = time.perf_counter() - start
         self.result = result
         if result.batch_size is None:

@@ -81,3 +81,14 @@ def test_large_headroom_points_at_the_tuner_unless_it_already_chose():
     assert "BatchSizeTuner" in line
     run.tuned = True
     assert advice(run) == []
+
+
+def test_the_tuners_planned_ooms_and_retries_are_not_the_runs():
+    from lightning_gpumem._summary import RunMemory, advice
+
+    run = RunMemory("GPU", total_bytes=80 * GIB, alloc_retries=19, num_ooms=7, planned_retries=19, planned_ooms=7)
+    assert not [line for line in advice(run) if "retries" in line or "out-of-memory" in line]
+    run.alloc_retries, run.num_ooms = 21, 8  # two retries and one OOM after the trials
+    lines = advice(run)
+    assert any(line.startswith("2 allocator retries") for line in lines)
+    assert "1 out-of-memory error(s) were raised in this process (caught somewhere)." in lines

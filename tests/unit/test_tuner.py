@@ -496,3 +496,11 @@ def test_trials_measure_the_training_and_validation_peaks_apart_and_the_search_u
     search = tuner.trials[:-1]  # the last one is the size kept
     assert len(search) <= 6
     assert sum(not t.fits for t in search) <= 2
+
+
+def test_the_tuner_tells_the_summary_the_allocator_counts_its_trials_left():
+    probe = FakeProbe(base=2 * GIB, total=80 * GIB, retries=3)  # the fake's counters: 3 retries, 0 OOMs
+    model = MemoryModel(probe, per_sample=300 * MIB, n=100_000)
+    tuner = FakeTuner(probe, budget="24GiB", headroom=0.1, include_validation=False)
+    _trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
+    assert tuner._summary_context() == {"planned_ooms": 0, "planned_retries": 3, "tuned": True}
