@@ -220,7 +220,7 @@ class AutoMicrobatch(Callback):
         step = trainer.global_step
         self.policy.next_k(step, self._cannot_fit)
         measuring = self.policy.k > 1 and self._start_measuring(trainer)
-        progress = loop.optim_progress.state_dict()  # private: the step's counters, put back after a failed attempt
+        progress = _counters(loop)  # the step's counters, put back after a failed attempt
         if batch_idx % trainer.accumulate_grad_batches == 0:
             self._window = []  # a new accumulation window
         self._batch_idx = batch_idx
@@ -239,7 +239,7 @@ class AutoMicrobatch(Callback):
                 self._recover(trainer, error, kwargs.get("batch"), batch_idx)
             finally:
                 self._in_run = False
-            loop.optim_progress.load_state_dict(progress)
+            _restore_counters(progress)
             self._replay_window(trainer, optimizer)
         self._flush_logs(trainer.lightning_module)
         if measuring:
@@ -570,3 +570,18 @@ def _all_reduce_gradients(trainer: pl.Trainer, bucket_bytes: int = 25 * 2**20) -
                     g.copy_(flat[offset : offset + g.numel()].view_as(g))
                     offset += g.numel()
                 bucket, size = [], 0
+
+
+def _counters(loop: Any) -> list[tuple[Any, dict[str, int]]]:
+    """The optimizer-step and zero-grad counters of the loop (private: ``optim_progress``), as plain copies.
+
+    A few integers, copied on every batch: ``optim_progress.state_dict()`` would cost ~20 µs a batch.
+    """
+    optimizer = loop.optim_progress.optimizer
+    trackers = (optimizer.step.total, optimizer.step.current, optimizer.zero_grad.total, optimizer.zero_grad.current)
+    return [(tracker, dict(vars(tracker))) for tracker in trackers]
+
+
+def _restore_counters(saved: list[tuple[Any, dict[str, int]]]) -> None:
+    for tracker, values in saved:
+        vars(tracker).update(values)

@@ -176,8 +176,8 @@ def test_dataloader_workers_told_to_exit_are_gone_without_a_join():
 
 
 def test_automatic_optimization_internals_that_auto_microbatch_wraps():
-    """`AutoMicrobatch` wraps the loop's `run`, `_on_before_zero_grad`, `_optimizer_zero_grad`, restores
-    `optim_progress` from its `state_dict` and files buffered logs under `LightningModule._current_fx_name`."""
+    """`AutoMicrobatch` wraps the loop's `run`, `_on_before_zero_grad`, `_optimizer_zero_grad`, copies and puts back
+    the `optim_progress` step and zero-grad trackers' fields and files buffered logs under `_current_fx_name`."""
     import inspect
 
     seen = {}
@@ -191,6 +191,7 @@ def test_automatic_optimization_internals_that_auto_microbatch_wraps():
             state = loop.optim_progress.state_dict()
             loop.optim_progress.load_state_dict(state)
             seen["progress"] = loop.optim_progress.optimizer.step.total.completed
+            seen["fields"] = sorted(vars(loop.optim_progress.optimizer.zero_grad.current))
             seen["fx"] = pl_module._current_fx_name
 
     trainer = Trainer(
@@ -208,4 +209,5 @@ def test_automatic_optimization_internals_that_auto_microbatch_wraps():
     assert seen["zero"] == ["batch_idx", "optimizer"]
     assert seen["before_zero"] == ["optimizer"]
     assert seen["progress"] == 0
+    assert seen["fields"] == ["completed", "ready", "started"]
     assert seen["fx"] == "on_train_batch_start"
