@@ -2,10 +2,10 @@
 # One call on the GPU machine for what the CPU cannot check: the GPU tests, then the benchmarks whose figures the docs
 # quote. Run from the repository root (the `run` tool's working directory); results go to $OUT (or ./gpu-out).
 #
-#   bash benchmarks/gpu_session.sh [tests|monitor|microbatch|tuner]...   (default: tests monitor microbatch)
+#   bash benchmarks/gpu_session.sh [tests|monitor|microbatch|profile|tuner]...   (default: tests monitor microbatch)
 #
 # Each part writes its log and JSON under $OUT; a failing part does not stop the others; the exit status is the
-# number of failed parts. Each part has a time limit (seconds, from TESTS_S, MONITOR_S, MICROBATCH_S, TUNER_S) so that
+# number of failed parts. Each part has a time limit (seconds, from TESTS_S, MONITOR_S, MICROBATCH_S, PROFILE_S, TUNER_S) so that
 # one hang cannot use up a 600 s call.
 set -u
 OUT=${OUT:-gpu-out}
@@ -18,10 +18,11 @@ for part in "${parts[@]}"; do
   start=$(date +%s)
   case "$part" in
     tests) timeout ${TESTS_S:-330} python3 -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1 ;;
-    monitor) timeout ${MONITOR_S:-150} python3 benchmarks/monitor_overhead.py --rounds 3 --steps 150 --json "$OUT/monitor-overhead.json" \
+    monitor) timeout ${MONITOR_S:-200} python3 benchmarks/monitor_overhead.py --rounds 5 --steps 200 --json "$OUT/monitor-overhead.json" \
       > "$OUT/monitor-overhead.log" 2>&1 ;;
-    microbatch) timeout ${MICROBATCH_S:-100} python3 benchmarks/microbatch_overhead.py --json "$OUT/microbatch-overhead.json" \
+    microbatch) timeout ${MICROBATCH_S:-200} python3 benchmarks/microbatch_overhead.py --rounds 7 --json "$OUT/microbatch-overhead.json" \
       > "$OUT/microbatch-overhead.log" 2>&1 ;;
+    profile) timeout ${PROFILE_S:-120} python3 benchmarks/profile_monitor.py --default-only > "$OUT/profile-monitor.log" 2>&1 ;;
     tuner) timeout ${TUNER_S:-550} python3 benchmarks/tuner.py --models gpt,gpt-longval --budget-gib 24 --json "$OUT/tuner-24gib.json" \
       > "$OUT/tuner-24gib.log" 2>&1 ;;
     *) echo "unknown part: $part" >&2; false ;;

@@ -3,9 +3,11 @@
     PYTHONPATH=. python3 benchmarks/microbatch_overhead.py --json benchmarks/results/microbatch-overhead.json
     python benchmarks/microbatch_overhead.py --quick      # CPU smoke run
 
-Three configurations of one fit each per round, the order rotated every round: ``none`` (no callback),
-``AutoMicrobatch`` (never splits: the throughput cost of its wrappers) and ``split2`` (AutoMicrobatch held at 2
-micro-batches: the cost of a split step). A fit runs ``--warmup`` untimed steps, then ``--steps`` timed ones; the
+Four configurations of one fit each per round, the order rotated every round: ``none`` (no callback),
+``AutoMicrobatch`` (never splits: the throughput cost of its wrappers), ``split2`` (AutoMicrobatch held at 2
+micro-batches: the cost of a split step) and ``grown_back`` (AutoMicrobatch that starts at 2 micro-batches and grows
+back to 1 within the warm-up: the speed of the steps after growing back). A fit whose split at the end is not the
+configuration's stops the benchmark. A fit runs ``--warmup`` untimed steps, then ``--steps`` timed ones; the
 clock is read at the first timed batch's start and the last one's end (``torch.cuda.synchronize()`` at both on a
 GPU). Reported: median steps/s over rounds and the median of the per-round ratios to ``none``. The model is the
 example's small causal transformer (``examples/auto_microbatch.py``) on batches of equal length, AdamW, bf16-mixed on
@@ -33,8 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import auto_microbatch as example
 
 from lightning_gpumem import AutoMicrobatch
+from lightning_gpumem._microbatch import MicrobatchPolicy
 
-CONFIGS = ("none", "AutoMicrobatch", "split2")
+CONFIGS = ("none", "AutoMicrobatch", "split2", "grown_back")
 
 
 class EqualBatches(Dataset):
@@ -57,6 +60,16 @@ class Model(example.TinyLM):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.data, batch_size=None)
+
+
+class Split(pl.Callback):
+    """Start the fit at ``k`` micro-batches (after AutoMicrobatch's ``setup``, which starts every fit unsplit)."""
+
+    def __init__(self, callback: AutoMicrobatch, k: int, grow_after: int) -> None:
+        self.callback, self.k, self.grow_after = callback, k, grow_after
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.callback.policy = MicrobatchPolicy(self.grow_after, k=self.k)
 
 
 class Clock(pl.Callback):
@@ -82,11 +95,14 @@ def timed_fit(config: str, args: argparse.Namespace, gpu: bool) -> float:
     data = EqualBatches(args.warmup + args.steps, args.batch, args.seq)
     clock = Clock(args.warmup, args.warmup + args.steps - 1)
     callbacks: list[pl.Callback] = [clock]
+    callback = None
     if config != "none":
         callback = AutoMicrobatch(grow_after=10**9)
-        if config == "split2":
-            callback.policy.k = 2  # held at 2 (grow_after keeps it there)
         callbacks.append(callback)
+        if config == "split2":
+            callbacks.append(Split(callback, 2, grow_after=10**9))  # held at 2
+        elif config == "grown_back":
+            callbacks.append(Split(callback, 2, grow_after=max(1, args.warmup // 2)))  # back to 1 in the warm-up
     trainer = pl.Trainer(
         accelerator="gpu" if gpu else "cpu",
         devices=1,
@@ -99,6 +115,9 @@ def timed_fit(config: str, args: argparse.Namespace, gpu: bool) -> float:
         enable_model_summary=False,
     )
     trainer.fit(Model(data))
+    expected = {"split2": 2}.get(config, 1)
+    if callback is not None and (callback.microbatches, callback.oom_recoveries) != (expected, 0):
+        raise RuntimeError(f"{config}: ended at {callback.microbatches} micro-batches, expected {expected}")
     return args.steps / (clock.end - clock.start)
 
 
@@ -121,7 +140,7 @@ def main() -> None:
     timed_fit("none", args, gpu)  # warm the process up
     rounds = []
     for index in range(args.rounds):
-        order = CONFIGS[index % 3 :] + CONFIGS[: index % 3]
+        order = CONFIGS[index % len(CONFIGS) :] + CONFIGS[: index % len(CONFIGS)]
         rounds.append({config: timed_fit(config, args, gpu) for config in order})
     results = {
         config: {

@@ -219,6 +219,8 @@ def make_callback(name: str) -> Callback | None:
         return DeviceStatsMonitor()
     if name == "MemoryMonitor":
         return MemoryMonitor()
+    if name == "MemoryMonitor(detect_leaks=False)":
+        return MemoryMonitor(detect_leaks=False)
     raise ValueError(name)
 
 
@@ -413,7 +415,7 @@ class HookTimes:
 
 def run_hooks(s: Settings, data: TensorDataset, log_dir: str) -> dict[str, Any]:
     results = {}
-    for name in ("Callback", "DeviceStatsMonitor", "MemoryMonitor"):
+    for name in ("Callback", "DeviceStatsMonitor", "MemoryMonitor", "MemoryMonitor(detect_leaks=False)"):
         callback = make_callback(name)
         assert callback is not None
         times = HookTimes(HOOK_LOG_EVERY)

@@ -1,6 +1,7 @@
 """Where does a MemoryMonitor logging step spend its time? Hook timings of variants, then cProfile of the hooks.
 
     PYTHONPATH=. python3 benchmarks/profile_monitor.py     # GPU; on CPU it uses monitor_overhead's --quick model
+    PYTHONPATH=. python3 benchmarks/profile_monitor.py --default-only   # the default settings only, then the profile
 
 "presync" synchronises the GPU before timing each hook: if a hook waits for the GPU, its time drops there.
 """
@@ -59,14 +60,17 @@ def main() -> None:
         ("host off", {"host": False, "nvml_host_interval_s": 0}, False),
         ("both off", {"nvml": False, "host": False}, False),
     ]
+    if "--default-only" in sys.argv:  # the hook times of the default settings, then the profile
+        variants = variants[:1]
     for label, kwargs, presync in variants:
         median, mean = run(settings, data, MemoryMonitor(log_every_n_steps=1, **kwargs), presync=presync)
         print(f"{label:9s} hook median {median:8.1f} us  mean {mean:8.1f} us (start and end hooks pooled)")
     prof = cProfile.Profile()
     run(settings, data, MemoryMonitor(log_every_n_steps=1, nvml_host_interval_s=0), prof)
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(15)
-    print(out.getvalue()[-3500:])
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(25)
+    print(out.getvalue())
 
 
 if __name__ == "__main__":

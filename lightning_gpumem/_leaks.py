@@ -11,7 +11,8 @@ such as batches of varying shapes, scores near 0). Medians and ranks, not means,
 count.
 
 What it costs: one allocator read per sample, so samples are taken every ``every`` steps only until the history
-is first thinned, then every ``2 * every`` steps (the recent window's stride); a verdict is a few sorts of at most
+is first thinned, then every ``4 * every`` steps (the recent window's stride: one read per 8 steps by default, as
+a read costs tens of µs on a GPU); a verdict is a few sorts of at most
 64 values, and Kendall's tau (quadratic) runs only when the cheap tests already point to a leak. A rise of half
 the threshold first makes the history *suspect* (so that the caller can take a baseline of the live tensors then,
 not on every healthy run); a verdict is given only on a later sample than the suspicion.
@@ -25,7 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 
-RECENT_SAMPLES = 32  # the last samples at twice the base stride: a leak that starts late is seen within ~128 steps
+RECENT_SAMPLES = 16  # the last samples at 4x the base stride: a leak that starts late is seen within ~128 steps
+RECENT_STRIDE = 4  # the recent window's stride, in multiples of ``every``, once the history has been thinned
 EVALUATE_EVERY = 4  # samples between two looks at the history
 MIN_SAMPLES = 12  # three per quarter: a median of fewer is one noisy batch away from a false rise
 MIN_TAU = 0.8  # Kendall's rank correlation of memory with time: 1 for a clean leak; noise: 0 +- 0.2 at 12 samples
@@ -63,18 +65,19 @@ class LeakDetector:
         self.threshold_bytes = threshold_bytes
         self.max_samples = max_samples
         self.samples: list[tuple[int, int]] = []
-        self.recent: deque[tuple[int, int]] = deque(maxlen=RECENT_SAMPLES)  # at 2 * every, never thinned
+        self.recent: deque[tuple[int, int]] = deque(maxlen=RECENT_SAMPLES)  # at RECENT_STRIDE * every, never thinned
         self.flagged = False
         self.suspected_at: int | None = None
         """The step of the first sample at which the history rose by half the threshold (``None``: not yet)."""
         self._stride = every
         self._count = 0
+        self._rate: float | None = None  # of `samples` as they are now (`None`: not computed since they changed)
 
     def wants(self, step: int) -> bool:
         """Whether a sample is due at ``step`` (so the caller reads memory only then)."""
         if step < self.warmup_steps or self.flagged:
             return False
-        return step % (self.every if self._stride == self.every else 2 * self.every) == 0
+        return step % (self.every if self._stride == self.every else RECENT_STRIDE * self.every) == 0
 
     def add(self, step: int, allocated_bytes: int) -> LeakVerdict | None:
         """Record a sample; the verdict the first time the history shows a leak, else ``None``."""
@@ -84,6 +87,7 @@ class LeakDetector:
         self._count += 1
         if step % self._stride == 0:
             self.samples.append((step, allocated_bytes))
+            self._rate = None
             if len(self.samples) > self.max_samples:  # keep the whole run in view at half the resolution
                 self.samples = self.samples[::2]
                 self._stride *= 2
@@ -102,7 +106,11 @@ class LeakDetector:
 
     def rate(self) -> float | None:
         """Current growth estimate in bytes per step (quarter medians, first to last), ``None`` with few samples."""
-        return _rise(self.samples)[0] if len(self.samples) >= MIN_SAMPLES else None
+        if len(self.samples) < MIN_SAMPLES:
+            return None
+        if self._rate is None:  # asked on every logging step; the samples change every few
+            self._rate = _rise(self.samples)[0]
+        return self._rate
 
     def verdict(self) -> LeakVerdict | None:
         """A leak verdict from the history (whole, its recent half, or the last samples at full rate), or ``None``."""

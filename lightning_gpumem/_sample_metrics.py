@@ -20,38 +20,43 @@ REDUCED = {
     "nvml_process_bytes": keys.NVML_PROCESS,
     "host_rss_bytes": keys.HOST_RSS,
 }
-_DEVICE_WIDE = (
-    (keys.INACTIVE_SPLIT, "inactive_split_bytes"),
-    (keys.NVML_USED, "nvml_used_bytes"),
-    (keys.NVML_TOTAL, "nvml_total_bytes"),
-    (keys.NVML_PROCESS, "nvml_process_bytes"),
-    (keys.NON_TORCH, "non_torch_bytes"),
-    (keys.HOST_RSS, "host_rss_bytes"),
-    (keys.HOST_AVAILABLE, "host_available_bytes"),
-    (keys.ALLOC_RETRIES, "alloc_retries"),
-    (keys.OOMS, "num_ooms"),
-    (keys.GPU_UTIL, "gpu_util_pct"),
+# (logged name, sample field, scale): names built once, as the monitor logs them at every logging step.
+_DEVICE_WIDE = tuple(
+    (key.format(), field, 1 / GIB if key.unit == "GiB" else 1.0)
+    for key, field in (
+        (keys.INACTIVE_SPLIT, "inactive_split_bytes"),
+        (keys.NVML_USED, "nvml_used_bytes"),
+        (keys.NVML_TOTAL, "nvml_total_bytes"),
+        (keys.NVML_PROCESS, "nvml_process_bytes"),
+        (keys.NON_TORCH, "non_torch_bytes"),
+        (keys.HOST_RSS, "host_rss_bytes"),
+        (keys.HOST_AVAILABLE, "host_available_bytes"),
+        (keys.ALLOC_RETRIES, "alloc_retries"),
+        (keys.OOMS, "num_ooms"),
+        (keys.GPU_UTIL, "gpu_util_pct"),
+    )
 )
+# Per stage: the logged names of the peak allocated, peak reserved, allocated and reserved keys.
+_STAGE_NAMES = {
+    stage: tuple(key.format(stage) for key in (keys.PEAK_ALLOCATED, keys.PEAK_RESERVED, keys.ALLOCATED, keys.RESERVED))
+    for stage in keys.STAGES
+}
+_BUDGET, _LEAK_RATE = keys.BUDGET.format(), keys.LEAK_RATE.format()
 
 
 def stage_metrics(stage: str, sample: MemorySample) -> dict[str, float]:
     """The stage's allocator keys: peaks over the batch (loop) and the values at its end, in GiB."""
-    pairs = (
-        (keys.PEAK_ALLOCATED, sample.peak_allocated_bytes),
-        (keys.PEAK_RESERVED, sample.peak_reserved_bytes),
-        (keys.ALLOCATED, sample.allocated_bytes),
-        (keys.RESERVED, sample.reserved_bytes),
-    )
-    return {key.format(stage): value / GIB for key, value in pairs if value is not None}
+    values = (sample.peak_allocated_bytes, sample.peak_reserved_bytes, sample.allocated_bytes, sample.reserved_bytes)
+    return {name: value / GIB for name, value in zip(_STAGE_NAMES[stage], values, strict=True) if value is not None}
 
 
 def device_wide_metrics(sample: MemorySample) -> dict[str, float]:
     """The keys that belong to no stage: allocator counters, NVML and host memory, where read."""
     metrics = {}
-    for key, field in _DEVICE_WIDE:
+    for name, field, scale in _DEVICE_WIDE:
         value = getattr(sample, field)
         if value is not None:
-            metrics[key.format()] = value / GIB if key.unit == "GiB" else float(value)
+            metrics[name] = value * scale
     return metrics
 
 
@@ -86,9 +91,9 @@ def logged_metrics(
     if device_wide:
         metrics.update(device_wide_metrics(sample))
         if budget is not None:
-            metrics[keys.BUDGET.format()] = budget / GIB
+            metrics[_BUDGET] = budget / GIB
         if leak_rate is not None:
-            metrics[keys.LEAK_RATE.format()] = leak_rate / MIB
+            metrics[_LEAK_RATE] = leak_rate / MIB
         for stat, value in (allocator_stats or {}).items():
             metrics[keys.ALLOCATOR_STAT.name.format(stat=stat)] = float(value)
     return metrics

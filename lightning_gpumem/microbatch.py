@@ -19,7 +19,14 @@ from lightning_gpumem import _logging, keys
 from lightning_gpumem._checks import is_int_at_least, require_int
 from lightning_gpumem._compat import Callback, either
 from lightning_gpumem._distributed import all_reduce_max, side_group
-from lightning_gpumem._microbatch import LogCall, MicrobatchPolicy, batch_length, combine_logs, split_batch
+from lightning_gpumem._microbatch import (
+    LogCall,
+    MicrobatchPolicy,
+    UpdateWatch,
+    batch_length,
+    combine_logs,
+    split_batch,
+)
 from lightning_gpumem._oom import is_oom_error, oom_expected
 from lightning_gpumem._registry import budget_bytes, tell_oom_recovered, tell_peak_reset
 from lightning_gpumem.probe import Probe, make_probe
@@ -102,6 +109,7 @@ class AutoMicrobatch(Callback):
         self._batch_idx = 0
         self._agreed = False  # under DDP: this attempt's ranks have agreed (after its backward)
         self._warned: set[str] = set()
+        self._updates = UpdateWatch()  # whether a failed optimizer step had begun its update
 
     @property
     def microbatches(self) -> int:
@@ -157,6 +165,7 @@ class AutoMicrobatch(Callback):
         self._patch(pl_module, "log", self._log)
         self._patch(pl_module, "backward", self._backward_hook)
         self._patch(loop, "run", self._run)
+        self._updates.attach(trainer.optimizers)
         self._patch(loop, "_on_before_zero_grad", self._skip_if_zeroed("_on_before_zero_grad"))
         self._patch(loop, "_optimizer_zero_grad", self._skip_if_zeroed("_optimizer_zero_grad"))
 
@@ -205,6 +214,7 @@ class AutoMicrobatch(Callback):
             if name in previous:
                 setattr(owner, name, previous[name])
         self._saved.clear()
+        self._updates.detach()
         self._trainer = self._probe = None
         self._window, self._calls, self._measure = [], [], {}
 
@@ -227,6 +237,7 @@ class AutoMicrobatch(Callback):
         while True:
             self._calls, self._zeroed, self._after_backward, self._agreed = [], False, False, False
             self._in_run = True
+            self._updates.start()
             try:
                 with self._local_backward(trainer):
                     result = self._original(loop, "run")(optimizer, batch_idx, kwargs)
@@ -263,6 +274,12 @@ class AutoMicrobatch(Callback):
                 " optimizer step or after it): under DDP the other ranks have moved on, so it cannot be re-run"
                 " (see the error above)."
             ) from error
+        if after_backward and self._updates.changed():  # a re-run would apply part of the update twice
+            getattr(error, "add_note", lambda note: None)(
+                f"AutoMicrobatch: not recovered: out of memory at step {step} in the middle of the optimizer's update"
+                " (parameters or optimizer state already changed), which a re-run would apply twice."
+            )
+            raise error
         length = batch_length(batch) or 1
         try:
             split_batch(batch, 2)

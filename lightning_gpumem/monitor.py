@@ -291,7 +291,7 @@ class MemoryMonitor(Callback):
             metrics.update(cross_rank_metrics(stage, spread, probe.has_allocator))
         if trainer.is_global_zero:
             _logging.log_to_loggers(trainer, metrics, step=_logging.batches_that_stepped(trainer))
-            if self._progress_bar and stage == "train":
+            if self._progress_bar and stage == "train" and trainer.progress_bar_callback is not None:
                 text = progress_text(sample, budget or self._total_bytes, self._last_host_rss)
                 _logging.show_in_progress_bar(trainer, "mem", text)
 

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpumem import AutoMicrobatch
-from lightning_gpumem._microbatch import LogCall, MicrobatchPolicy, combine_logs, split_batch
+from lightning_gpumem._microbatch import LogCall, MicrobatchPolicy, UpdateWatch, combine_logs, split_batch
 from tests._fakes import column, read_csv_metrics
 
 STEPS = 30
@@ -185,6 +185,71 @@ def test_an_oom_in_the_optimizer_step_is_recovered(tmp_path):
         _fit(tmp_path / "split", model, [callback])
     assert callback.oom_recoveries == 2
     torch.testing.assert_close(_weights(model), _weights(reference), atol=1e-5, rtol=0)
+
+
+class MidUpdateSGD(torch.optim.SGD):
+    """SGD with momentum: at step ``fail_at`` it changes its first parameter or momentum, then runs out of memory."""
+
+    def __init__(self, params, fail_at, what, **kwargs):
+        super().__init__(params, **kwargs)
+        self.fail_at, self.what, self.calls = fail_at, what, 0
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        self.calls += 1
+        if self.calls - 1 == self.fail_at:
+            first = self.param_groups[0]["params"][0]
+            target = first if self.what == "parameter" else self.state[first]["momentum_buffer"]
+            with torch.no_grad():
+                target.mul_(0.5)  # half an update: what a re-run would apply a second time
+            raise _oom()
+        super().step()
+        return loss
+
+
+@pytest.mark.parametrize("what", ["parameter", "state"])
+def test_an_oom_in_the_middle_of_the_optimizer_update_propagates_with_why(tmp_path, what):
+    class Model(Net):
+        def configure_optimizers(self):
+            return MidUpdateSGD(self.parameters(), fail_at=3, what=what, lr=0.1, momentum=0.9)
+
+    callback = AutoMicrobatch()
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        _fit(tmp_path, Model(), [callback])
+    assert "in the middle of the optimizer's update" in "".join(getattr(raised.value, "__notes__", []))
+    assert callback.oom_recoveries == 0
+
+
+def _watched_step(optimizer_class, device="cpu", fail_after=None, **kwargs):
+    """Whether UpdateWatch calls a step of ``optimizer_class`` changed (first step: state created in it)."""
+    params = [torch.nn.Parameter(torch.randn(4, 3, device=device)), torch.nn.Parameter(torch.randn(3, device=device))]
+    optimizer = optimizer_class(params, lr=0.1, **kwargs)
+    watch = UpdateWatch()
+    watch.attach([optimizer])
+    results = []
+    for _ in range(2):
+        for param in params:
+            param.grad = torch.ones_like(param)
+        watch.start()
+        results.append(watch.changed())  # no step yet in this attempt
+        optimizer.step()
+        results.append(watch.changed())
+    watch.detach()
+    return results
+
+
+@pytest.mark.parametrize(
+    ("optimizer_class", "kwargs"),
+    [
+        (torch.optim.AdamW, {"foreach": True}),
+        (torch.optim.AdamW, {"foreach": False}),
+        (torch.optim.Adam, {"foreach": True}),
+        (torch.optim.SGD, {"momentum": 0.9, "foreach": True}),
+        (torch.optim.SGD, {"momentum": 0.9, "foreach": False}),
+    ],
+)
+def test_update_watch_sees_every_real_optimizer_update(optimizer_class, kwargs):
+    assert _watched_step(optimizer_class, **kwargs) == [False, True, False, True]
 
 
 def test_bf16_and_gradient_clipping_still_match(tmp_path):
