@@ -3,10 +3,10 @@
     python benchmarks/leak_detector.py --json benchmarks/results/leak-detector-cpu.json
 
 Feeds the detector as ``MemoryMonitor`` does (a sample whenever ``wants(step)``) for ``--steps`` steps of a healthy
-run (allocated memory flat, or varying by up to 80 MiB at random as with batches of varying shapes) and of a
-4 MiB/step leak, timing every ``add`` with ``time.perf_counter_ns``. Reported: samples taken, and the mean and
-maximum ``add`` time per training batch (the sum over the run divided by the steps). The allocator read each sample
-needs comes on top (22 µs per read on an H200, see docs/benchmarks.md). CPU only; the numbers depend on the machine.
+run (allocated memory flat, or varying by up to 80 MiB at random as with batches of varying shapes), of a
+4 MiB/step leak and of a 1 MiB/step leak that starts after the healthy ``--steps`` (run for 1000 more), timing every ``add`` with ``time.perf_counter_ns``. Reported: samples taken, and the mean and
+maximum ``add`` time per training batch (the sum over the run divided by the steps), and the step at which a leak
+was flagged. The allocator read each sample needs comes on top (see docs/benchmarks.md for its cost on an H200). CPU only; the numbers depend on the machine.
 """
 
 from __future__ import annotations
@@ -66,8 +66,12 @@ def main() -> None:
         "flat": [GIB] * args.steps,
         "varying_shapes_0_80_mib": [GIB + int(rng.uniform(0, 80 * MIB)) for _ in range(args.steps)],
         "leak_4_mib_per_step": [GIB + 4 * MIB * s for s in range(args.steps)],
+        "late_leak_1_mib_per_step": [GIB] * args.steps + [GIB + MIB * s for s in range(1000)],
     }
     results = {name: run(values, args.rounds) for name, values in workloads.items()}
+    late = results["late_leak_1_mib_per_step"]
+    late["leak_starts_at_step"] = args.steps
+    late["flagged_steps_after_start"] = late["flagged_at_step"] - args.steps if late["flagged_at_step"] >= 0 else -1
     print("| workload | samples | mean µs per batch | median µs per add | max µs per add | flagged at step |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, r in results.items():

@@ -55,8 +55,10 @@ class AutoMicrobatch(Callback):
     Limits: a ``sum`` loss must be divided by the batch size to stay exact, and BatchNorm sees micro-batches (its
     statistics differ); a random op (dropout) draws different numbers for a split batch; a re-run step runs
     ``training_step`` again, with its side effects (a ``torchmetrics`` update counts the batch twice). An OOM inside
-    ``optimizer.step`` is recovered exactly when the optimizer had not changed anything yet (PyTorch's optimizers
-    create their state, the usual cause, before they update), and under DDP not at all. With
+    ``optimizer.step`` is recovered when the optimizer had not changed its parameters or state yet (PyTorch's
+    optimizers create their state, the usual cause, before they update); one in the middle of an update propagates
+    with a note, as a re-run would apply part of it twice (seen through the version counters of a few parameters and
+    their state, for optimizers that subclass ``torch.optim.Optimizer``). Under DDP it is not recovered at all. With
     ``accumulate_grad_batches``, an OOM in a later batch of a window re-runs the window's earlier batches too (their
     gradients went with the failed attempt's); the window's batches are kept until it ends. Manual optimization and
     strategies other than DDP (FSDP, DeepSpeed) are not supported: the callback says so once and an OOM propagates as
