@@ -3,10 +3,11 @@
     python benchmarks/leak_detector.py --json benchmarks/results/leak-detector-cpu.json
 
 Feeds the detector as ``MemoryMonitor`` does (a sample whenever ``wants(step)``) for ``--steps`` steps of a healthy
-run (allocated memory flat, or varying by up to 80 MiB at random as with batches of varying shapes), of a
-4 MiB/step leak and of a 1 MiB/step leak that starts after the healthy ``--steps`` (run for 1000 more), timing every ``add`` with ``time.perf_counter_ns``. Reported: samples taken, and the mean and
-maximum ``add`` time per training batch (the sum over the run divided by the steps), and the step at which a leak
-was flagged. The allocator read each sample needs comes on top (see docs/benchmarks.md for its cost on an H200). CPU only; the numbers depend on the machine.
+run (allocated memory flat, or varying by up to 80 MiB at random as with batches of varying shapes), of a 4 MiB/step
+leak, and of a 1 MiB/step leak that starts after the healthy ``--steps`` (run for 1000 more), timing every ``add``
+with ``time.perf_counter_ns``. Reported: samples taken, the mean and maximum ``add`` time per training batch (the sum
+over the run divided by the steps), and the step at which a leak was flagged. The allocator read each sample needs
+comes on top (see docs/benchmarks.md for its cost on an H200). CPU only; the numbers depend on the machine.
 """
 
 from __future__ import annotations
