@@ -24,20 +24,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_gpumem._leaks import LeakDetector
+from lightning_gpumem._logging import steps_to_next_log
 
 MIB = 2**20
 GIB = 2**30
 
 
-def run(values: list[int], rounds: int) -> dict[str, float]:
+def run(values: list[int], rounds: int, log_every: int) -> dict[str, float]:
     """Time ``add`` over ``values`` (one per step), ``rounds`` times; the round with the lowest total counts."""
     best: dict[str, float] = {}
     for _ in range(rounds):
-        detector, times, flagged = LeakDetector(), [], None
+        detector, times, flagged, reads = LeakDetector(), [], None, 0
         for step, value in enumerate(values):
-            if detector.wants(step):
+            next_log_in = steps_to_next_log(step, log_every) if log_every else None
+            if (step + 1) % max(log_every, 1) == 0 and log_every:
+                next_log_in = 0  # a logging step: the monitor has just read the allocator
+            if detector.wants(step, next_log_in):
+                reads += next_log_in != 0
                 start = time.perf_counter_ns()
-                verdict = detector.add(step, value)
+                verdict = detector.add(step, value, next_log_in)
                 times.append(time.perf_counter_ns() - start)
                 if verdict is not None and flagged is None:
                     flagged = step
@@ -45,6 +50,7 @@ def run(values: list[int], rounds: int) -> dict[str, float]:
         if not best or total_us < best["total_us"]:
             best = {
                 "samples": len(times),
+                "allocator_reads": reads,
                 "total_us": total_us,
                 "mean_us_per_batch": total_us / len(values),
                 "median_us_per_add": statistics.median(times) / 1e3,
@@ -58,6 +64,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--log-every", type=int, default=0, help="as log_every_n_steps=N: logging steps' samples are free (0: none)"
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     if args.steps < 100 or args.rounds < 1:
@@ -69,21 +78,23 @@ def main() -> None:
         "leak_4_mib_per_step": [GIB + 4 * MIB * s for s in range(args.steps)],
         "late_leak_1_mib_per_step": [GIB] * args.steps + [GIB + MIB * s for s in range(1000)],
     }
-    results = {name: run(values, args.rounds) for name, values in workloads.items()}
+    results = {name: run(values, args.rounds, args.log_every) for name, values in workloads.items()}
     late = results["late_leak_1_mib_per_step"]
     late["leak_starts_at_step"] = args.steps
     late["flagged_steps_after_start"] = late["flagged_at_step"] - args.steps if late["flagged_at_step"] >= 0 else -1
-    print("| workload | samples | mean µs per batch | median µs per add | max µs per add | flagged at step |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| workload | samples | reads | mean µs per batch | median µs per add | max µs per add | flagged at step |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, r in results.items():
         print(
-            f"| {name} | {r['samples']} | {r['mean_us_per_batch']:.2f} | {r['median_us_per_add']:.2f} |"
+            f"| {name} | {r['samples']} | {r['allocator_reads']} | {r['mean_us_per_batch']:.2f} |"
+            f" {r['median_us_per_add']:.2f} |"
             f" {r['max_us_per_add']:.1f} | {r['flagged_at_step']} |"
         )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {"command": " ".join(sys.argv), "python": platform.python_version(), "machine": platform.processor()}
-        args.json.write_text(json.dumps({"meta": meta, "steps": args.steps, "results": results}, indent=2) + "\n")
+        report = {"meta": meta, "steps": args.steps, "log_every": args.log_every, "results": results}
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -65,23 +65,27 @@ class TinyLM(L.LightningModule):
         return DataLoader(Sequences(), batch_size=None)
 
 
-def step_peak(model: TinyLM, batch: torch.Tensor) -> int:
+def step_peak(model: TinyLM, batch: torch.Tensor, autocast: torch.dtype | None = None) -> int:
     """Peak reserved bytes (what a budget caps) of one forward, backward and AdamW step of ``batch`` on the GPU."""
     optimizer = model.configure_optimizers()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    model.training_step(batch.cuda(), 0).backward()
+    with torch.autocast("cuda", dtype=autocast or torch.float32, enabled=autocast is not None):
+        loss = model.training_step(batch.cuda(), 0)
+    loss.backward()
     optimizer.step()
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     return torch.cuda.max_memory_reserved()
 
 
-def budget_between_normal_and_long() -> str:
-    """A budget above a normal batch's peak and below the long batch's, measured on this GPU."""
+def budget_between_normal_and_long(autocast: torch.dtype | None = None) -> str:
+    """A budget above a normal batch's peak and below the long batch's, measured on this GPU (``autocast``: under
+    mixed precision of that dtype)."""
     model = TinyLM().cuda()
     model.log = lambda *args, **kwargs: None  # outside a Trainer
-    normal, long = step_peak(model, Sequences()[0]), step_peak(model, Sequences()[LONG_BATCH])
+    normal = step_peak(model, Sequences()[0], autocast)
+    long = step_peak(model, Sequences()[LONG_BATCH], autocast)
     del model
     torch.cuda.empty_cache()
     return f"{(normal + long) // 2 // 2**20}MiB"

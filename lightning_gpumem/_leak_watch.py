@@ -13,7 +13,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from lightning_gpumem import keys
 from lightning_gpumem._leaks import LeakDetector, LeakVerdict, grown_tensors
-from lightning_gpumem._logging import batches_that_stepped, log_to_loggers
+from lightning_gpumem._logging import batches_that_stepped, log_to_loggers, steps_to_next_log
 from lightning_gpumem._registry import budget_bytes
 from lightning_gpumem._units import MIB, format_gib
 from lightning_gpumem.probe import Probe, tensor_census
@@ -27,22 +27,28 @@ class LeakWatch:
         self.detector = LeakDetector(warmup_steps, threshold_bytes=threshold_bytes)
         self.verdict: LeakVerdict | None = None
         self._census: tuple[int, Any] | None = None  # (step, census) when memory first rose by half the threshold
+        self._at: tuple[int, int | None] = (0, None)  # the step of the batch end `due` was asked at, next log in
 
-    def wants(self, step: int) -> bool:
-        """Whether a sample is due at ``step`` (the allocator is read only then)."""
-        return self.detector.wants(step)
+    def due(self, trainer: pl.Trainer, logged: bool, every_n_steps: int) -> bool:
+        """Whether this training-batch end takes a sample (the allocator is read only then).
+
+        ``logged``: a logging step, whose read is free. Steps are the loggers' (:func:`batches_that_stepped`).
+        """
+        step = batches_that_stepped(trainer)
+        self._at = (step, 0 if logged else steps_to_next_log(step, every_n_steps))
+        return self.detector.wants(*self._at)
 
     def rate(self) -> float | None:
         """Growth of allocated memory in bytes per step, ``None`` with too few samples."""
         return self.detector.rate()
 
     def sample(self, trainer: pl.Trainer, allocated: int | None, total_bytes: int | None) -> LeakVerdict | None:
-        """Add a sample (``allocated``: read now when ``None``); warn and log when it completes a leak verdict."""
+        """Add the sample :meth:`due` asked for (``allocated``: read now when ``None``); warn once it shows a leak."""
         allocated = self.probe.allocated_bytes() if allocated is None else allocated
         if allocated is None:
             return None
-        step = trainer.global_step
-        verdict = self.detector.add(step, allocated)
+        step, next_log_in = self._at
+        verdict = self.detector.add(step, allocated, next_log_in)
         if self.detector.suspected_at is not None and self._census is None:
             # What was alive when memory first rose by half the threshold: a `gc` scan (milliseconds), so taken only
             # on a suspicion, never on a healthy run; a verdict comes on a later sample, when the leak has grown.

@@ -10,12 +10,12 @@ is above the one before (a sustained rise, not one jump), the rise between the f
 such as batches of varying shapes, scores near 0). Medians and ranks, not means, so a few odd batches do not
 count.
 
-What it costs: one allocator read per sample, so samples are taken every ``every`` steps only until the history
-is first thinned, then every ``4 * every`` steps (the recent window's stride: one read per 8 steps by default, as
-a read costs tens of µs on a GPU); a verdict is a few sorts of at most
-64 values, and Kendall's tau (quadratic) runs only when the cheap tests already point to a leak. A rise of half
-the threshold first makes the history *suspect* (so that the caller can take a baseline of the live tensors then,
-not on every healthy run); a verdict is given only on a later sample than the suspicion.
+What it costs: one allocator read per sample, so samples are taken every ``every`` steps only for the first 32
+samples, then every ``4 * every`` steps (the recent window's stride: one read per 8 steps by default, as a
+read costs tens of µs on a GPU), and a sample due near a logging step, whose read is free, is taken there. A verdict
+is a few sorts of at most 64 values, and Kendall's tau (quadratic) runs only when the cheap tests already point to a
+leak. A rise of half the threshold first makes the history *suspect* (so that the caller can take a baseline of the
+live tensors then, not on every healthy run); a verdict is given only on a later sample than the suspicion.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from operator import itemgetter
 
 RECENT_SAMPLES = 16  # the last samples at 4x the base stride: a leak that starts late is seen within ~128 steps
-RECENT_STRIDE = 4  # the recent window's stride, in multiples of ``every``, once the history has been thinned
+RECENT_STRIDE = 4  # the stride of later samples, in multiples of ``every``
+EARLY_SAMPLES = 32  # samples taken every ``every`` steps first, so that a leak from the start shows within ~50 steps
 EVALUATE_EVERY = 4  # samples between two looks at the history
 MIN_SAMPLES = 12  # three per quarter: a median of fewer is one noisy batch away from a false rise
 MIN_TAU = 0.8  # Kendall's rank correlation of memory with time: 1 for a clean leak; noise: 0 +- 0.2 at 12 samples
@@ -65,28 +66,46 @@ class LeakDetector:
         self.threshold_bytes = threshold_bytes
         self.max_samples = max_samples
         self.samples: list[tuple[int, int]] = []
-        self.recent: deque[tuple[int, int]] = deque(maxlen=RECENT_SAMPLES)  # at RECENT_STRIDE * every, never thinned
+        self.recent: deque[tuple[int, int]] = deque(maxlen=RECENT_SAMPLES)  # the last samples as taken, never thinned
         self.flagged = False
         self.suspected_at: int | None = None
         """The step of the first sample at which the history rose by half the threshold (``None``: not yet)."""
         self._stride = every
         self._count = 0
         self._rate: float | None = None  # of `samples` as they are now (`None`: not computed since they changed)
+        self._last: int | None = None  # the step of the last sample
+        self._last_kept: int | None = None  # the step of the last sample kept in `samples`
 
-    def wants(self, step: int) -> bool:
-        """Whether a sample is due at ``step`` (so the caller reads memory only then)."""
+    def spacing(self) -> int:
+        """Steps between two samples: ``every`` for the first ``EARLY_SAMPLES``, then ``RECENT_STRIDE * every``."""
+        return self.every if self._count < EARLY_SAMPLES else RECENT_STRIDE * self.every
+
+    def wants(self, step: int, next_log_in: int | None = None) -> bool:
+        """Whether a sample is due at ``step`` (so the caller reads memory only then).
+
+        ``next_log_in``: steps until the next logging step, whose allocator read is free (0: ``step`` is one). A
+        logging step takes a sample once half the spacing has passed; a sample due within half the spacing of the
+        next logging step waits for it. ``None``: every ``spacing()`` steps.
+        """
         if step < self.warmup_steps or self.flagged:
             return False
-        return step % (self.every if self._stride == self.every else RECENT_STRIDE * self.every) == 0
+        if self._last is None:
+            return True
+        since, spacing = step - self._last, self.spacing()
+        if next_log_in == 0:
+            return since >= max(1, spacing // 2)
+        return since >= spacing and (next_log_in is None or next_log_in > spacing // 2)
 
-    def add(self, step: int, allocated_bytes: int) -> LeakVerdict | None:
-        """Record a sample; the verdict the first time the history shows a leak, else ``None``."""
-        if not self.wants(step):
+    def add(self, step: int, allocated_bytes: int, next_log_in: int | None = None) -> LeakVerdict | None:
+        """Record a sample if :meth:`wants` it; the verdict the first time the history shows a leak, else ``None``."""
+        if not self.wants(step, next_log_in):
             return None
         self.recent.append((step, allocated_bytes))
         self._count += 1
-        if step % self._stride == 0:
+        self._last = step
+        if self._last_kept is None or step - self._last_kept >= self._stride:
             self.samples.append((step, allocated_bytes))
+            self._last_kept = step
             self._rate = None
             if len(self.samples) > self.max_samples:  # keep the whole run in view at half the resolution
                 self.samples = self.samples[::2]

@@ -33,6 +33,11 @@ def is_logging_step(trainer: pl.Trainer, every_n_steps: int) -> bool:
     return (batches_that_stepped(trainer) + 1) % every_n_steps == 0 or trainer.should_stop
 
 
+def steps_to_next_log(step: int, every_n_steps: int) -> int | None:
+    """Steps from the batch logged at ``step`` (:func:`batches_that_stepped`) to the next logging step after it."""
+    return every_n_steps - (step + 1) % every_n_steps if every_n_steps > 0 else None
+
+
 def is_accumulating(trainer: pl.Trainer) -> bool:
     """Whether the current training batch only accumulates gradients (no optimizer step, not logged by Lightning)."""
     if trainer.accumulate_grad_batches == 1:

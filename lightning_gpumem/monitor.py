@@ -108,12 +108,11 @@ class MemoryMonitor(Callback):
         require_number("MemoryMonitor", "leak_threshold_mib", leak_threshold_mib, 0, "MiB", above=True)
         require_int("MemoryMonitor", "leak_warmup_steps", leak_warmup_steps, 0)
         require_number("MemoryMonitor", "nvml_host_interval_s", nvml_host_interval_s, 0, "seconds")
-        self._log_every_n_steps = log_every_n_steps
+        self._log_every_n_steps, self._tensorboard_layout = log_every_n_steps, tensorboard_layout
         self._verbose, self._nvml, self._host = verbose, nvml, host
         self._progress_bar, self._summary = progress_bar, summary
         self._slow_interval_s = float(nvml_host_interval_s)
         self._leak_settings = (leak_warmup_steps, int(leak_threshold_mib * MIB)) if detect_leaks else None
-        self._tensorboard_layout = tensorboard_layout
         self._layouts_written: dict[int, tuple[str, ...]] = {}
         self._probe: Probe | None = None
         self._every_n, self._announced = 0, False
@@ -185,8 +184,9 @@ class MemoryMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
     ) -> None:
         accumulating = _logging.is_accumulating(trainer)
-        leak_sample = self._leaks is not None and not accumulating and self._leaks.wants(trainer.global_step)
-        if self._window.batch_end(accumulating):  # a logging step: its allocator read feeds the leak watch too
+        logged = self._window.batch_end(accumulating)  # a logging step: its allocator read feeds the leak watch too
+        leak_sample = not accumulating and self._leaks is not None and self._leaks.due(trainer, logged, self._every_n)
+        if logged:
             self._measure_and_log(trainer, "train", device_wide=True, leak_sample=leak_sample)
         elif leak_sample:
             self._watch_leaks(trainer, None)
