@@ -133,8 +133,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.steps, args.warmup, args.batch, args.seq = 2, 15, 3, 8, 32
-    if min(args.rounds, args.steps, args.batch, args.seq) < 1 or args.warmup < 0 or args.batch < 2:
-        parser.error("--rounds, --steps and --seq must be positive, --batch at least 2 and --warmup >= 0")
+    if min(args.rounds, args.steps, args.batch, args.seq) < 1 or args.warmup < 2 or args.batch < 2:
+        parser.error("--rounds, --steps and --seq must be positive, --batch and --warmup at least 2 (grown_back)")
     warnings.filterwarnings("ignore")
     gpu = torch.cuda.is_available()
     timed_fit("none", args, gpu)  # warm the process up

@@ -225,59 +225,63 @@ class MicrobatchPolicy:
 class UpdateWatch:
     """Whether an optimizer step that failed had begun to change its parameters or state (then it cannot be re-run).
 
-    A step pre-hook on each optimizer notes the version counters (bumped by every in-place op) of a few sentinels:
-    per parameter group, the first parameter of each device and dtype, and its state tensors. PyTorch's optimizers
-    update group by group and, within one, in parameter order or all at once (``foreach``, ``fused``), so an update
-    that has begun has changed a sentinel or its state; state created in the failed step counts as changed once
-    written to. Optimizers that do not subclass ``torch.optim.Optimizer`` have no hooks: nothing is seen.
+    :meth:`note` runs in ``on_before_optimizer_step`` (after the forward, backward and clipping, before the update):
+    it notes the version counters (bumped by every in-place op) of a few sentinels, per parameter group the first
+    parameter with a gradient of each device and dtype, and of their state, and how many parameters had state.
+    PyTorch's optimizers skip parameters without a gradient and update the rest group by group and, within one, in
+    parameter order or all at once (``foreach``, ``fused``), so an update that has begun has changed a sentinel or its
+    state (state created in the failed step counts once written to). State an optimizer created in a step that
+    changed nothing is dropped by :meth:`forget_new_state`, so that the re-run creates it whole.
     """
 
     def __init__(self) -> None:
-        self._handles: list[Any] = []
         self._sentinels: dict[int, list[torch.Tensor]] = {}
-        self._seen: list[tuple[torch.optim.Optimizer, torch.Tensor, int, dict[Any, int]]] = []
+        self._seen: list[tuple[torch.optim.Optimizer, int, list[tuple[torch.Tensor, int, dict[Any, int]]]]] = []
 
-    def attach(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        for optimizer in optimizers:
-            if hasattr(optimizer, "register_step_pre_hook"):
-                self._handles.append(optimizer.register_step_pre_hook(self._before_step))
-
-    def detach(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles, self._sentinels, self._seen = [], {}, []
+    def clear(self) -> None:
+        self._sentinels, self._seen = {}, []
 
     def start(self) -> None:
         """A new attempt at the step: forget what earlier attempts saw."""
         self._seen = []
 
-    def changed(self) -> bool:
-        """Whether a step that ran in this attempt has changed a sentinel or its state since it began."""
-        for optimizer, param, version, state_versions in self._seen:
-            if param._version != version:
-                return True
-            for key, value in optimizer.state.get(param, {}).items():
-                if isinstance(value, torch.Tensor) and value._version != state_versions.get(key, 0):
-                    return True
-        return False
-
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def note(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer is about to update: note its sentinels' versions and how many parameters have state."""
         sentinels = self._sentinels.get(id(optimizer))
-        if sentinels is None:
+        if sentinels is None or any(param.grad is None for param in sentinels):
             sentinels = self._sentinels[id(optimizer)] = _sentinels(optimizer)
+        noted = []
         for param in sentinels:
             state = optimizer.state.get(param, {})
             versions = {key: value._version for key, value in state.items() if isinstance(value, torch.Tensor)}
-            self._seen.append((optimizer, param, param._version, versions))
+            noted.append((param, param._version, versions))
+        self._seen.append((optimizer, len(optimizer.state), noted))
+
+    def changed(self) -> bool:
+        """Whether an update noted in this attempt has changed a sentinel or its state since it was noted."""
+        for optimizer, _, noted in self._seen:
+            for param, version, state_versions in noted:
+                if param._version != version:
+                    return True
+                for key, value in optimizer.state.get(param, {}).items():
+                    if isinstance(value, torch.Tensor) and value._version != state_versions.get(key, 0):
+                        return True
+        return False
+
+    def forget_new_state(self) -> None:
+        """Drop the state the failed attempt's optimizers created (possibly half: an OOM while creating it)."""
+        for optimizer, count, _ in self._seen:
+            for param in list(optimizer.state)[count:]:  # the state dict keeps the order its entries were made in
+                del optimizer.state[param]
 
 
 def _sentinels(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Per parameter group, the first parameter of each (device, dtype)."""
+    """Per parameter group, the first parameter with a gradient of each (device, dtype)."""
     found = []
     for group in optimizer.param_groups:
         kinds: set[tuple[torch.device, torch.dtype]] = set()
         for param in group["params"]:
-            if (param.device, param.dtype) not in kinds:
+            if param.grad is not None and (param.device, param.dtype) not in kinds:
                 kinds.add((param.device, param.dtype))
                 found.append(param)
     return found

@@ -58,7 +58,7 @@ class AutoMicrobatch(Callback):
     ``optimizer.step`` is recovered when the optimizer had not changed its parameters or state yet (PyTorch's
     optimizers create their state, the usual cause, before they update); one in the middle of an update propagates
     with a note, as a re-run would apply part of it twice (seen through the version counters of a few parameters and
-    their state, for optimizers that subclass ``torch.optim.Optimizer``). Under DDP it is not recovered at all. With
+    their state, noted in ``on_before_optimizer_step``). Under DDP it is not recovered at all. With
     ``accumulate_grad_batches``, an OOM in a later batch of a window re-runs the window's earlier batches too (their
     gradients went with the failed attempt's); the window's batches are kept until it ends. Manual optimization and
     strategies other than DDP (FSDP, DeepSpeed) are not supported: the callback says so once and an OOM propagates as
@@ -167,7 +167,6 @@ class AutoMicrobatch(Callback):
         self._patch(pl_module, "log", self._log)
         self._patch(pl_module, "backward", self._backward_hook)
         self._patch(loop, "run", self._run)
-        self._updates.attach(trainer.optimizers)
         self._patch(loop, "_on_before_zero_grad", self._skip_if_zeroed("_on_before_zero_grad"))
         self._patch(loop, "_optimizer_zero_grad", self._skip_if_zeroed("_optimizer_zero_grad"))
 
@@ -216,7 +215,7 @@ class AutoMicrobatch(Callback):
             if name in previous:
                 setattr(owner, name, previous[name])
         self._saved.clear()
-        self._updates.detach()
+        self._updates.clear()
         self._trainer = self._probe = None
         self._window, self._calls, self._measure = [], [], {}
 
@@ -282,6 +281,7 @@ class AutoMicrobatch(Callback):
                 " (parameters or optimizer state already changed), which a re-run would apply twice."
             )
             raise error
+        self._updates.forget_new_state()  # (an OOM while the optimizer created its state leaves it half made)
         length = batch_length(batch) or 1
         try:
             split_batch(batch, 2)
@@ -397,6 +397,13 @@ class AutoMicrobatch(Callback):
             ) from error
         self._agreed = True
         return dict(zip(("failed", "k", "wait", "give_up"), reduced, strict=True))
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self._in_run:  # the update starts now: what it changes, a re-run could not undo
+            self._updates.note(optimizer)
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -220,21 +220,20 @@ def test_an_oom_in_the_middle_of_the_optimizer_update_propagates_with_why(tmp_pa
     assert callback.oom_recoveries == 0
 
 
-def _watched_step(optimizer_class, device="cpu", fail_after=None, **kwargs):
+def _watched_step(optimizer_class, device="cpu", frozen_first=False, **kwargs):
     """Whether UpdateWatch calls a step of ``optimizer_class`` changed (first step: state created in it)."""
     params = [torch.nn.Parameter(torch.randn(4, 3, device=device)), torch.nn.Parameter(torch.randn(3, device=device))]
     optimizer = optimizer_class(params, lr=0.1, **kwargs)
     watch = UpdateWatch()
-    watch.attach([optimizer])
     results = []
     for _ in range(2):
-        for param in params:
+        for param in params[1:] if frozen_first else params:  # a parameter without a gradient is skipped by the step
             param.grad = torch.ones_like(param)
         watch.start()
-        results.append(watch.changed())  # no step yet in this attempt
+        watch.note(optimizer)  # as `on_before_optimizer_step` does
+        results.append(watch.changed())  # no update yet
         optimizer.step()
         results.append(watch.changed())
-    watch.detach()
     return results
 
 
@@ -250,6 +249,53 @@ def _watched_step(optimizer_class, device="cpu", fail_after=None, **kwargs):
 )
 def test_update_watch_sees_every_real_optimizer_update(optimizer_class, kwargs):
     assert _watched_step(optimizer_class, **kwargs) == [False, True, False, True]
+    assert _watched_step(optimizer_class, frozen_first=True, **kwargs) == [False, True, False, True]
+
+
+class HalfStateAdam(torch.optim.Adam):
+    """Adam that at step ``fail_at`` runs out of memory while creating its state: one entry made, the rest not."""
+
+    def __init__(self, params, fail_at, **kwargs):
+        super().__init__(params, **kwargs)
+        self.fail_at, self.calls = fail_at, 0
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        self.calls += 1
+        if self.calls - 1 == self.fail_at:
+            self.state[self.param_groups[0]["params"][0]]["step"] = torch.tensor(0.0)
+            raise _oom()
+        super().step()
+        return loss
+
+
+@pytest.mark.parametrize("touch_in_forward", [False, True])
+def test_an_oom_while_the_optimizer_creates_its_state_is_recovered(tmp_path, touch_in_forward):
+    """The half-made state is dropped; a parameter changed in place in the forward (not by the update) is no update."""
+
+    class Model(Net):
+        def __init__(self, fail_at=None):
+            super().__init__()
+            self.fail_at = fail_at
+
+        def training_step(self, batch, batch_idx):
+            if touch_in_forward:
+                with torch.no_grad():
+                    self.layer.weight.mul_(1.0)  # as `nn.Embedding(max_norm=...)` renormalises in place
+            return super().training_step(batch, batch_idx)
+
+        def configure_optimizers(self):
+            return HalfStateAdam(self.parameters(), fail_at=self.fail_at, lr=0.01)
+
+    seed_everything(0)
+    reference = Model()
+    _fit(tmp_path / "reference", reference)
+    seed_everything(0)
+    model, callback = Model(fail_at=0), AutoMicrobatch()
+    with pytest.warns(UserWarning, match="in the optimizer step"):
+        _fit(tmp_path / "split", model, [callback])
+    assert callback.oom_recoveries == 1
+    torch.testing.assert_close(_weights(model), _weights(reference), atol=1e-5, rtol=0)
 
 
 def test_bf16_and_gradient_clipping_still_match(tmp_path):
