@@ -48,15 +48,16 @@ def summary_context(trainer: pl.Trainer) -> dict[str, Any]:
 
 def tell_oom_recovered(trainer: pl.Trainer) -> None:
     """Tell the callbacks that listen (``_gpumem_oom_recovered()``) that the OOM just raised was recovered."""
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        listen = getattr(callback, "_gpumem_oom_recovered", None)
-        if callable(listen):
-            listen()
+    _tell(trainer, "_gpumem_oom_recovered")
 
 
 def tell_peak_reset(trainer: pl.Trainer) -> None:
     """Tell the callbacks that listen (``_gpumem_before_peak_reset()``) that the peak counters are about to be reset."""
+    _tell(trainer, "_gpumem_before_peak_reset")
+
+
+def _tell(trainer: pl.Trainer, method: str) -> None:
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        listen = getattr(callback, "_gpumem_before_peak_reset", None)
+        listen = getattr(callback, method, None)
         if callable(listen):
             listen()

@@ -276,9 +276,10 @@ class AutoMicrobatch(Callback):
                 " (see the error above)."
             ) from error
         if after_backward and self._updates.changed():  # a re-run would apply part of the update twice
-            getattr(error, "add_note", lambda note: None)(
+            _add_note(
+                error,
                 f"AutoMicrobatch: not recovered: out of memory at step {step} in the middle of the optimizer's update"
-                " (parameters or optimizer state already changed), which a re-run would apply twice."
+                " (parameters or optimizer state already changed), which a re-run would apply twice.",
             )
             raise error
         self._updates.forget_new_state()  # (an OOM while the optimizer created its state leaves it half made)
@@ -286,7 +287,7 @@ class AutoMicrobatch(Callback):
         try:
             split_batch(batch, 2)
         except ValueError as reason:  # nothing can be split: the OOM propagates, with why
-            getattr(error, "add_note", lambda note: None)(f"AutoMicrobatch: not recovered: {reason}.")
+            _add_note(error, f"AutoMicrobatch: not recovered: {reason}.")
             raise error from None
         limit = min(length, self.max_microbatches or length)
         k = self.policy.after_oom(step, limit)
@@ -296,9 +297,10 @@ class AutoMicrobatch(Callback):
                 k = int(agreed["k"])
                 self.policy.adopt(k, int(agreed["wait"]), step, count=False)
         if k is None:
-            getattr(error, "add_note", lambda note: None)(
+            _add_note(
+                error,
                 f"AutoMicrobatch: out of memory at step {step} even with the batch of {length} split into {failed_k}"
-                f" micro-batch(es){' (max_microbatches)' if limit < length else ''}; nothing smaller to try."
+                f" micro-batch(es){' (max_microbatches)' if limit < length else ''}; nothing smaller to try.",
             )
             raise error
         self._clean_up(trainer)
@@ -596,6 +598,12 @@ def _all_reduce_gradients(trainer: pl.Trainer, bucket_bytes: int = 25 * 2**20) -
                     g.copy_(flat[offset : offset + g.numel()].view_as(g))
                     offset += g.numel()
                 bucket, size = [], 0
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    """Add ``note`` to the error the user will see (Python 3.11+; earlier, the error goes on without it)."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
 
 
 def _counters(loop: Any) -> list[tuple[Any, dict[str, int]]]:

@@ -164,6 +164,7 @@ class BatchSizeTuner(Callback):
         """The last search's trials and stop reason."""
         self.budget_bytes: int | None = None
         """The budget the last search used, in bytes (``None`` on CPU)."""
+        self._planned: dict[str, int] = {}  # the allocator's OOM and retry counts when the trials ended
         self._accumulation: int | None = None
         self._restored: dict[str, Any] | None = None
         self._tuning = False
@@ -187,7 +188,7 @@ class BatchSizeTuner(Callback):
         Whether a batch size was tuned, and the allocator's OOM and retry counts when the trials ended (planned, so
         not the run's).
         """
-        context: dict[str, Any] = dict(getattr(self, "_planned", {}))
+        context: dict[str, Any] = dict(self._planned)
         if self.optimal_batch_size is not None:
             context["tuned"] = True
         return context
