@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -143,9 +144,11 @@ class SpikeModel(BoringModel):
 
 
 def kept(largest: int, headroom: float = 0.05) -> int:
-    """The size `BatchSizeTuner` keeps when `largest` is the largest that runs: (1 - headroom) * largest, rounded."""
-    size = math.floor((1.0 - headroom) * largest + 0.5)
-    return max(1, min(size, largest - 1) if headroom > 0 else size)
+    """The size `BatchSizeTuner` keeps when `largest` is the largest that runs: the least >= (1 - headroom) * largest.
+
+    Exact arithmetic (the decimal headroom as a fraction), so that 0.95 * 40 is 38.
+    """
+    return max(1, math.ceil((1 - Fraction(str(headroom))) * largest))
 
 
 def read_csv_metrics(log_dir: str | Path) -> list[dict[str, str]]:

@@ -10,6 +10,8 @@ The search is a *bracket*, ``lo`` (the largest size accepted so far) and ``hi`` 
 (:func:`next_move`), and each move is a small function with a one-line reason:
 
 - ``step_back``: the model's last size was just too large; 1% below it usually ends the search.
+- ``near_cap``: ``lo``'s reserved peak is near the cap, where it is squeezed: jump to where live tensors plus the
+  memory reserved but not live at ``lo`` (fragmentation) reach the limit.
 - ``edge``: the safe prediction has nothing above ``lo`` (or ``lo`` is near the cap, where reserved peaks are
   squeezed): try ``lo + 1``; if it fails the search is over.
 - ``optimistic``: ``lo + 1`` ran although the safe model said no: jump to where live tensors alone reach the limit.
@@ -174,11 +176,17 @@ class Model:
             guess = max(guess, 2 * lo.batch_size)
         return guess
 
-    def optimistic_size(self) -> int | None:
-        """The largest size whose live tensors alone stay under the limit."""
+    def optimistic_size(self, waste: int = 0) -> int | None:
+        """The largest size whose live tensors plus ``waste`` bytes stay under the limit."""
         if self.limit is None or not self.need:
             return None
-        return _largest_where(self.need, self.limit)
+        return _largest_where(self.need, self.limit - waste)
+
+    def waste_at(self, trial: Trial) -> int:
+        """Reserved but not live at ``trial``'s peaks: near the cap, the fragmentation the allocator could not undo."""
+        if trial.peak_bytes is None or trial.allocated_bytes is None:
+            return 0
+        return max(0, trial.peak_bytes - trial.allocated_bytes)
 
     def next_one_crosses(self, lo: Trial) -> bool:
         """One more sample than ``lo`` cannot fit, even with no waste at all: the search can stop."""
@@ -204,6 +212,7 @@ class Bracket:
     last_accepted: bool = False
     last_size: int = 0
     edge_at: int | None = None  # the lo whose lo + 1 was tried
+    lo_move: str = "start"  # the move that found lo
     refuted: bool = False  # an edge ran where a fitted safe model said it would not: no more edges
 
     @property
@@ -219,7 +228,7 @@ def _step_back(b: Bracket, model: Model, tolerance: float) -> Move | None:
     # After the optimistic model failed, or the safe one ran but peaked over the limit (it was close); a safe guess
     # that ran out of memory may have been far off: bisection then.
     last = next((t for t in model.trials if t.batch_size == b.last_size), None)
-    close = b.last_move == "optimistic" or (b.last_move == "safe" and last is not None and last.fits)
+    close = b.last_move in ("optimistic", "near_cap") or (b.last_move == "safe" and last is not None and last.fits)
     if b.last_accepted or not close:
         return None
     size = b.last_size - max(1, math.ceil(tolerance * b.last_size))
@@ -240,6 +249,30 @@ def _edge(b: Bracket, model: Model, tolerance: float) -> Move | None:
         return None  # no model at all: doubling and bisection decide
     why = "reserved peaks near the cap are squeezed" if squeezed else "the safe model has nothing above it"
     return "edge", b.lo + 1, f"{why}: if {b.lo + 1} fails the search is over"
+
+
+def _near_cap(b: Bracket, model: Model, tolerance: float) -> Move | None:
+    # Near the cap the reserved peak is squeezed (the allocator gives cache back before it fails), so reserved lines
+    # say little there; what a larger size needs is its live tensors plus the fragmentation seen at lo.
+    lo = _lo_trial(model, b)
+    if model.need is None or not _near_limit(lo, model.limit):
+        return None
+    waste = model.waste_at(lo)
+    size = model.optimistic_size(waste)
+    if size is None or (b.hi is not None and size >= b.hi):
+        return None
+    if size > b.lo + 1:
+        return (
+            "near_cap",
+            size,
+            (
+                f"near the cap: live tensors plus the {waste / 2**30:.2f} GiB reserved but not live at {b.lo} reach the"
+                f" limit at {size}"
+            ),
+        )
+    if b.edge_at == b.lo or b.lo + 1 > b.top or b.lo_move not in ("start", "safe", "near_cap"):
+        return None  # only from a size a model chose: no crawling one size per trial
+    return "edge", b.lo + 1, f"near the cap, no room above {b.lo + 1}: if it fails the search is over"
 
 
 def _optimistic(b: Bracket, model: Model, tolerance: float) -> Move | None:
@@ -269,7 +302,7 @@ def _fallback(b: Bracket, model: Model, tolerance: float) -> Move:
     return "bisect", (b.lo + b.hi) // 2, "no usable model: bisect"
 
 
-MOVES = (_step_back, _edge, _safe, _optimistic)  # the first that applies
+MOVES = (_step_back, _near_cap, _edge, _safe, _optimistic)  # the first that applies
 
 
 def _lo_trial(model: Model, b: Bracket) -> Trial:
@@ -375,7 +408,7 @@ def search_batch_size(
         if name == "edge" and ok and (model.need is not None or model.reserved is not None):
             bracket.refuted = True
         if ok:
-            bracket.lo = size
+            bracket.lo, bracket.lo_move = size, name
         else:
             bracket.hi = size
         bracket.last_move, bracket.last_accepted, bracket.last_size = name, ok, size

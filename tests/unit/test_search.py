@@ -264,8 +264,10 @@ def test_measured_resnet_trials_jump_past_the_squeezed_reserved_line():
     """Peaks measured on the H200 (ResNet-50, bf16, 24 GiB budget, cap 22.8 GiB): 532 ran, 536 did not.
 
     At 450 the reserved peak (21.8 GiB) is already within 5% of the cap, where the allocator gives cache back instead
-    of failing, so the reserved line crept up a few sizes per trial (16 trials). Now lo + 1 runs, the allocated line
-    points at 537, it fails, and one step back ends the search.
+    of failing, so the reserved line crept up a few sizes per trial (16 trials). Now live tensors plus the memory
+    reserved but not live at 450 point at 473; from there lo + 1 runs, the allocated line points at 537, it fails,
+    and one step back ends the search. (These peaks came from a process whose trials left cuBLAS workspaces pinning
+    segments; the reserved-but-not-live share is larger here than the search meets since.)
     """
     measured = {2: (0.59, 0.584), 77: (4.303, 3.696), 450: (21.805, 19.179)}  # reserved, allocated GiB
 
@@ -278,7 +280,7 @@ def test_measured_resnet_trials_jump_past_the_squeezed_reserved_line():
 
     result = search_batch_size(run, init_val=2, upper=65536, limit_bytes=int(0.95 * 24 * GIB))
     assert 0.99 * 534 <= result.batch_size <= 534
-    assert len(result.trials) <= 6
+    assert len(result.trials) <= 7
     assert result.num_ooms == 1
 
 
@@ -430,3 +432,59 @@ def test_a_validation_buffer_and_a_steeper_training_line_take_at_most_six_trials
     assert 0.99 * best <= result.batch_size <= best, sizes
     assert len(result.trials) <= 6, sizes
     assert result.num_ooms <= 2, sizes
+
+
+def _replay(measured: dict[int, tuple[int, int, int, int] | None]):
+    """Trials measured on the H200: size -> (reserved, allocated, train allocated, val allocated) or None (OOM)."""
+
+    def run(bs: int) -> Trial:
+        if bs not in measured:
+            pytest.fail(f"the search tried {bs}, which was not measured")
+        peaks = measured[bs]
+        if peaks is None:
+            return Trial(bs, fits=False)
+        reserved, allocated, train, val = peaks
+        return Trial(bs, True, reserved, allocated_bytes=allocated, train_peak_bytes=train, val_peak_bytes=val)
+
+    return run
+
+
+def test_measured_gpt_trials_from_a_fresh_layout_find_the_true_maximum_with_one_oom():
+    """H200, GPT-235M, bf16, 24 GiB cap, every trial from a fresh layout (benchmarks/results/tuner-24gib.json).
+
+    Fresh processes fit 38, 39 and 40 and run out of memory at 41 (the true maximum is 40). From 38 (reserved
+    within 5% of the cap), live tensors plus the 3.0 GiB reserved but not live there point at 40; from 40 nothing
+    is left above 41, whose OOM ends the search.
+    """
+    measured = {
+        2: (5211422720, 5187911168, 5187911168, 3164066816),
+        9: (9156165632, 8308955136, 8308955136, 4103679488),
+        38: (24637341696, 21374038016, 21374038016, 7996349952),
+        39: (24859639808, 21875433472, 21875433472, 8133955072),
+        40: (25591545856, 22316797952, 22316797952, 8264809984),
+        **dict.fromkeys(range(41, 48)),
+    }
+    result = search_batch_size(_replay(measured), init_val=2, upper=16384, limit_bytes=24 * GIB)
+    assert [t.batch_size for t in result.trials] == [2, 9, 38, 40, 41]
+    assert result.batch_size == 40
+    assert result.num_ooms == 1
+
+
+def test_measured_longval_trials_find_the_true_maximum_with_one_oom():
+    """H200, GPT-235M validated on 8x longer sequences, 24 GiB cap: validation sets the size; 19 runs, 20 does not.
+
+    13's reserved peak is near the cap but mostly the training steps' cache (live tensors 16.9 GiB): lo + 1 runs,
+    the safe model then points at 19, and from 19 (chosen by a model) only 20 is left, whose OOM ends the search.
+    """
+    measured = {
+        2: (7413432320, 5246631424, 5246631424, 5087269888),
+        6: (14040432640, 9382518272, 7006717952, 9382518272),
+        13: (25214058496, 16899198464, 10090010624, 16899198464),
+        14: (19472056320, 17973009920, 10526885888, 17973009920),
+        19: (25232932864, 23344164352, 12753205248, 23344164352),
+        **dict.fromkeys(range(20, 30)),
+    }
+    result = search_batch_size(_replay(measured), init_val=2, upper=16384, limit_bytes=24 * GIB)
+    assert [t.batch_size for t in result.trials] == [2, 6, 13, 14, 19, 20]
+    assert result.batch_size == 19
+    assert result.num_ooms == 1

@@ -108,17 +108,20 @@ def test_finds_the_exact_oom_boundary_and_fits_with_it():
     trainer = _trainer(tuner)
     trainer.fit(model)
     assert {(41, True), (42, False)} <= {(t.batch_size, t.fits) for t in tuner.trials}  # the boundary
-    assert tuner.optimal_batch_size == model.batch_size == kept(41) == 39  # less 5% of it, rounded
+    assert tuner.optimal_batch_size == model.batch_size == kept(41) == 39  # 38.95: at most 5% of it given up
     assert tuner.result.reason == "bracketed"
     assert any(not t.fits for t in tuner.trials)
     assert all(t.fits for t in tuner.trials if t.batch_size <= 41)
     assert trainer.global_step == -(-640 // 39)  # the real fit ran one epoch at 39
 
 
-@pytest.mark.parametrize(("headroom", "expected"), [(0.0, 9), (0.05, 8), (0.5, 5)])
-def test_a_small_boundary_keeps_at_least_one_size_of_headroom(headroom, expected):
-    # 0.95 * 9 rounds to 9: near the cap whether a size runs differs from process to process, so one size is kept
-    model = OOMModel(train_limit=9)
+@pytest.mark.parametrize(
+    ("limit", "headroom", "expected"),
+    [(9, 0.0, 9), (9, 0.05, 9), (9, 0.5, 5), (40, 0.05, 38), (40, 0.02, 40), (19, 0.05, 19), (21, 0.05, 20)],
+)
+def test_the_size_kept_is_the_smallest_that_gives_up_at_most_the_headroom(limit, headroom, expected):
+    # 0.95 * 9 = 8.55: giving up one size would be 11%; 0.95 * 40 = 38 exactly (not 38.000000000000004 -> 39)
+    model = OOMModel(train_limit=limit)
     tuner = BatchSizeTuner(headroom=headroom, include_validation=False)
     _trainer(tuner, limit_val_batches=0, max_steps=1).fit(model)
     assert tuner.optimal_batch_size == model.batch_size == expected
@@ -261,8 +264,8 @@ def test_keep_effective_batch_adjusts_accumulation():
     tuner = BatchSizeTuner(keep_effective_batch=True)
     trainer = _trainer(tuner, accumulate_grad_batches=8)
     trainer.fit(model)
-    assert model.batch_size == kept(16) == 15
-    assert trainer.accumulate_grad_batches == 2  # 15 x 2 is the nearest to 4 x 8
+    assert model.batch_size == kept(16) == 16
+    assert trainer.accumulate_grad_batches == 2  # 16 x 2 = 4 x 8
 
 
 def test_writes_to_the_datamodule_like_lightning():
@@ -414,7 +417,7 @@ def test_trials_run_under_the_budget_and_the_size_kept_is_run_once_more():
     tuner = FakeTuner(probe, budget="24GiB", headroom=0.1, include_validation=False)
     _trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
     largest = int((24 * GIB - 2 * GIB) // (300 * MIB))  # 75
-    assert tuner.optimal_batch_size == kept(largest, 0.1) == 68  # 67.5, rounded
+    assert tuner.optimal_batch_size == kept(largest, 0.1) == 68  # 67.5: at most 10% given up
     assert probe.fractions == pytest.approx([24 / 80, 1.0])  # the budget during trials, then the device's own
     assert tuner.trials[-1].batch_size == 68  # the size kept, run from the fit's starting state
     assert tuner.trials[-1].fits
@@ -504,3 +507,23 @@ def test_the_tuner_tells_the_summary_the_allocator_counts_its_trials_left():
     tuner = FakeTuner(probe, budget="24GiB", headroom=0.1, include_validation=False)
     _trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
     assert tuner._summary_context() == {"planned_ooms": 0, "planned_retries": 3, "tuned": True}
+
+
+def test_each_trial_and_the_fit_start_without_cache_or_cublas_workspaces(monkeypatch):
+    from lightning_gpumem.tuning import tuner as tuner_module
+
+    calls: list[str] = []
+
+    class Probe:
+        device = torch.device("cuda", 0)
+
+        def release_cache(self) -> None:
+            calls.append("empty_cache")
+
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append("workspaces"), raising=False)
+    tuner_module._start_clean(Probe())
+    assert calls == ["workspaces", "empty_cache"]  # the workspaces first, so that their segments can be released
+    calls.clear()
+    Probe.device = torch.device("cpu")
+    tuner_module._start_clean(Probe())
+    assert calls == ["empty_cache"]

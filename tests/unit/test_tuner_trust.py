@@ -178,7 +178,7 @@ def test_every_trial_trains_in_train_mode_after_a_validation_oom():
     assert any(not t.fits for t in tuner.trials if t.batch_size > 12)  # validation did run out of memory
     assert model.trial_modes
     assert [n for n, training in model.trial_modes if not training] == []
-    assert tuner.optimal_batch_size == model.batch_size == kept(12) == 11
+    assert tuner.optimal_batch_size == model.batch_size == kept(12) == 12
 
 
 # --------------------------------------------------------------------------------------------------- finding 3
