@@ -23,8 +23,10 @@ for part in "${parts[@]}"; do
     microbatch) timeout ${MICROBATCH_S:-200} python3 benchmarks/microbatch_overhead.py --rounds 7 --json "$OUT/microbatch-overhead.json" \
       > "$OUT/microbatch-overhead.log" 2>&1 ;;
     profile) timeout ${PROFILE_S:-120} python3 benchmarks/profile_monitor.py --default-only > "$OUT/profile-monitor.log" 2>&1 ;;
-    tuner) timeout ${TUNER_S:-550} python3 benchmarks/tuner.py --models gpt,gpt-longval --budget-gib 24 --json "$OUT/tuner-24gib.json" \
-      > "$OUT/tuner-24gib.log" 2>&1 ;;
+    tuner) timeout ${TUNER_S:-250} python3 benchmarks/tuner.py --models gpt,gpt-longval --budget-gib 24 --finders ours,binsearch \
+      --headroom 0.05,0.02 --time-limit 205 --json "$OUT/tuner-24gib.json" > "$OUT/tuner-24gib.log" 2>&1;
+      timeout ${TUNER_S:-250} python3 benchmarks/tuner.py --models gpt,gpt-longval --budget-gib 12 --parallel 10 \
+      --finders ours,binsearch --headroom 0.05,0.02 --time-limit 195 --json "$OUT/tuner-12gib.json" > "$OUT/tuner-12gib.log" 2>&1 ;;
     *) echo "unknown part: $part" >&2; false ;;
   esac
   status=$?
