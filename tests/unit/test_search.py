@@ -488,3 +488,21 @@ def test_measured_longval_trials_find_the_true_maximum_with_one_oom():
     assert [t.batch_size for t in result.trials] == [2, 6, 13, 14, 19, 20]
     assert result.batch_size == 19
     assert result.num_ooms == 1
+
+
+@pytest.mark.parametrize(
+    ("fixed", "per_sample", "waste", "cache"),
+    [
+        (3.5 * GIB, 0.42 * GIB, 3.0 * GIB, 0.0),  # GPT-like: 3 GiB of split blocks that no pressure gives back
+        (3.5 * GIB, 0.42 * GIB, 3.0 * GIB, 0.3 * GIB),  # the same with a little cache on top
+        (0.5 * GIB, 0.042 * GIB, 1.0 * GIB, 0.0),  # ResNet-like sizes
+    ],
+)
+def test_fragmentation_that_pressure_does_not_undo_is_hit_exactly_with_one_oom(fixed, per_sample, waste, cache):
+    cap = int(0.95 * CARD)
+    run = capped_allocator(fixed, per_sample, waste, cache, cap)
+    best = max(bs for bs in range(1, 2000) if run(bs).fits)
+    result = search_batch_size(run, init_val=2, upper=100_000, limit_bytes=cap)
+    assert result.batch_size == best
+    assert len(result.trials) <= 4
+    assert result.num_ooms == 1  # the size above the best, which ends the search
