@@ -10,8 +10,8 @@ The search is a *bracket*, ``lo`` (the largest size accepted so far) and ``hi`` 
 (:func:`next_move`), and each move is a small function with a one-line reason:
 
 - ``step_back``: the model's last size was just too large; 1% below it usually ends the search.
-- ``near_cap``: ``lo``'s reserved peak is near the cap, where it is squeezed: jump to where live tensors plus the
-  memory reserved but not live at ``lo`` (fragmentation) reach the limit.
+- ``near_cap``: ``lo``'s reserved peak is near the cap, where it is squeezed: jump (once, from a size the safe model
+  chose) to where live tensors plus the memory reserved but not live at ``lo`` (fragmentation) reach the limit.
 - ``edge``: the safe prediction has nothing above ``lo`` (or ``lo`` is near the cap, where reserved peaks are
   squeezed): try ``lo + 1``; if it fails the search is over.
 - ``optimistic``: ``lo + 1`` ran although the safe model said no: jump to where live tensors alone reach the limit.
@@ -261,7 +261,7 @@ def _near_cap(b: Bracket, model: Model, tolerance: float) -> Move | None:
     size = model.optimistic_size(waste)
     if size is None or (b.hi is not None and size >= b.hi):
         return None
-    if size > b.lo + 1:
+    if size > b.lo + 1 and b.lo_move in ("start", "safe"):  # once: from its own result it would step by the slack
         return (
             "near_cap",
             size,

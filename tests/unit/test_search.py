@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 
@@ -506,3 +508,53 @@ def test_fragmentation_that_pressure_does_not_undo_is_hit_exactly_with_one_oom(f
     assert result.batch_size == best
     assert len(result.trials) <= 4
     assert result.num_ooms == 1  # the size above the best, which ends the search
+
+
+def test_a_near_cap_jump_is_not_repeated_from_its_own_result():
+    """Reserved squeezed to 10 MiB under the cap: the waste at lo then points a fixed 10 samples up, trial after
+    trial (the review's reproduction: 25 trials stepping by 10, stopping at 86% of the maximum)."""
+    limit = 22 * GIB
+
+    def run(bs):  # live 1 GiB + 1 MiB per sample; runs with 1 GiB more; reserved squeezed to 10 MiB under the cap
+        live = GIB + bs * MIB
+        if live + GIB > limit:
+            return Trial(bs, fits=False)
+        return Trial(bs, True, peak_bytes=min(live + 4 * GIB, limit - 10 * MIB), allocated_bytes=live)
+
+    best = (limit - 2 * GIB) // MIB
+    result = search_batch_size(run, init_val=2, upper=100_000, limit_bytes=limit)
+    assert 0.99 * best <= result.batch_size <= best
+    assert result.reason == "bracketed"
+    assert len(result.trials) <= 15
+
+
+def test_the_benchmark_trials_replay_exactly():
+    """Each tuner search in benchmarks/results/ replays, from its measured peaks, to the very sizes it tried: a
+    change to the search that would change those figures fails here (and needs the GPU benchmark run again)."""
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    replayed = 0
+    for path in sorted(results.glob("tuner-*gib*.json")):
+        data = json.loads(path.read_text())
+        for workload in data["workloads"].values():
+            for finder in workload["finders"].values():
+                measured = {t["batch_size"]: t for t in finder.get("tuner_trials") or []}
+                if not measured:
+                    continue
+
+                def run(bs, measured=measured):
+                    t = measured[bs]
+                    return Trial(
+                        bs,
+                        t["fits"],
+                        t["peak_bytes"],
+                        allocated_bytes=t["allocated_bytes"],
+                        train_peak_bytes=t["train_peak_bytes"],
+                        val_peak_bytes=t["val_peak_bytes"],
+                    )
+
+                search = list(measured)  # the sizes in the order tried; the headroom's own trial, if any, is last
+                result = search_batch_size(run, init_val=2, upper=16384, limit_bytes=data["settings"]["budget_bytes"])
+                assert [t.batch_size for t in result.trials] == search[: len(result.trials)], path.name
+                assert len(result.trials) >= len(search) - 1, path.name
+                replayed += 1
+    assert replayed >= 9
