@@ -12,8 +12,7 @@ The search is a *bracket*, ``lo`` (the largest size accepted so far) and ``hi`` 
 - ``step_back``: the model's last size was just too large; 1% below it usually ends the search.
 - ``near_cap``: ``lo``'s reserved peak is near the cap, where it is squeezed: jump (once, from a size the safe model
   chose) to where live tensors plus the memory reserved but not live at ``lo`` (fragmentation) reach the limit.
-- ``edge``: the safe prediction has nothing above ``lo`` (or ``lo`` is near the cap, where reserved peaks are
-  squeezed): try ``lo + 1``; if it fails the search is over.
+- ``edge``: the safe prediction has nothing above ``lo``: try ``lo + 1``; if it fails the search is over.
 - ``optimistic``: ``lo + 1`` ran although the safe model said no: jump to where live tensors alone reach the limit.
 - ``safe``: the largest size the safe model predicts under the limit.
 - ``bisect`` / ``double``: no usable model (no peaks, as on CPU; or a model that a failure contradicted).
@@ -68,6 +67,11 @@ class Trial:
     allocated_bytes: int | None = None
     train_peak_bytes: int | None = None
     val_peak_bytes: int | None = None
+
+
+def accepted(trial: Trial, limit_bytes: int | None) -> bool:
+    """The trial ran without OOM and, if a limit is given, its measured peak is at most the limit."""
+    return trial.fits and (limit_bytes is None or trial.peak_bytes is None or trial.peak_bytes <= limit_bytes)
 
 
 @dataclass(frozen=True)
@@ -242,13 +246,11 @@ def _edge(b: Bracket, model: Model, tolerance: float) -> Move | None:
     if b.refuted or b.edge_at == b.lo or b.lo + 1 > b.top:
         return None  # the safe model's "nothing above" was wrong once: no crawling one size per trial
     safe = model.safe_size(lo)
-    squeezed = model.need is not None and _near_limit(lo, model.limit)
-    if not squeezed and safe is not None and safe > b.lo:
+    if safe is not None and safe > b.lo:
         return None
     if safe is None and model.reserved is None and model.need is None:
         return None  # no model at all: doubling and bisection decide
-    why = "reserved peaks near the cap are squeezed" if squeezed else "the safe model has nothing above it"
-    return "edge", b.lo + 1, f"{why}: if {b.lo + 1} fails the search is over"
+    return "edge", b.lo + 1, f"the safe model has nothing above it: if {b.lo + 1} fails the search is over"
 
 
 def _near_cap(b: Bracket, model: Model, tolerance: float) -> Move | None:
@@ -362,9 +364,6 @@ def search_batch_size(
         raise ValueError(f"`upper={upper}` must be at least 1.")
     trials: dict[int, Trial] = {}
 
-    def accepted(trial: Trial) -> bool:
-        return trial.fits and (limit_bytes is None or trial.peak_bytes is None or trial.peak_bytes <= limit_bytes)
-
     def run(batch_size: int) -> Trial:
         trial = run_trial(batch_size)
         trials[batch_size] = trial
@@ -376,7 +375,7 @@ def search_batch_size(
     # 1. Find one accepted size, going down from init_val.
     size = max(1, min(init_val, upper))
     hi: int | None = None
-    while not accepted(run(size)):
+    while not accepted(run(size), limit_bytes):
         hi = size
         if size == 1:
             return result(None, "nothing_fits")
@@ -404,7 +403,7 @@ def search_batch_size(
             on_move((name, size, reason))
         if name == "edge":
             bracket.edge_at = lo
-        ok = accepted(run(size))
+        ok = accepted(run(size), limit_bytes)
         if name == "edge" and ok and (model.need is not None or model.reserved is not None):
             bracket.refuted = True
         if ok:

@@ -30,7 +30,7 @@ from lightning_gpumem._units import GIB, format_gib, parse_budget
 from lightning_gpumem.probe import Probe, make_probe
 from lightning_gpumem.tuning import _session
 from lightning_gpumem.tuning._session import TrialSession
-from lightning_gpumem.tuning.search import SearchResult, Trial, search_batch_size
+from lightning_gpumem.tuning.search import SearchResult, Trial, accepted, search_batch_size
 
 MAX_TRIALS = 25
 
@@ -433,17 +433,17 @@ class BatchSizeTuner(Callback):
 
         Nothing is given up where memory did not bound the search (it stopped at ``max_val`` or the dataset size).
         The size kept runs from the fit's own starting state under the fit's cap, unless a trial of the search ran
-        it (every trial starts from that state); in the rare case it does not run (the allocator's layout differs
-        from size to size), the search goes on below it.
+        it (every trial starts from that state); where it does not run (the allocator's layout differs from size to
+        size: large single allocations near a tight cap), the search goes on below it.
         """
         largest = result.batch_size
         if largest is None or result.reason == "upper_bound":
             return result
         size = self._headroom_size(largest)
-        if size == largest or any(t.batch_size == size and _accepted(t, limit) for t in result.trials):
+        if size == largest or any(t.batch_size == size and accepted(t, limit) for t in result.trials):
             return SearchResult(size, result.trials, result.reason)  # already ran from the fit's starting layout
         trial = self._run_trial(session, probe, size)
-        if _accepted(trial, limit):
+        if accepted(trial, limit):
             return SearchResult(size, (*result.trials, trial), result.reason)
         left = MAX_TRIALS - len(result.trials) - 1
         if size <= 1 or left < 1:
@@ -530,10 +530,6 @@ def _largest_size_with_batches(samples: int, limit: int | float, need: int) -> i
 
 def _int_or_none(value: float | None) -> int | None:
     return None if value is None else int(value)
-
-
-def _accepted(trial: Trial, limit: int | None) -> bool:
-    return trial.fits and (limit is None or trial.peak_bytes is None or trial.peak_bytes <= limit)
 
 
 def _max(a: int | None, b: int | None) -> int | None:

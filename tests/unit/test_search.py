@@ -537,23 +537,16 @@ def test_the_benchmark_trials_replay_exactly():
         data = json.loads(path.read_text())
         for workload in data["workloads"].values():
             for finder in workload["finders"].values():
-                measured = {t["batch_size"]: t for t in finder.get("tuner_trials") or []}
+                keys = ("peak_bytes", "allocated_bytes", "train_peak_bytes", "val_peak_bytes")
+                measured = {
+                    t["batch_size"]: tuple(t[k] for k in keys) if t["fits"] else None
+                    for t in finder.get("tuner_trials") or []
+                }
                 if not measured:
                     continue
-
-                def run(bs, measured=measured):
-                    t = measured[bs]
-                    return Trial(
-                        bs,
-                        t["fits"],
-                        t["peak_bytes"],
-                        allocated_bytes=t["allocated_bytes"],
-                        train_peak_bytes=t["train_peak_bytes"],
-                        val_peak_bytes=t["val_peak_bytes"],
-                    )
-
                 search = list(measured)  # the sizes in the order tried; the headroom's own trial, if any, is last
-                result = search_batch_size(run, init_val=2, upper=16384, limit_bytes=data["settings"]["budget_bytes"])
+                budget = data["settings"]["budget_bytes"]
+                result = search_batch_size(_replay(measured), init_val=2, upper=16384, limit_bytes=budget)
                 assert [t.batch_size for t in result.trials] == search[: len(result.trials)], path.name
                 assert len(result.trials) >= len(search) - 1, path.name
                 replayed += 1
