@@ -49,6 +49,10 @@ validation needs more memory than training), and torchvision's ResNet-50 on rand
    search s | 50-step fit + val) and the line ``true max = N (k candidate processes, s seconds)``; progress lines on
    stderr; ``--json PATH`` writes every number (rewritten after each workload, so a cut-off run keeps what it had).
 
+On a GPU, one process runs a plain training step of the first workload at batch size 1 before any finder: the
+first process on a machine loads the CUDA libraries from disk, a cost that would otherwise fall on whichever finder
+runs first.
+
 Every subprocess runs under a timeout (``--timeout``, default 150 s) and in its own process group, which is killed
 on timeout ("timeout" is reported instead of hanging); no new subprocess starts once ``--time-limit`` (default
 500 s) is nearly spent. ``PYTHONPATH`` of the subprocesses gets the repository root prepended.
@@ -830,6 +834,10 @@ def orchestrate(args: argparse.Namespace) -> int:
         "device": device,
         "workloads": {},
     }
+    if not args.quick:  # the first process on a machine loads the CUDA libraries from disk: not a finder's cost
+        warm = runner.run(runner.argv(models[0], "--probe-worker", "--batch-size", "1"), "warm_up")
+        report["warm_up_seconds"] = round(warm.seconds, 2)
+        _log(f"warm-up: one plain step of {models[0]} at batch size 1 in a process of its own, {warm.seconds:.1f} s")
     for model in models:
         w = M.workload(model, args.quick)
         _log(f"{model}: {M.describe(w)}")

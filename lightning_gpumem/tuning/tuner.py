@@ -33,6 +33,7 @@ from lightning_gpumem.tuning._session import TrialSession
 from lightning_gpumem.tuning.search import SearchResult, Trial, accepted, search_batch_size
 
 MAX_TRIALS = 25
+LEFTOVER_BYTES = 2**20  # allocated above the start that is not worth a garbage collection (see `_release`)
 
 
 @keys.document
@@ -172,6 +173,7 @@ class BatchSizeTuner(Callback):
         self._accumulation: int | None = None
         self._restored: dict[str, Any] | None = None
         self._tuning = False
+        self._baseline: int | None = None  # bytes allocated when the search started
 
     @property
     def trials(self) -> tuple[Trial, ...]:
@@ -233,7 +235,7 @@ class BatchSizeTuner(Callback):
                 " batch size is known to exist in it. Pass `max_val`, the largest batch size the dataset can fill."
             )
         probe = make_probe(trainer.strategy.root_device, self)
-        baseline = probe.allocated_bytes()
+        baseline = self._baseline = probe.allocated_bytes()  # what each trial starts from, and the search ends at
         limit = self._limit_bytes(probe, trainer)  # budget
         upper = self._upper_bound(trainer, length)
         start = time.perf_counter()
@@ -369,17 +371,16 @@ class BatchSizeTuner(Callback):
 
         accumulation = self._accumulation_for(size)
         session.prepare(size, accumulation, self.steps_per_trial, self.include_validation, between_stages)
-        _start_clean(probe)  # the trial starts from a fresh process's layout: no cache, no leftover workspace
+        floor = _release(probe, self._baseline, blind=False)  # a fresh process's layout: no cache, no trial's tensors
+        if floor is not None:  # what a full collection could not free is the run's (a lazily built buffer): kept
+            self._baseline = max(floor, self._baseline or 0)
         probe.reset_peaks()
-        before = probe.allocated_bytes()
         start = time.perf_counter()
         fits = session.run()
         seconds = time.perf_counter() - start
         self._check_batches(size, session.batches_seen)
         end = list(probe.read_peaks())
         train_peaks, val_peaks = (train, end) if session.validated else (end, [None, None])
-        if not fits:
-            _release(probe, before)  # (otherwise the next trial's start, or the end of the search, releases it)
         # A reserved peak of validation alone is not measurable: the training steps' cache is still reserved then.
         peaks = {
             "allocated": _max(train_peaks[0], val_peaks[0]),
@@ -434,7 +435,8 @@ class BatchSizeTuner(Callback):
         Nothing is given up where memory did not bound the search (it stopped at ``max_val`` or the dataset size).
         The size kept runs from the fit's own starting state under the fit's cap, unless a trial of the search ran
         it (every trial starts from that state); where it does not run (the allocator's layout differs from size to
-        size: large single allocations near a tight cap), the search goes on below it.
+        size: large single allocations near a tight cap), the sizes 1%, 2%, 4%... of it below it run until one does (or
+        one that a trial of the search ran is kept).
         """
         largest = result.batch_size
         if largest is None or result.reason == "upper_bound":
@@ -442,20 +444,20 @@ class BatchSizeTuner(Callback):
         size = self._headroom_size(largest)
         if size == largest or any(t.batch_size == size and accepted(t, limit) for t in result.trials):
             return SearchResult(size, result.trials, result.reason)  # already ran from the fit's starting layout
-        trial = self._run_trial(session, probe, size)
-        if accepted(trial, limit):
-            return SearchResult(size, (*result.trials, trial), result.reason)
-        left = MAX_TRIALS - len(result.trials) - 1
-        if size <= 1 or left < 1:
-            return SearchResult(None, (*result.trials, trial), result.reason)
-        again = search_batch_size(
-            lambda size: self._run_trial(session, probe, size),
-            init_val=max(1, size - math.ceil(0.01 * size)),
-            upper=size - 1,
-            limit_bytes=limit,
-            max_trials=left,
-        )
-        return SearchResult(again.batch_size, (*result.trials, trial, *again.trials), again.reason)
+        trials = [*result.trials]
+        step, failed = math.ceil(0.01 * size), size
+        while len(trials) < MAX_TRIALS:  # walk down 1%, 2%, 4%... of it until a size runs
+            ran = [t.batch_size for t in trials if accepted(t, limit) and size <= t.batch_size < failed]
+            if ran:  # a trial of the search ran one of these from the fit's own starting state
+                return SearchResult(max(ran), tuple(trials), result.reason)
+            trial = self._run_trial(session, probe, size)
+            trials.append(trial)
+            if accepted(trial, limit):
+                return SearchResult(size, tuple(trials), result.reason)
+            if size == 1:
+                break
+            failed, size, step = size, max(1, size - step), 2 * step
+        return SearchResult(None, tuple(trials), result.reason)
 
     def _report(self, trainer: pl.Trainer, result: SearchResult, seconds: float, upper: int) -> None:
         chosen = next(t for t in reversed(result.trials) if t.batch_size == result.batch_size)
@@ -536,17 +538,29 @@ def _max(a: int | None, b: int | None) -> int | None:
     return a if b is None else b if a is None else max(a, b)
 
 
-def _release(probe: Probe, baseline: int | None) -> None:
-    """Return the trials' memory to the driver, with a full ``gc.collect`` only where it is needed.
+def _release(probe: Probe, baseline: int | None, blind: bool = True) -> int | None:
+    """Return the cache to the driver, and collect garbage only where more than ``baseline`` is still allocated.
 
-    The collection (about 0.25 s in a Lightning process) runs only if more than ``baseline`` (the allocated bytes
-    before) is still allocated: tensors held by reference cycles.
+    A trial that ran out of memory can leave its tensors in reference cycles (measured on the GPT of
+    ``benchmarks/profile_tuner.py``: 68 MB). The young generations are collected first (the cycles are new); the full
+    collection (about 0.25 s in a Lightning process) runs only if that did not free them. A leftover of at most
+    :data:`LEFTOVER_BYTES` (a few logged scalars) is left to Python's own collector: it cannot move a trial's peak.
+    Where allocated bytes are not measurable (CPU), it collects fully if ``blind``, else not at all.
+
+    Returns:
+        What is still allocated after a full collection (``None`` when none ran or bytes are not measurable): the
+        floor that further collections cannot go below.
     """
     _start_clean(probe)
-    allocated = probe.allocated_bytes()
-    if baseline is None or allocated is None or allocated > baseline:
-        gc.collect()
+    for generation in (1, 2):
+        allocated = probe.allocated_bytes()
+        if allocated is None and not blind:
+            return None
+        if allocated is not None and baseline is not None and allocated <= baseline + LEFTOVER_BYTES:
+            return None
+        gc.collect(generation)
         probe.release_cache()
+    return probe.allocated_bytes()
 
 
 def _start_clean(probe: Probe) -> None:

@@ -1,0 +1,125 @@
+"""Where does a ``BatchSizeTuner`` search spend its time? Wall time of each stage, the GPU synchronised around each.
+
+    PYTHONPATH=. python3 benchmarks/profile_tuner.py --model gpt --budget-gib 12     # one CUDA GPU
+    PYTHONPATH=. python3 benchmarks/profile_tuner.py --quick                         # CPU smoke run
+
+It runs ``benchmarks/tuner.py``'s finder worker for ``BatchSizeTuner`` in this process (search, then the following
+fit), with the tuner's internal stages wrapped in timers: the session's entry (state snapshot) and exit (restore),
+each trial's preparation, run, and clean start, and the release after the search. Prints one JSON object: the
+search's seconds, the seconds and calls of each stage, and the worker's own result; ``--json PATH`` also writes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tuner as bench
+
+from lightning_gpumem.tuning import _session, _state
+from lightning_gpumem.tuning import tuner as tuner_module
+
+STAGES = [  # (owner, attribute, label)
+    (_session.TrialSession, "__enter__", "session enter (snapshot)"),
+    (_state.ModelState, "__init__", "  of which: state snapshot"),
+    (_session.TrialSession, "__exit__", "session exit (restore, apply)"),
+    (_state.ModelState, "restore", "  of which: state restore"),
+    (_session.TrialSession, "prepare", "trial prepare"),
+    (_state.ModelState, "reset_for_trial", "  of which: optimizer reset"),
+    (tuner_module, "_start_clean", "clean start (workspaces, empty_cache)"),
+    (_session.TrialSession, "run", "trial run (fit loop)"),
+    (tuner_module, "_release", "release"),
+    (tuner_module, "gather_named", "peak agreement"),
+]
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def instrument(seconds: dict[str, float], calls: dict[str, int]) -> None:
+    """Wrap every stage of ``STAGES`` with a synchronised timer adding into ``seconds`` and ``calls``."""
+    for owner, name, label in STAGES:
+        original = getattr(owner, name)
+
+        def timed(*args: Any, _original: Any = original, _label: str = label, **kwargs: Any) -> Any:
+            _sync()
+            start = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                _sync()
+                seconds[_label] += time.perf_counter() - start
+                calls[_label] += 1
+
+        setattr(owner, name, timed)
+
+
+def watch_releases(releases: list[dict[str, Any]]) -> None:
+    """Record, for each ``_release(probe, baseline)``, the bytes allocated above ``baseline`` before and after it."""
+    original = tuner_module._release
+
+    def release(probe: Any, baseline: int | None) -> None:
+        before = probe.allocated_bytes()
+        original(probe, baseline)
+        after = probe.allocated_bytes()
+        if baseline is not None and before is not None and after is not None:
+            releases.append({"excess_before": before - baseline, "excess_after": after - baseline})
+
+    tuner_module._release = release
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--model", default="gpt", help="workload (gpt, gpt-longval, resnet)")
+    parser.add_argument("--budget-gib", type=float, default=12.0, help="memory budget in GiB")
+    parser.add_argument("--headroom", default="0.05", help="BatchSizeTuner's headroom")
+    parser.add_argument("--quick", action="store_true", help="CPU smoke run: tiny model, simulated OOMs")
+    parser.add_argument("--json", help="also write the result here")
+    args = parser.parse_args(argv)
+    worker_args = bench._parse(
+        ["--finder-worker", "ours", "--model", args.model, "--headroom", args.headroom]
+        + ["--budget-bytes", str(int(args.budget_gib * bench.GIB))]
+        + (["--quick"] if args.quick else [])
+    )
+    seconds: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    releases: list[dict[str, Any]] = []
+    watch_releases(releases)
+    instrument(seconds, calls)
+    results: list[dict[str, Any]] = []
+    emit = bench._emit
+    bench._emit = results.append  # type: ignore[assignment]
+    try:
+        bench.finder_worker(worker_args)
+    finally:
+        bench._emit = emit
+    worker = results[0] if results else {}
+    out = {
+        "model": args.model,
+        "budget_gib": args.budget_gib,
+        "headroom": float(args.headroom),
+        "search_seconds": worker.get("search_seconds"),
+        "trial_seconds": [t["seconds"] for t in worker.get("tuner_trials") or []],
+        "releases": releases,
+        "stages": {label: {"seconds": round(seconds[label], 4), "calls": calls[label]} for _, _, label in STAGES},
+        "worker": worker,
+    }
+    print(json.dumps({k: v for k, v in out.items() if k != "worker"}, indent=1))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    return 0 if worker.get("status") == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
