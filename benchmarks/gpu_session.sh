@@ -2,10 +2,10 @@
 # One call on the GPU machine for what the CPU cannot check: the GPU tests, then the benchmarks whose figures the docs
 # quote. Run from the repository root (the `run` tool's working directory); results go to $OUT (or ./gpu-out).
 #
-#   bash benchmarks/gpu_session.sh [tests|monitor|microbatch|profile|tuner]...   (default: tests monitor microbatch)
+#   bash benchmarks/gpu_session.sh [tests|monitor|microbatch|profile|tuner|tuner-resnet]...   (default: tests monitor microbatch)
 #
 # Each part writes its log and JSON under $OUT; a failing part does not stop the others; the exit status is the
-# number of failed parts. Each part has a time limit (seconds, from TESTS_S, MONITOR_S, MICROBATCH_S, PROFILE_S, TUNER_S) so that
+# number of failed parts. Each part has a time limit (seconds, from TESTS_S, MONITOR_S, MICROBATCH_S, PROFILE_S, TUNER_S, TUNER_RESNET_S) so that
 # one hang cannot use up a 600 s call.
 set -u
 OUT=${OUT:-gpu-out}
@@ -23,10 +23,13 @@ for part in "${parts[@]}"; do
     microbatch) timeout ${MICROBATCH_S:-200} python3 benchmarks/microbatch_overhead.py --rounds 7 --json "$OUT/microbatch-overhead.json" \
       > "$OUT/microbatch-overhead.log" 2>&1 ;;
     profile) timeout ${PROFILE_S:-120} python3 benchmarks/profile_monitor.py --default-only > "$OUT/profile-monitor.log" 2>&1 ;;
-    tuner) timeout ${TUNER_S:-250} python3 benchmarks/tuner.py --models gpt,gpt-longval --budget-gib 24 --finders ours,binsearch \
-      --headroom 0.05,0.02 --time-limit 205 --json "$OUT/tuner-24gib.json" > "$OUT/tuner-24gib.log" 2>&1;
-      timeout ${TUNER_S:-250} python3 benchmarks/tuner.py --models gpt,gpt-longval --budget-gib 12 --parallel 10 \
-      --finders ours,binsearch --headroom 0.05,0.02 --time-limit 195 --json "$OUT/tuner-12gib.json" > "$OUT/tuner-12gib.log" 2>&1 ;;
+    tuner) timeout ${TUNER_S:-280} python3 benchmarks/tuner.py --models gpt,gpt-longval --budget-gib 24 --finders ours,binsearch \
+      --headroom 0.05,0.02 --time-limit 265 --json "$OUT/tuner-24gib.json" > "$OUT/tuner-24gib.log" 2>&1;
+      timeout ${TUNER_S:-280} python3 benchmarks/tuner.py --models gpt,gpt-longval --budget-gib 12 --parallel 10 \
+      --finders ours,binsearch --headroom 0.05,0.02 --time-limit 235 --json "$OUT/tuner-12gib.json" > "$OUT/tuner-12gib.log" 2>&1 ;;
+    tuner-resnet) timeout ${TUNER_RESNET_S:-280} python3 benchmarks/tuner.py --models resnet --budget-gib 24 \
+      --finders ours,binsearch --headroom 0.05,0.02 --time-limit 265 --json "$OUT/tuner-24gib-resnet.json" \
+      > "$OUT/tuner-24gib-resnet.log" 2>&1 ;;
     *) echo "unknown part: $part" >&2; false ;;
   esac
   status=$?
