@@ -68,12 +68,13 @@ def watch_releases(releases: list[dict[str, Any]]) -> None:
     """Record, for each ``_release(probe, baseline)``, the bytes allocated above ``baseline`` before and after it."""
     original = tuner_module._release
 
-    def release(probe: Any, baseline: int | None) -> None:
+    def release(probe: Any, baseline: int | None, *args: Any, **kwargs: Any) -> Any:
         before = probe.allocated_bytes()
-        original(probe, baseline)
+        floor = original(probe, baseline, *args, **kwargs)
         after = probe.allocated_bytes()
         if baseline is not None and before is not None and after is not None:
             releases.append({"excess_before": before - baseline, "excess_after": after - baseline})
+        return floor
 
     tuner_module._release = release
 
