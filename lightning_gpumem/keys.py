@@ -112,6 +112,15 @@ BATCH_SIZE = _key("batch_size", "count", "the batch size chosen, at the step whe
 BATCH_SIZE_TRIALS = _key(
     "batch_size_trials", "table", "one row per trial: size, outcome, peaks (GiB), seconds", "BatchSizeTuner"
 )
+TRIAL_OOMS = _key(
+    "batch_size_trial_ooms", "count", "`ooms` when the trials ended: planned, not the run's", "BatchSizeTuner"
+)
+TRIAL_RETRIES = _key(
+    "batch_size_trial_retries",
+    "count",
+    "`alloc_retries` when the trials ended: planned, not the run's",
+    "BatchSizeTuner",
+)
 MICROBATCHES = _key("microbatches", "count", "micro-batches a batch runs as now (1: unsplit)", "AutoMicrobatch")
 OOM_RECOVERIES = _key("oom_recoveries", "count", "out-of-memory errors recovered, cumulative", "AutoMicrobatch")
 LAYER_MEMORY = _key("layer_memory", "table", "activation memory kept for backward, per layer", "LayerMemoryProfiler")
@@ -140,6 +149,8 @@ KEYS: tuple[Key, ...] = (
     RELEASE_SECONDS,
     BATCH_SIZE,
     BATCH_SIZE_TRIALS,
+    TRIAL_OOMS,
+    TRIAL_RETRIES,
     MICROBATCHES,
     OOM_RECOVERIES,
     LAYER_MEMORY,

@@ -141,6 +141,8 @@ def run_memory(run: Run, peaks: dict[str, tuple[float | None, float | None]] | N
         world_size=max(ranks) + 1 if ranks else 1,
         budget_bytes=_bytes(run.last(keys.BUDGET.format())),
         tuned=run.last(keys.BATCH_SIZE.format()) is not None,
+        planned_ooms=_count(run.last(keys.TRIAL_OOMS.format())) or 0,
+        planned_retries=_count(run.last(keys.TRIAL_RETRIES.format())) or 0,
     )
 
 

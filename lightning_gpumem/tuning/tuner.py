@@ -495,7 +495,10 @@ class BatchSizeTuner(Callback):
             row.extend([gib(t.val_peak_bytes), f"{t.seconds:.2f}"])
         table: list[list[object]] = [list(columns), ["---"] * len(columns), *rows]
         lines = ["| " + " | ".join(str(cell) for cell in row) + " |" for row in table]
-        log_to_loggers(trainer, {"gpumem/batch_size": float(result.batch_size or 0)}, step=trainer.global_step)
+        scalars = {keys.BATCH_SIZE.format(): float(result.batch_size or 0)}
+        scalars[keys.TRIAL_OOMS.format()] = float(self._planned.get("planned_ooms", 0))  # the report subtracts them
+        scalars[keys.TRIAL_RETRIES.format()] = float(self._planned.get("planned_retries", 0))
+        log_to_loggers(trainer, scalars, step=trainer.global_step)
         log_table(trainer, "gpumem/batch_size_trials", columns, rows, trainer.global_step, "\n".join(lines))
         self._write_next_to_cli_config(trainer)
 

@@ -591,3 +591,26 @@ def test_release_without_allocated_bytes_collects_only_when_blind(monkeypatch, b
     monkeypatch.setattr(tuner_module.gc, "collect", lambda generation=2: generations.append(generation))
     assert tuner_module._release(probe, None, blind=blind) is None
     assert generations == collected
+
+
+def test_the_report_leaves_the_trials_planned_retries_out_of_its_advice_as_the_fit_end_summary_does(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_gpumem.report import load_runs, summarize
+    from tests._fakes import FakeMonitor
+
+    probe = FakeProbe(base=2 * GIB, total=80 * GIB, retries=3)  # the fake's counters: 3 retries, all the trials'
+    model = MemoryModel(probe, per_sample=300 * MIB, n=100_000)
+    tuner = FakeTuner(probe, budget="24GiB", headroom=0.1, include_validation=False)
+    monitor = FakeMonitor(probe, nvml_host_interval_s=0)
+    logger = CSVLogger(tmp_path, name="run")
+    _trainer(
+        None, callbacks=[tuner, monitor], logger=logger, max_steps=2, limit_val_batches=0, log_every_n_steps=1
+    ).fit(model)
+    fit_advice = [
+        line.split("advice: ", 1)[1] for line in (monitor.summary_text or "").splitlines() if "advice: " in line
+    ]
+    summary = summarize(load_runs(tmp_path).runs[0])
+    assert summary.alloc_retries == 3  # the counter as logged: the trials' retries are in it
+    assert not any("allocator retries" in line for line in summary.advice)
+    assert summary.advice == fit_advice
