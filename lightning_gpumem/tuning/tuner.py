@@ -442,13 +442,13 @@ class BatchSizeTuner(Callback):
         if largest is None or result.reason == "upper_bound":
             return result
         size = self._headroom_size(largest)
-        if size == largest or any(t.batch_size == size and accepted(t, limit) for t in result.trials):
-            return SearchResult(size, result.trials, result.reason)  # already ran from the fit's starting layout
+        if size == largest:
+            return SearchResult(size, result.trials, result.reason)
         trials = [*result.trials]
-        step, failed = math.ceil(0.01 * size), size
+        step, failed = math.ceil(0.01 * size), size + 1
         while len(trials) < MAX_TRIALS:  # walk down 1%, 2%, 4%... of it until a size runs
             ran = [t.batch_size for t in trials if accepted(t, limit) and size <= t.batch_size < failed]
-            if ran:  # a trial of the search ran one of these from the fit's own starting state
+            if ran:  # a trial ran one of these (the first time: the size kept) from the fit's own starting state
                 return SearchResult(max(ran), tuple(trials), result.reason)
             trial = self._run_trial(session, probe, size)
             trials.append(trial)
@@ -499,7 +499,7 @@ class BatchSizeTuner(Callback):
         scalars[keys.TRIAL_OOMS.format()] = float(self._planned.get("planned_ooms", 0))  # the report subtracts them
         scalars[keys.TRIAL_RETRIES.format()] = float(self._planned.get("planned_retries", 0))
         log_to_loggers(trainer, scalars, step=trainer.global_step)
-        log_table(trainer, "gpumem/batch_size_trials", columns, rows, trainer.global_step, "\n".join(lines))
+        log_table(trainer, keys.BATCH_SIZE_TRIALS.format(), columns, rows, trainer.global_step, "\n".join(lines))
         self._write_next_to_cli_config(trainer)
 
     def _write_next_to_cli_config(self, trainer: pl.Trainer) -> None:

@@ -614,3 +614,14 @@ def test_the_report_leaves_the_trials_planned_retries_out_of_its_advice_as_the_f
     assert summary.alloc_retries == 3  # the counter as logged: the trials' retries are in it
     assert not any("allocator retries" in line for line in summary.advice)
     assert summary.advice == fit_advice
+
+
+def test_a_size_kept_that_a_trial_of_the_search_ran_is_not_run_again():
+    probe = CappedFakeProbe(base=2 * GIB, total=80 * GIB)
+    model = MemoryModel(probe, per_sample=300 * MIB, n=100_000)
+    tuner = FakeTuner(probe, budget="24GiB", headroom=0.1, init_val=68, include_validation=False)
+    _trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
+    sizes = [t.batch_size for t in tuner.trials]
+    assert sizes[0] == 68  # the search's first trial is the size kept (75 is the largest that runs)
+    assert sizes.count(68) == 1
+    assert tuner.optimal_batch_size == model.batch_size == 68
