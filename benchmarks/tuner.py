@@ -389,6 +389,7 @@ def _collect_finder_result(
                 "allocated_bytes": t.allocated_bytes,
                 "train_peak_bytes": getattr(t, "train_peak_bytes", None),
                 "val_peak_bytes": getattr(t, "val_peak_bytes", None),
+                "retries": getattr(t, "retries", None),
                 "seconds": round(t.seconds, 3),
             }
             for t in callback.trials

@@ -9,7 +9,11 @@ The search is a *bracket*, ``lo`` (the largest size accepted so far) and ``hi`` 
 *model* of memory (:class:`Model`) built from the trials. Each step takes the first move that applies
 (:func:`next_move`), and each move is a small function with a one-line reason:
 
-- ``step_back``: the model's last size was just too large; 1% below it usually ends the search.
+- ``step_back``: the model's last size was just too large; 1% below it usually ends the search (and where that
+  fails too, twice as far below, and so on).
+- ``squeezed``: the allocator gave cache back to run ``lo`` (it retried at the cap), so the memory reserved but not
+  live there is not what a larger size needs: jump to where live tensors plus 1% of the limit reach it, and from a
+  size found so (``halve``), halve the sizes left below where live tensors alone reach it.
 - ``near_cap``: ``lo``'s reserved peak is near the cap, where it is squeezed: jump (once, from a size the safe model
   chose) to where live tensors plus the memory reserved but not live at ``lo`` (fragmentation) reach the limit.
 - ``edge``: the safe prediction has nothing above ``lo``: try ``lo + 1``; if it fails the search is over.
@@ -39,6 +43,7 @@ from typing import Literal
 StopReason = Literal["bracketed", "predicted", "upper_bound", "max_trials", "nothing_fits"]
 
 SQUEEZE = 0.05  # a reserved peak within this fraction of the limit may have been squeezed by the cap
+SQUEEZED_WASTE = 0.01  # reserved but not live once the cap squeezed the cache (ResNet-50 on an H200: 1% at 12, 24 GiB)
 MAX_GROWTH = Fraction(3, 2)  # reserved grows at most this much faster than live tensors in the safe model
 FAR = Fraction(95, 100)  # a line's second point is at most this fraction of its first, where one exists
 
@@ -58,6 +63,8 @@ class Trial:
             measured apart).
         val_peak_bytes: peak memory of live tensors during the validation step, in bytes (``None`` where the trial
             ran no validation or it was not measured apart).
+        retries: times the allocator hit the cap, gave its cache back and retried during the trial (``None`` where
+            not measured); more than 0 means the reserved peak was squeezed by the cap.
     """
 
     batch_size: int
@@ -67,6 +74,7 @@ class Trial:
     allocated_bytes: int | None = None
     train_peak_bytes: int | None = None
     val_peak_bytes: int | None = None
+    retries: int | None = None
 
 
 def accepted(trial: Trial, limit_bytes: int | None) -> bool:
@@ -86,6 +94,25 @@ class SearchResult:
     def num_ooms(self) -> int:
         """Trials that ended in an out-of-memory error."""
         return sum(not t.fits for t in self.trials)
+
+
+def largest_held(result: SearchResult, limit_bytes: int | None) -> int | None:
+    """The largest size the budget may hold, which the headroom is a fraction of.
+
+    One less than the smallest size above the result that failed, where the search closed in on it (``"bracketed"``:
+    within its tolerance), else the result itself.
+
+    >>> trials = (Trial(553, True), Trial(559, False), Trial(566, False))
+    >>> largest_held(SearchResult(553, trials, "bracketed"), None)
+    558
+    >>> largest_held(SearchResult(553, trials, "max_trials"), None)  # stopped early: 554 to 558 are not known to run
+    553
+    """
+    best = result.batch_size
+    if best is None or result.reason != "bracketed":
+        return best
+    failed = [t.batch_size for t in result.trials if t.batch_size > best and not accepted(t, limit_bytes)]
+    return min(failed) - 1 if failed else best
 
 
 # ---------------------------------------------------------------------- the model
@@ -218,6 +245,7 @@ class Bracket:
     edge_at: int | None = None  # the lo whose lo + 1 was tried
     lo_move: str = "start"  # the move that found lo
     refuted: bool = False  # an edge ran where a fitted safe model said it would not: no more edges
+    back: int = 0  # how far the last move stepped back
 
     @property
     def top(self) -> int:
@@ -230,15 +258,25 @@ Move = tuple[str, int, str]  # name, size, reason
 
 def _step_back(b: Bracket, model: Model, tolerance: float) -> Move | None:
     # After the optimistic model failed, or the safe one ran but peaked over the limit (it was close); a safe guess
-    # that ran out of memory may have been far off: bisection then.
-    last = next((t for t in model.trials if t.batch_size == b.last_size), None)
-    close = b.last_move in ("optimistic", "near_cap") or (b.last_move == "safe" and last is not None and last.fits)
-    if b.last_accepted or not close:
+    # that ran out of memory may have been far off: bisection then. A step back that failed too steps twice as far.
+    if b.last_accepted:
         return None
-    size = b.last_size - max(1, math.ceil(tolerance * b.last_size))
+    last = next((t for t in model.trials if t.batch_size == b.last_size), None)
+    if b.last_move == "step_back":
+        step, reason = 2 * b.back, f"{b.last_size} was too large as well: step back twice as far"
+    elif b.last_move in ("optimistic", "near_cap", "squeezed") or (
+        b.last_move == "safe" and last is not None and last.fits
+    ):
+        step, reason = (
+            max(1, math.ceil(tolerance * b.last_size)),
+            f"{b.last_size} was just too large: 1% below it usually ends the search",
+        )
+    else:
+        return None
+    size = b.last_size - step
     if not b.lo < size <= b.top:
         return None
-    return "step_back", size, f"{b.last_size} was just too large: 1% below it usually ends the search"
+    return "step_back", size, reason
 
 
 def _edge(b: Bracket, model: Model, tolerance: float) -> Move | None:
@@ -251,6 +289,30 @@ def _edge(b: Bracket, model: Model, tolerance: float) -> Move | None:
     if safe is None and model.reserved is None and model.need is None:
         return None  # no model at all: doubling and bisection decide
     return "edge", b.lo + 1, f"the safe model has nothing above it: if {b.lo + 1} fails the search is over"
+
+
+def _squeezed(b: Bracket, model: Model, tolerance: float) -> Move | None:
+    # The allocator retried at the cap to run lo: near the cap it gives its cache back, so the memory reserved but not
+    # live at lo overstates what a larger size needs (ResNet-50: 2.8 GiB at 477, 0.25 GiB at 560, on a 24 GiB cap).
+    lo = _lo_trial(model, b)
+    if not lo.retries or model.limit is None or model.need is None:
+        return None
+    largest = model.optimistic_size()  # live tensors alone: no larger size can run
+    if largest is None or largest <= b.lo + 1:
+        return None
+    if b.lo_move in ("squeezed", "halve"):
+        half = (b.lo + min(largest, b.top) + 1) // 2
+        return "halve", half, f"{b.lo} ran: halve the sizes left up to {largest}, where live tensors fill the limit"
+    if not b.refuted and (model.optimistic_size(model.waste_at(lo)) or 0) <= b.lo + 1:
+        return None  # the waste at lo leaves no room above lo + 1: the edge decides it in one trial
+    size = model.optimistic_size(math.ceil(SQUEEZED_WASTE * model.limit)) or 0
+    if size <= b.lo + 1 or size > b.top:
+        return None
+    return (
+        "squeezed",
+        size,
+        f"the cap squeezed the cache at {b.lo}: live tensors plus 1% of the limit reach it at {size}",
+    )
 
 
 def _near_cap(b: Bracket, model: Model, tolerance: float) -> Move | None:
@@ -304,7 +366,7 @@ def _fallback(b: Bracket, model: Model, tolerance: float) -> Move:
     return "bisect", (b.lo + b.hi) // 2, "no usable model: bisect"
 
 
-MOVES = (_step_back, _near_cap, _edge, _safe, _optimistic)  # the first that applies
+MOVES = (_step_back, _squeezed, _near_cap, _edge, _safe, _optimistic)  # the first that applies
 
 
 def _lo_trial(model: Model, b: Bracket) -> Trial:
@@ -410,4 +472,5 @@ def search_batch_size(
             bracket.lo, bracket.lo_move = size, name
         else:
             bracket.hi = size
+        bracket.back = bracket.last_size - size if name == "step_back" else 0
         bracket.last_move, bracket.last_accepted, bracket.last_size = name, ok, size

@@ -30,7 +30,7 @@ from lightning_gpumem._units import GIB, format_gib, parse_budget
 from lightning_gpumem.probe import Probe, make_probe
 from lightning_gpumem.tuning import _session
 from lightning_gpumem.tuning._session import TrialSession
-from lightning_gpumem.tuning.search import SearchResult, Trial, accepted, search_batch_size
+from lightning_gpumem.tuning.search import SearchResult, Trial, accepted, largest_held, search_batch_size
 
 MAX_TRIALS = 25
 LEFTOVER_BYTES = 2**20  # allocated above the start that is not worth a garbage collection (see `_release`)
@@ -45,9 +45,9 @@ class BatchSizeTuner(Callback):
     size, each from the run's own starting state. Trials run with the allocator capped at the budget
     (``torch.cuda.set_per_process_memory_fraction``), so tuning on an 80 GiB card for a 24 GiB one is exact, and
     measured peaks guide the search (``tuning/search.py``) to the largest size that runs. The tuner then gives up
-    at most ``headroom`` of that size and runs the size kept if no trial has. Every trial, and the fit after them,
-    starts from the allocator layout of a fresh process (no cached block, no cuBLAS workspace), so the trial of the
-    size kept is the fit's first steps, block for block.
+    at most ``headroom`` of the largest size the budget holds and runs the size kept if no trial has. Every trial,
+    and the fit after them, starts from the allocator layout of a fresh process (no cached block, no cuBLAS
+    workspace), so the trial of the size kept is the fit's first steps, block for block.
 
     **What is guaranteed.** A tuned fit equals a fit with the chosen size set by hand: same weights, optimizer,
     LR-scheduler and precision states, step and epoch counters, RNG streams (also the dataloaders' own
@@ -85,13 +85,16 @@ class BatchSizeTuner(Callback):
         budget: memory the run may use: ``None`` for the budget of a :class:`~lightning_gpumem.MemoryBudget` among
             the callbacks (placed before this one) or else what is usable on the device now, bytes (``int``), a
             fraction of device memory in (0, 1] (``float``), or a string such as ``"24GiB"`` or ``"16GB"``.
-        headroom: fraction of the largest size that runs in the budget given up at most as a safety margin, in
-            [0, 1): the size chosen is the smallest at least ``(1 - headroom) * largest`` (40 runs: 38 at 0.05, 40
-            at 0.02; under ``1 / headroom`` nothing is given up, as the largest size ran in a trial that starts
-            from the fit's own layout). Activation memory grows with the batch size, so about that fraction of it
-            stays free for what trials do not show: batches of other shapes (a smaller last batch, varying lengths)
-            and fragmentation over a long run. Nothing is given up where memory does not bound the size (the
-            search stopped at ``max_val`` or the dataset size).
+        headroom: fraction of the largest size the budget holds given up at most as a safety margin, in [0, 1):
+            the size chosen is the smallest at least ``(1 - headroom) * largest`` (40 runs and 41 does not: 38 at
+            0.05, 40 at 0.02; under ``1 / headroom`` nothing is given up, as the largest size ran in a trial that
+            starts from the fit's own layout). ``largest`` is one less than the smallest size that failed where the
+            search closed in on it (within 1% of the largest size that ran; 553 runs and 559 does not: 531 at 0.05),
+            else the largest size that ran; the size chosen never exceeds the largest size that ran. Activation
+            memory grows with the batch size, so about that fraction of it stays free for what trials do not show:
+            batches of other shapes (a smaller last batch, varying lengths) and fragmentation over a long run.
+            Nothing is given up where memory does not bound the size (the search stopped at ``max_val`` or the
+            dataset size).
         init_val: first batch size tried.
         max_val: largest batch size tried; the result never exceeds it. ``None``: the training dataset's size per
             rank (and at most the size that still gives an integer ``val_check_interval`` its batches).
@@ -375,9 +378,11 @@ class BatchSizeTuner(Callback):
         if floor is not None:  # what a full collection could not free is the run's (a lazily built buffer): kept
             self._baseline = max(floor, self._baseline or 0)
         probe.reset_peaks()
+        retries = probe.read(nvml=False, host=False).alloc_retries
         start = time.perf_counter()
         fits = session.run()
         seconds = time.perf_counter() - start
+        after = probe.read(nvml=False, host=False).alloc_retries
         self._check_batches(size, session.batches_seen)
         end = list(probe.read_peaks())
         train_peaks, val_peaks = (train, end) if session.validated else (end, [None, None])
@@ -387,6 +392,7 @@ class BatchSizeTuner(Callback):
             "reserved": _max(train_peaks[1], val_peaks[1]),
             "train_allocated": train_peaks[0],
             "val_allocated": val_peaks[0],
+            "retries": None if retries is None or after is None else after - retries,
         }
         # all ranks measured the same sizes: agree on the largest peaks (nothing is communicated with one process)
         agreed = {name: _int_or_none(high) for name, (high, _) in gather_named(trainer, peaks).items()}
@@ -400,6 +406,7 @@ class BatchSizeTuner(Callback):
             allocated_bytes=agreed["allocated"],
             train_peak_bytes=agreed["train_allocated"],
             val_peak_bytes=agreed["val_allocated"],
+            retries=agreed["retries"],
         )
 
     def _check_batches(self, size: int, seen: list[int]) -> None:
@@ -430,8 +437,10 @@ class BatchSizeTuner(Callback):
     def _leave_headroom(
         self, session: TrialSession, probe: Probe, result: SearchResult, limit: int | None
     ) -> SearchResult:
-        """Give up ``headroom`` of the largest size that runs, and run the size kept once.
+        """Give up ``headroom`` of the largest size the budget holds, and run the size kept once.
 
+        That largest size is one less than the smallest size that failed where the search closed in on it (within
+        1% of the largest size that ran), else the largest size that ran; the size kept is at most the latter.
         Nothing is given up where memory did not bound the search (it stopped at ``max_val`` or the dataset size).
         The size kept runs from the fit's own starting state under the fit's cap, unless a trial of the search ran
         it (every trial starts from that state); where it does not run (the allocator's layout differs from size to
@@ -441,7 +450,7 @@ class BatchSizeTuner(Callback):
         largest = result.batch_size
         if largest is None or result.reason == "upper_bound":
             return result
-        size = self._headroom_size(largest)
+        size = min(largest, self._headroom_size(largest_held(result, limit) or largest))
         if size == largest:
             return SearchResult(size, result.trials, result.reason)
         trials = [*result.trials]
