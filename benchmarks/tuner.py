@@ -27,9 +27,10 @@ validation needs more memory than training), and torchvision's ResNet-50 on rand
    ``optimizer_step`` or ``validation_step`` marks the trial as an OOM before it is re-raised to the finder. For the
    tuner the table shows its own ``tuner.trials`` and ``tuner.result.num_ooms``; the module's count is kept in the
    JSON as a cross-check.
-2. **True maximum.** The largest batch size ``N`` whose fit runs without OOM in a fresh process capped at ``B``,
-   while ``N + 1`` does not. By default (``--true-max fit``) each candidate is exactly the finders' following fit
-   (same Trainer, 50 steps and the validation pass) with the batch size set by hand and no finder (``--finder-worker
+2. **True maximum** (searched after the finders, so that under ``--time-limit`` they run first). The largest batch
+   size ``N`` whose fit runs without OOM in a fresh process capped at ``B``, while ``N + 1`` does not. By default
+   (``--true-max fit``) each candidate is exactly the finders' following fit (same Trainer, 50 steps and the
+   validation pass) with the batch size set by hand and no finder (``--finder-worker
    fixed``): the largest size the following fit can take, and so the size each finder should find. With ``--true-max
    plain`` a candidate is ``--steps`` (3) training steps and one validation step in plain PyTorch instead (faster to
    start; it does what Lightning's loop does: batch moved to the GPU per step, forward under
@@ -854,13 +855,13 @@ def orchestrate(args: argparse.Namespace) -> int:
         hints = [
             (t["batch_size"], t["peak_bytes"]) for t in ours.get("tuner_trials", []) if t["fits"] and t["peak_bytes"]
         ]
-        if args.true_max != "none":
-            entry["true_max"] = find_true_max(runner, model, w, parallel, guess, hints)
-            _log(f"{model}: {_true_max_line(entry['true_max'])}")
         for headroom in args.headrooms[1:] if "ours" in finders else []:
             entry["finders"][f"ours-headroom-{headroom}"] = run_finder(runner, model, "ours", headroom)
         for finder in [f for f in ("binsearch", "power") if f in finders]:
             entry["finders"][finder] = run_finder(runner, model, finder)
+        if args.true_max != "none":  # last: under a time limit, the finders run first
+            entry["true_max"] = find_true_max(runner, model, w, parallel, guess, hints)
+            _log(f"{model}: {_true_max_line(entry['true_max'])}")
         print(_table(model, w, entry, budget_bytes, args.quick) + "\n", flush=True)
         out = Path(args.json or f"benchmarks/results/tuner{'-quick' if args.quick else ''}.json")
         out.parent.mkdir(parents=True, exist_ok=True)
