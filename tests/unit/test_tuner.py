@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningDataModule, Trainer, seed_everything
@@ -125,6 +127,18 @@ def test_the_size_kept_is_the_smallest_that_gives_up_at_most_the_headroom(limit,
     tuner = BatchSizeTuner(headroom=headroom, include_validation=False)
     _trainer(tuner, limit_val_batches=0, max_steps=1).fit(model)
     assert tuner.optimal_batch_size == model.batch_size == expected
+
+
+def test_headroom_is_a_share_of_one_less_than_the_smallest_size_that_failed_where_the_search_closed_in():
+    model = OOMModel(train_limit=560, n=100_000)  # 560 runs, 561 does not
+    tuner = BatchSizeTuner(include_validation=False)
+    _trainer(tuner, limit_val_batches=0, max_steps=1).fit(model)
+    result = tuner.result
+    ran = max(t.batch_size for t in result.trials if t.fits and t.batch_size <= 560)
+    failed = min(t.batch_size for t in result.trials if not t.fits)
+    assert ran < failed - 1  # the search stopped within 1%, short of the boundary
+    assert result.reason == "bracketed"
+    assert tuner.optimal_batch_size == math.ceil(0.95 * (failed - 1)) >= 0.95 * 560
 
 
 def test_validation_is_part_of_every_trial():
