@@ -27,8 +27,8 @@ for part in "${parts[@]}"; do
       --headroom 0.05,0.02 --time-limit 265 --json "$OUT/tuner-24gib.json" > "$OUT/tuner-24gib.log" 2>&1;
       timeout ${TUNER_S:-280} python3 benchmarks/tuner.py --models gpt,gpt-longval --budget-gib 12 --parallel 10 \
       --finders ours,binsearch --headroom 0.05,0.02 --time-limit 235 --json "$OUT/tuner-12gib.json" > "$OUT/tuner-12gib.log" 2>&1 ;;
-    tuner-resnet) timeout ${TUNER_RESNET_S:-280} python3 benchmarks/tuner.py --models resnet --budget-gib 24 \
-      --finders ours,binsearch --headroom 0.05,0.02 --time-limit 265 --json "$OUT/tuner-24gib-resnet.json" \
+    tuner-resnet) timeout ${TUNER_RESNET_S:-330} python3 benchmarks/tuner.py --models resnet --budget-gib 24 \
+      --finders ours,binsearch --headroom 0.05,0.02 --time-limit 260 --json "$OUT/tuner-24gib-resnet.json" \
       > "$OUT/tuner-24gib-resnet.log" 2>&1 ;;
     *) echo "unknown part: $part" >&2; false ;;
   esac
