@@ -11,9 +11,10 @@ The search is a *bracket*, ``lo`` (the largest size accepted so far) and ``hi`` 
 
 - ``step_back``: the model's last size was just too large; 1% below it usually ends the search (and where that
   fails too, twice as far below, and so on).
-- ``squeezed``: the allocator gave cache back to run ``lo`` (it retried at the cap), so the memory reserved but not
-  live there is not what a larger size needs: jump to where live tensors plus 1% of the limit reach it, and from a
-  size found so (``halve``), halve the sizes left below where live tensors alone reach it.
+- ``squeezed``: the allocator gave cache back to run ``lo`` (it retried at the cap, and ``lo``'s reserved peak is near
+  it), so the memory reserved but not live there is not what a larger size needs: jump to where live tensors plus
+  1% of the limit reach it, and from a size found so (``halve``), halve the sizes left below where live tensors
+  alone reach it.
 - ``near_cap``: ``lo``'s reserved peak is near the cap, where it is squeezed: jump (once, from a size the safe model
   chose) to where live tensors plus the memory reserved but not live at ``lo`` (fragmentation) reach the limit.
 - ``edge``: the safe prediction has nothing above ``lo``: try ``lo + 1``; if it fails the search is over.
@@ -295,16 +296,16 @@ def _squeezed(b: Bracket, model: Model, tolerance: float) -> Move | None:
     # The allocator retried at the cap to run lo: near the cap it gives its cache back, so the memory reserved but not
     # live at lo overstates what a larger size needs (ResNet-50: 2.8 GiB at 477, 0.25 GiB at 560, on a 24 GiB cap).
     lo = _lo_trial(model, b)
-    if not lo.retries or model.limit is None or model.need is None:
-        return None
+    if not lo.retries or model.limit is None or not _near_limit(lo, model.limit) or model.need is None:
+        return None  # a retry far under the cap (one large block that did not fit the cache) squeezed little
     largest = model.optimistic_size()  # live tensors alone: no larger size can run
     if largest is None or largest <= b.lo + 1:
         return None
     if b.lo_move in ("squeezed", "halve"):
         half = (b.lo + min(largest, b.top) + 1) // 2
         return "halve", half, f"{b.lo} ran: halve the sizes left up to {largest}, where live tensors fill the limit"
-    if not b.refuted and (model.optimistic_size(model.waste_at(lo)) or 0) <= b.lo + 1:
-        return None  # the waste at lo leaves no room above lo + 1: the edge decides it in one trial
+    if b.lo_move != "edge" and (model.optimistic_size(model.waste_at(lo)) or 0) <= b.lo + 1:
+        return None  # the waste at lo leaves no room above lo + 1 (unless lo + 1 just ran): the edge decides it
     size = model.optimistic_size(math.ceil(SQUEEZED_WASTE * model.limit)) or 0
     if size <= b.lo + 1 or size > b.top:
         return None
