@@ -44,7 +44,7 @@ from typing import Literal
 StopReason = Literal["bracketed", "predicted", "upper_bound", "max_trials", "nothing_fits"]
 
 SQUEEZE = 0.05  # a reserved peak within this fraction of the limit may have been squeezed by the cap
-SQUEEZED_WASTE = 0.01  # reserved but not live once the cap squeezed the cache (ResNet-50 on an H200: 1% at 12, 24 GiB)
+SQUEEZED_WASTE = 0.01  # reserved but not live once the cap squeezed the cache: jump there, step back if need be
 MAX_GROWTH = Fraction(3, 2)  # reserved grows at most this much faster than live tensors in the safe model
 FAR = Fraction(95, 100)  # a line's second point is at most this fraction of its first, where one exists
 
@@ -294,7 +294,7 @@ def _edge(b: Bracket, model: Model, tolerance: float) -> Move | None:
 
 def _squeezed(b: Bracket, model: Model, tolerance: float) -> Move | None:
     # The allocator retried at the cap to run lo: near the cap it gives its cache back, so the memory reserved but not
-    # live at lo overstates what a larger size needs (ResNet-50: 2.8 GiB at 477, 0.25 GiB at 560, on a 24 GiB cap).
+    # live at lo overstates what a larger size needs (ResNet-50: 3.1 GiB at 477, 0.46 GiB at 554, on a 24 GiB cap).
     lo = _lo_trial(model, b)
     if not lo.retries or model.limit is None or not _near_limit(lo, model.limit) or model.need is None:
         return None  # a retry far under the cap (one large block that did not fit the cache) squeezed little

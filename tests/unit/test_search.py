@@ -535,8 +535,8 @@ def squeezing_allocator(per_sample: int, cache: int, floor: int, cap: int, retri
 @pytest.mark.parametrize("floor_mib", [100, 250])
 def test_a_cache_the_cap_squeezes_is_jumped_past_with_one_oom(card_gib, cache_gib, floor_mib):
     """The allocator gave its cache back to run lo (it retried): the reserved-but-not-live memory at lo says nothing
-    of a larger size, so the search jumps to where live tensors plus 1% of the limit reach it (measured on ResNet-50:
-    0.25 GiB left over at 560 of a 24 GiB cap, where 477 had 2.8 GiB)."""
+    of a larger size, so the search jumps to where live tensors plus 1% of the limit reach it (ResNet-50 under a 24 GiB
+    cap: 0.46 GiB reserved but not live at 554, where 477 had 3.1 GiB; benchmarks/results/tuner-24gib-resnet.json)."""
     cap = card_gib * GIB
     run = squeezing_allocator(int(42.67 * MIB), int(cache_gib * GIB), floor_mib * MIB, cap)
     best = max(bs for bs in range(1, 2000) if run(bs).fits)
