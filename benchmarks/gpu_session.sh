@@ -2,10 +2,11 @@
 # One call on the GPU machine for what the CPU cannot check: the GPU tests, then the benchmarks whose figures the docs
 # quote. Run from the repository root (the `run` tool's working directory); results go to $OUT (or ./gpu-out).
 #
-#   bash benchmarks/gpu_session.sh [tests|monitor|microbatch|profile|tuner|tuner-resnet]...   (default: tests monitor microbatch)
+#   bash benchmarks/gpu_session.sh [tests|monitor|microbatch|profile|tuner|tuner-resnet|tuner-resnet-12|tuner-longval]...   (default: tests monitor microbatch)
 #
 # Each part writes its log and JSON under $OUT; a failing part does not stop the others; the exit status is the
-# number of failed parts. Each part has a time limit (seconds, from TESTS_S, MONITOR_S, MICROBATCH_S, PROFILE_S, TUNER_S, TUNER_RESNET_S) so that
+# number of failed parts. Each part has a time limit (seconds, from TESTS_S, MONITOR_S, MICROBATCH_S, PROFILE_S, TUNER_S,
+# TUNER_RESNET_S, TUNER_LONGVAL_S) so that
 # one hang cannot use up a 600 s call.
 set -u
 OUT=${OUT:-gpu-out}
@@ -30,6 +31,15 @@ for part in "${parts[@]}"; do
     tuner-resnet) timeout ${TUNER_RESNET_S:-330} python3 benchmarks/tuner.py --models resnet --budget-gib 24 \
       --finders ours,binsearch --headroom 0.05,0.02 --time-limit 260 --json "$OUT/tuner-24gib-resnet.json" \
       > "$OUT/tuner-24gib-resnet.log" 2>&1 ;;
+    tuner-resnet-12) timeout ${TUNER_RESNET_S:-330} python3 benchmarks/tuner.py --models resnet --budget-gib 12 --parallel 10 \
+      --finders ours,binsearch --headroom 0.05,0.02 --time-limit 260 --json "$OUT/tuner-12gib-resnet.json" \
+      > "$OUT/tuner-12gib-resnet.log" 2>&1 ;;
+    tuner-longval) timeout ${TUNER_LONGVAL_S:-160} python3 benchmarks/tuner.py --models gpt-longval --budget-gib 24 \
+      --finders ours,binsearch --headroom 0.05,0.02 --time-limit 145 --json "$OUT/tuner-24gib-longval.json" \
+      > "$OUT/tuner-24gib-longval.log" 2>&1;
+      timeout ${TUNER_LONGVAL_S:-160} python3 benchmarks/tuner.py --models gpt-longval --budget-gib 12 --parallel 10 \
+      --finders ours,binsearch --headroom 0.05,0.02 --time-limit 145 --json "$OUT/tuner-12gib-longval.json" \
+      > "$OUT/tuner-12gib-longval.log" 2>&1 ;;
     *) echo "unknown part: $part" >&2; false ;;
   esac
   status=$?
