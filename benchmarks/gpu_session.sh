@@ -34,11 +34,11 @@ for part in "${parts[@]}"; do
     tuner-resnet-12) timeout ${TUNER_RESNET_S:-330} python3 benchmarks/tuner.py --models resnet --budget-gib 12 --parallel 10 \
       --finders ours,binsearch --headroom 0.05,0.02 --time-limit 260 --json "$OUT/tuner-12gib-resnet.json" \
       > "$OUT/tuner-12gib-resnet.log" 2>&1 ;;
-    tuner-longval) timeout ${TUNER_LONGVAL_S:-160} python3 benchmarks/tuner.py --models gpt-longval --budget-gib 24 \
-      --finders ours,binsearch --headroom 0.05,0.02 --time-limit 145 --json "$OUT/tuner-24gib-longval.json" \
+    tuner-longval) timeout ${TUNER_LONGVAL_S:-240} python3 benchmarks/tuner.py --models gpt-longval --budget-gib 24 \
+      --finders ours,binsearch --headroom 0.05,0.02 --time-limit 200 --json "$OUT/tuner-24gib-longval.json" \
       > "$OUT/tuner-24gib-longval.log" 2>&1;
-      timeout ${TUNER_LONGVAL_S:-160} python3 benchmarks/tuner.py --models gpt-longval --budget-gib 12 --parallel 10 \
-      --finders ours,binsearch --headroom 0.05,0.02 --time-limit 145 --json "$OUT/tuner-12gib-longval.json" \
+      timeout ${TUNER_LONGVAL_S:-240} python3 benchmarks/tuner.py --models gpt-longval --budget-gib 12 --parallel 10 \
+      --finders ours,binsearch --headroom 0.05,0.02 --time-limit 200 --json "$OUT/tuner-12gib-longval.json" \
       > "$OUT/tuner-12gib-longval.log" 2>&1 ;;
     *) echo "unknown part: $part" >&2; false ;;
   esac
