@@ -2,11 +2,11 @@
 # One call on the GPU machine for what the CPU cannot check: the GPU tests, then the benchmarks whose figures the docs
 # quote. Run from the repository root (the `run` tool's working directory); results go to $OUT (or ./gpu-out).
 #
-#   bash benchmarks/gpu_session.sh [tests|monitor|microbatch|profile|tuner|tuner-resnet|tuner-resnet-12|tuner-longval]...   (default: tests monitor microbatch)
+#   bash benchmarks/gpu_session.sh [tests|monitor|microbatch|profile|tuner|tuner-gpt|tuner-resnet|tuner-resnet-12|tuner-longval]...   (default: tests monitor microbatch)
 #
 # Each part writes its log and JSON under $OUT; a failing part does not stop the others; the exit status is the
 # number of failed parts. Each part has a time limit (seconds, from TESTS_S, MONITOR_S, MICROBATCH_S, PROFILE_S, TUNER_S,
-# TUNER_RESNET_S, TUNER_LONGVAL_S) so that
+# TUNER_GPT_S, TUNER_RESNET_S, TUNER_LONGVAL_S) so that
 # one hang cannot use up a 600 s call.
 set -u
 OUT=${OUT:-gpu-out}
@@ -28,6 +28,8 @@ for part in "${parts[@]}"; do
       --headroom 0.05,0.02 --time-limit 265 --json "$OUT/tuner-24gib.json" > "$OUT/tuner-24gib.log" 2>&1;
       timeout ${TUNER_S:-280} python3 benchmarks/tuner.py --models gpt,gpt-longval --budget-gib 12 --parallel 10 \
       --finders ours,binsearch --headroom 0.05,0.02 --time-limit 235 --json "$OUT/tuner-12gib.json" > "$OUT/tuner-12gib.log" 2>&1 ;;
+    tuner-gpt) timeout ${TUNER_GPT_S:-200} python3 benchmarks/tuner.py --models gpt --budget-gib 24 --finders ours,binsearch \
+      --headroom 0.05,0.02 --time-limit 165 --json "$OUT/tuner-24gib-gpt.json" > "$OUT/tuner-24gib-gpt.log" 2>&1 ;;
     tuner-resnet) timeout ${TUNER_RESNET_S:-330} python3 benchmarks/tuner.py --models resnet --budget-gib 24 \
       --finders ours,binsearch --headroom 0.05,0.02 --time-limit 260 --json "$OUT/tuner-24gib-resnet.json" \
       > "$OUT/tuner-24gib-resnet.log" 2>&1 ;;

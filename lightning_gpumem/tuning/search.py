@@ -45,6 +45,7 @@ StopReason = Literal["bracketed", "predicted", "upper_bound", "max_trials", "not
 
 SQUEEZE = 0.05  # a reserved peak within this fraction of the limit may have been squeezed by the cap
 SQUEEZED_WASTE = 0.01  # reserved but not live once the cap squeezed the cache: jump there, step back if need be
+SQUEEZES = 2  # retries in a trial that show the cap squeezing step after step, not one flush the steps then live with
 MAX_GROWTH = Fraction(3, 2)  # reserved grows at most this much faster than live tensors in the safe model
 FAR = Fraction(95, 100)  # a line's second point is at most this fraction of its first, where one exists
 
@@ -293,11 +294,13 @@ def _edge(b: Bracket, model: Model, tolerance: float) -> Move | None:
 
 
 def _squeezed(b: Bracket, model: Model, tolerance: float) -> Move | None:
-    # The allocator retried at the cap to run lo: near the cap it gives its cache back, so the memory reserved but not
-    # live at lo overstates what a larger size needs (ResNet-50: 3.1 GiB at 477, 0.46 GiB at 554, on a 24 GiB cap).
+    # The allocator retried again and again at the cap to run lo: near the cap it gives its cache back, so the memory
+    # reserved but not live at lo overstates what a larger size needs (ResNet-50: 3 retries and 3.1 GiB at 477, 5 and
+    # 0.46 GiB at 554, on a 24 GiB cap). One retry is a flush the steps then live with: a GPT had 1 retry and 3.0 GiB
+    # reserved but not live at each of 38, 39 and 40 (tuner-24gib-gpt.json); that waste does not shrink.
     lo = _lo_trial(model, b)
-    if not lo.retries or model.limit is None or not _near_limit(lo, model.limit) or model.need is None:
-        return None  # a retry far under the cap (one large block that did not fit the cache) squeezed little
+    if (lo.retries or 0) < SQUEEZES or model.limit is None or not _near_limit(lo, model.limit) or model.need is None:
+        return None  # and a retry far under the cap (one large block that did not fit the cache) squeezed little
     largest = model.optimistic_size()  # live tensors alone: no larger size can run
     if largest is None or largest <= b.lo + 1:
         return None
