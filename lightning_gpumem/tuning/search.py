@@ -11,10 +11,10 @@ The search is a *bracket*, ``lo`` (the largest size accepted so far) and ``hi`` 
 
 - ``step_back``: the model's last size was just too large; 1% below it usually ends the search (and where that
   fails too, twice as far below, and so on).
-- ``squeezed``: the allocator gave cache back to run ``lo`` (it retried at the cap, and ``lo``'s reserved peak is near
-  it), so the memory reserved but not live there is not what a larger size needs: jump to where live tensors plus
-  1% of the limit reach it, and from a size found so (``halve``), halve the sizes left below where live tensors
-  alone reach it.
+- ``squeezed``: the allocator gave cache back to run ``lo`` (it retried at the cap at least twice, and ``lo``'s
+  reserved peak is near it), so the memory reserved but not live there is not what a larger size needs: jump to
+  where live tensors plus 1% of the limit reach it, and from a size found so (``halve``), halve the sizes left below
+  where live tensors alone reach it.
 - ``near_cap``: ``lo``'s reserved peak is near the cap, where it is squeezed: jump (once, from a size the safe model
   chose) to where live tensors plus the memory reserved but not live at ``lo`` (fragmentation) reach the limit.
 - ``edge``: the safe prediction has nothing above ``lo``: try ``lo + 1``; if it fails the search is over.
@@ -66,7 +66,8 @@ class Trial:
         val_peak_bytes: peak memory of live tensors during the validation step, in bytes (``None`` where the trial
             ran no validation or it was not measured apart).
         retries: times the allocator hit the cap, gave its cache back and retried during the trial (``None`` where
-            not measured); more than 0 means the reserved peak was squeezed by the cap.
+            not measured); 2 or more near the cap mean the cap squeezed the cache step after step, so the reserved
+            peak overstates what the trial needed.
     """
 
     batch_size: int
