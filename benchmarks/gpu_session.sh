@@ -2,12 +2,12 @@
 # One call on the GPU machine for what the CPU cannot check: the GPU tests, then the benchmarks whose figures the docs
 # quote. Run from the repository root (the `run` tool's working directory); results go to $OUT (or ./gpu-out).
 #
-#   bash benchmarks/gpu_session.sh [tests|monitor|microbatch|profile|tuner|tuner-gpt|tuner-resnet|tuner-resnet-12|tuner-longval]...   (default: tests monitor microbatch)
+#   bash benchmarks/gpu_session.sh [PART]...   (default: tests monitor microbatch)
+#   PART: tests, monitor, microbatch, profile, tuner, tuner-gpt, tuner-resnet, tuner-resnet-12, tuner-longval
 #
 # Each part writes its log and JSON under $OUT; a failing part does not stop the others; the exit status is the
-# number of failed parts. Each part has a time limit (seconds, from TESTS_S, MONITOR_S, MICROBATCH_S, PROFILE_S, TUNER_S,
-# TUNER_GPT_S, TUNER_RESNET_S, TUNER_LONGVAL_S) so that
-# one hang cannot use up a 600 s call.
+# number of failed parts. Each part has a time limit (seconds, from TESTS_S, MONITOR_S, MICROBATCH_S, PROFILE_S,
+# TUNER_S, TUNER_GPT_S, TUNER_RESNET_S, TUNER_LONGVAL_S) so that one hang cannot use up a 600 s call.
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"

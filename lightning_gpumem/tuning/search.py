@@ -298,7 +298,7 @@ def _squeezed(b: Bracket, model: Model, tolerance: float) -> Move | None:
     # The allocator retried again and again at the cap to run lo: near the cap it gives its cache back, so the memory
     # reserved but not live at lo overstates what a larger size needs (ResNet-50: 3 retries and 3.1 GiB at 477, 5 and
     # 0.46 GiB at 554, on a 24 GiB cap). One retry is a flush the steps then live with: a GPT had 1 retry and 3.0 GiB
-    # reserved but not live at each of 38, 39 and 40 (tuner-24gib-gpt.json); that waste does not shrink.
+    # reserved but not live at both 38 and 40 (tuner-24gib-gpt.json); that waste does not shrink.
     lo = _lo_trial(model, b)
     if (lo.retries or 0) < SQUEEZES or model.limit is None or not _near_limit(lo, model.limit) or model.need is None:
         return None  # and a retry far under the cap (one large block that did not fit the cache) squeezed little

@@ -477,10 +477,11 @@ def test_measured_gpt_trials_from_a_fresh_layout_find_the_true_maximum_with_one_
 
 
 def test_one_retry_at_the_cap_is_not_a_squeeze_the_gpt_lives_with_its_waste():
-    """H200, GPT-235M, 24 GiB cap, with the allocator's retries measured: 38, 39 and 40 each had 1 retry and 3.0 GiB
-    reserved but not live, and 41 ran out of memory. Read as a squeeze, that one retry sent the search to 46, where
-    live tensors plus 1% of the cap reach it, and then down through 45 and 43 (4 OOMs); one retry is a flush the steps
-    then live with, so the fragmentation seen at 38 stands and the search takes 40 with 1 OOM."""
+    """H200, GPT-235M, 24 GiB cap (`benchmarks/tuner.py --models gpt --budget-gib 24`: its tuner's trials, with the
+    allocator's retries; the run of `tuner-24gib-gpt.json` measured 38 and 40 alike). 38, 39 and 40 each had 1 retry
+    and 3.0 GiB reserved but not live, and 41 ran out of memory. Read as a squeeze, that one retry would send the
+    search to 46, where live tensors plus 1% of the cap reach it, and then down through 45 and 43 (4 OOMs); one retry
+    is a flush the steps then live with, so the fragmentation seen at 38 stands and the search takes 40 with 1 OOM."""
     measured = {
         2: (5211422720, 5187911168, 5187911168, 3164066816, 0),
         9: (9760145408, 8308955136, 8308955136, 4103679488, 0),
