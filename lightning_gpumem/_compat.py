@@ -8,7 +8,10 @@ plain classes of no-op hooks), and type checks on Lightning objects accept eithe
 
 from __future__ import annotations
 
+import functools
 import importlib
+import warnings
+from collections.abc import Callable
 from functools import cache
 from typing import TYPE_CHECKING
 
@@ -20,11 +23,42 @@ else:
     try:
         from pytorch_lightning.callbacks.callback import Callback as _OldCallback
     except ImportError:  # only the `lightning` package
-        Callback = _Callback
+        _bases: tuple[type, ...] = (_Callback,)
     else:
+        _bases = (_Callback, _OldCallback)
 
-        class Callback(_Callback, _OldCallback):
-            """A callback that ``lightning.pytorch`` and ``pytorch_lightning`` Trainers both accept."""
+    class Callback(*_bases):
+        """A callback that ``lightning.pytorch`` and ``pytorch_lightning`` Trainers both accept.
+
+        Each subclass's ``on_exception`` is wrapped so that it never raises: Lightning calls the callbacks'
+        ``on_exception`` one after another and then re-raises the user's error, so an error from one of them would
+        replace the user's error and keep the callbacks after it (``OnExceptionCheckpoint``, another callback's
+        clean-up) from running. What it raises is reported in one warning instead.
+        """
+
+        def __init_subclass__(cls, **kwargs: object) -> None:
+            super().__init_subclass__(**kwargs)
+            hook = cls.__dict__.get("on_exception")
+            if callable(hook) and not getattr(hook, "_gpumem_never_raises", False):
+                cls.on_exception = never_raises(hook)
+
+
+def never_raises(hook: Callable[..., None]) -> Callable[..., None]:
+    """``hook(self, trainer, pl_module, exception)`` that reports its own error in a warning instead of raising it."""
+
+    @functools.wraps(hook)
+    def on_exception(self: object, trainer: object, pl_module: object, exception: BaseException) -> None:
+        try:
+            hook(self, trainer, pl_module, exception)
+        except Exception as error:  # the user's `exception` must stay the one they see
+            warnings.warn(  # on every rank: each rank's own failure
+                f"{type(self).__name__}.on_exception failed ({error!r}) while handling {type(exception).__name__};"
+                " the original error is raised unchanged.",
+                stacklevel=2,
+            )
+
+    on_exception._gpumem_never_raises = True  # type: ignore[attr-defined]
+    return on_exception
 
 
 @cache

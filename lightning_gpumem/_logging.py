@@ -17,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+from lightning_gpumem._files import write_atomic
 
 
 def batches_that_stepped(trainer: pl.Trainer) -> int:
@@ -69,20 +72,38 @@ def show_in_progress_bar(trainer: pl.Trainer, key: str, text: str) -> None:
     trainer.progress_bar_metrics[key] = text  # type: ignore[assignment]  # the bars show str values too
 
 
-def log_dir(trainer: pl.Trainer, dirpath: str | Path | None = None) -> Path:
-    """Where a callback writes its files: ``dirpath``, else ``trainer.log_dir``.
+def run_dir(trainer: pl.Trainer, dirpath: str | Path | None = None) -> Path:
+    """Where a callback writes its files: ``dirpath``, else the first logger's run directory.
 
-    ``trainer.log_dir`` is the first logger's ``log_dir`` (TensorBoard, CSV), else its ``save_dir`` (MLflow, W&B),
-    else ``default_root_dir``. Worked out here as Lightning does, without its broadcast, so rank zero alone may ask.
+    That is :func:`logger_run_dir` of ``trainer.loggers[0]``, else ``default_root_dir``: ``trainer.log_dir`` where
+    the first logger is a TensorBoard or CSV logger (worked out without its broadcast, so rank zero alone may ask),
+    and for MLflow, W&B and others without a ``log_dir`` the directory of this run, as ``ModelCheckpoint`` places its
+    ``checkpoints/``: each run's files in that run, none in a root that every run shares.
     """
     if dirpath is not None:
         return Path(dirpath)
     if trainer.loggers:
-        first = trainer.loggers[0]
-        directory = getattr(first, "log_dir", None) or getattr(first, "save_dir", None)
-        if directory:
-            return Path(directory)
+        return logger_run_dir(trainer, trainer.loggers[0])
     return Path(trainer.default_root_dir)
+
+
+def logger_run_dir(trainer: pl.Trainer, logger: object) -> Path:
+    """The directory of ``logger``'s current run: its ``log_dir``, else ``<save_dir>/<name>/<version>``.
+
+    ``save_dir`` falls back to ``default_root_dir``, and a version that is not a string is ``version_<n>`` (the rules
+    of ``ModelCheckpoint``). A logger that names no run (no name or version) gives its ``save_dir`` itself.
+    """
+    directory = getattr(logger, "log_dir", None)
+    if directory:
+        return Path(directory)
+    root = Path(getattr(logger, "save_dir", None) or trainer.default_root_dir)
+    try:
+        name, version = getattr(logger, "name", None), getattr(logger, "version", None)
+    except Exception:  # a custom logger's abstract property: no run to name
+        return root
+    if name is None or version is None or version == "":
+        return root
+    return root / str(name) / (version if isinstance(version, str) else f"version_{version}")
 
 
 def log_table(
@@ -92,35 +113,38 @@ def log_table(
     rows: Sequence[Sequence[Any]],
     step: int,
     text: str,
-    files: bool = True,
+    owner: str = "lightning_gpumem",
+    has_file: Path | None = None,
 ) -> list[Path]:
     """Send a table to every logger, each the way it takes tables; returns the files written.
 
     TensorBoard gets ``text`` (Markdown) in its text tab, W&B a table (``log_table``), MLflow a Markdown artifact
-    (``log_text``); every other logger (``CSVLogger``, custom ones) a CSV file ``gpumem_<name>.csv`` in its
-    ``log_dir`` (or ``save_dir``, else ``trainer.log_dir``), one file per directory, unless ``files`` is off (the
-    caller writes its own). Call it on global rank zero.
+    (``log_text``); every other logger (``CSVLogger``, custom ones) a CSV file ``gpumem_<name>.csv`` in its run
+    directory (:func:`logger_run_dir`), one file per directory, none in ``has_file`` (the caller wrote its own file
+    there). A logger or a disk that fails is named in a warning
+    (by ``owner``) and the others still get the table: a table never ends the run. Call it on global rank zero.
     """
     name = key.split("/", 1)[-1]
     written: list[Path] = []
     for logger in trainer.loggers:
-        experiment = getattr(logger, "experiment", None)
-        add_text = getattr(experiment, "add_text", None)  # TensorBoard (and tensorboardX)
-        wandb_table = getattr(logger, "log_table", None)  # W&B
-        mlflow_text, run_id = getattr(experiment, "log_text", None), getattr(logger, "run_id", None)  # MLflow
-        if callable(add_text):
-            add_text(key, text, global_step=step)
-        elif callable(wandb_table):
-            wandb_table(key=key, columns=list(columns), data=[list(row) for row in rows], step=step)
-        elif callable(mlflow_text) and run_id:
-            mlflow_text(run_id, text, f"gpumem_{name}.md")
-        elif files:
-            directory = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
-            path = (Path(directory) if directory else log_dir(trainer)) / f"gpumem_{name}.csv"
-            if path not in written:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(_csv(columns, rows), encoding="utf-8")
-                written.append(path)
+        try:
+            experiment = getattr(logger, "experiment", None)
+            add_text = getattr(experiment, "add_text", None)  # TensorBoard (and tensorboardX)
+            wandb_table = getattr(logger, "log_table", None)  # W&B
+            mlflow_text, run_id = getattr(experiment, "log_text", None), getattr(logger, "run_id", None)  # MLflow
+            if callable(add_text):
+                add_text(key, text, global_step=step)
+            elif callable(wandb_table):
+                wandb_table(key=key, columns=list(columns), data=[list(row) for row in rows], step=step)
+            elif callable(mlflow_text) and run_id:
+                mlflow_text(run_id, text, f"gpumem_{name}.md")
+            else:
+                path = logger_run_dir(trainer, logger) / f"gpumem_{name}.csv"
+                if path not in written and path.parent != has_file:
+                    write_atomic(path, _csv(columns, rows))
+                    written.append(path)
+        except Exception as error:
+            rank_zero_warn(f"{owner}: could not write the table `{key}` to {type(logger).__name__} ({error!r}).")
     return written
 
 

@@ -22,9 +22,10 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_gpumem._checks import require_dirpath, require_int
+from lightning_gpumem._checks import require_int
 from lightning_gpumem._compat import Callback
-from lightning_gpumem._logging import log_dir, log_table
+from lightning_gpumem._files import check_dirpath, prepare_dir, unique_path, write_atomic
+from lightning_gpumem._logging import log_table, run_dir
 from lightning_gpumem.probe import Probe, make_probe
 
 _MIB = 2**20
@@ -130,8 +131,10 @@ class LayerMemoryProfiler(Callback):
     the activation bytes its forward leaves alive for backward (allocated after minus before), and the peaks during
     its forward and its backward. The ``top_k`` layers by activation memory are printed as a table on rank zero,
     with totals reconciled against the step's measured peak; the table goes to the loggers that take tables
-    (TensorBoard text, a W&B table, an MLflow artifact) and every layer to ``layer_memory_step<n>.csv`` in
-    ``trainer.log_dir`` (or ``dirpath``). The layers with the most
+    (TensorBoard text, a W&B table, an MLflow artifact, a ``gpumem_layer_memory.csv`` in each other logger's run
+    directory) and every layer to ``layer_memory_step<n>.csv`` in the first logger's run directory (or
+    ``dirpath``; ``-v1``, ``-v2``... where an earlier run took the name). A file that cannot be written is named in
+    a warning and training goes on. The layers with the most
     activation memory are the candidates for activation checkpointing. The hooks are removed after that step, so
     other steps run untouched. Without an accelerator it warns once and does nothing.
 
@@ -144,11 +147,15 @@ class LayerMemoryProfiler(Callback):
         at_step: the training step (``global_step`` when it starts) to profile; after the first one, the optimizer
             state exists and the step is a steady-state one.
         top_k: layers in the printed table.
-        dirpath: where to write the CSV; ``None``: ``trainer.log_dir`` (the first logger's directory, else
-            ``default_root_dir``).
+        dirpath: where to write the CSV (``~`` expanded); ``None``: the first logger's run directory
+            (``trainer.log_dir`` for TensorBoard and CSV, ``<save_dir>/<name>/<version>`` for MLflow and W&B, as
+            ``ModelCheckpoint``), else ``default_root_dir``.
 
     Raises:
-        ValueError: if ``at_step`` is not an integer >= 0 or ``top_k`` not an integer >= 1.
+        ValueError: if ``at_step`` is not an integer >= 0, ``top_k`` not an integer >= 1, or ``dirpath`` cannot be
+            a directory (an existing file, a path under a file, a blank name, a NUL byte, a name over 255 bytes);
+            at ``setup``, if ``dirpath`` cannot be created or written to.
+        TypeError: if ``dirpath`` is not a path.
 
     Example::
 
@@ -163,14 +170,15 @@ class LayerMemoryProfiler(Callback):
         require_int("LayerMemoryProfiler", "top_k", top_k, 1)
         self.at_step = at_step
         self.top_k = top_k
-        require_dirpath("LayerMemoryProfiler", dirpath)
-        self.dirpath = Path(dirpath) if dirpath is not None else None
+        self.dirpath = check_dirpath("LayerMemoryProfiler", dirpath)
         self.records: list[LayerRecord] = []
         """Every leaf module's record from the profiled step, in forward order."""
         self.table: str | None = None
         """The printed table (``None`` before the profiled step)."""
         self.step_peak_bytes: int | None = None
         """Peak allocated memory over the whole profiled step, in bytes."""
+        self.csv_path: Path | None = None
+        """The CSV file written (``None`` before the profiled step, or where it could not be written)."""
         self._probe: Probe | None = None
         self._handles: list[Any] = []
         self._active = False
@@ -189,6 +197,8 @@ class LayerMemoryProfiler(Callback):
     # ------------------------------------------------------------------ hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.dirpath is not None and trainer.is_global_zero:
+            prepare_dir("LayerMemoryProfiler", self.dirpath)
         probe = make_probe(trainer.strategy.root_device, self)
         if not probe.has_allocator:
             if not self._warned:
@@ -276,13 +286,19 @@ class LayerMemoryProfiler(Callback):
         if not trainer.is_global_zero:
             return
         rank_zero_info(self.table)
-        directory = log_dir(trainer, self.dirpath)
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / f"layer_memory_step{self._profiled_step}.csv").write_text(to_csv(self.records))
+        directory = run_dir(trainer, self.dirpath)
+        path = unique_path(directory / f"layer_memory_step{self._profiled_step}.csv")  # an earlier run's stays
+        try:
+            write_atomic(path, to_csv(self.records))
+            self.csv_path = path
+        except OSError as error:  # the table was printed and goes to the loggers; training goes on
+            rank_zero_warn(f"LayerMemoryProfiler: could not write {path} ({error!r}).")
         names = [f.name for f in fields(LayerRecord)]
         rows = [[getattr(record, name) for name in names] for record in self.records]
-        table = f"```\n{self.table}\n```"  # loggers without tables have the CSV above
-        log_table(trainer, "gpumem/layer_memory", names, rows, trainer.global_step, table, files=False)
+        table = f"```\n{self.table}\n```"
+        log_table(
+            trainer, "gpumem/layer_memory", names, rows, trainer.global_step, table, "LayerMemoryProfiler", directory
+        )
 
     # ------------------------------------------------------------------ measuring
     def _allocated(self) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import inspect
 import traceback
@@ -28,6 +27,7 @@ from lightning_gpumem._microbatch import (
     split_batch,
 )
 from lightning_gpumem._oom import is_oom_error, oom_expected
+from lightning_gpumem._patching import Patches
 from lightning_gpumem._registry import budget_bytes, tell_oom_recovered, tell_peak_reset
 from lightning_gpumem.probe import Probe, make_probe
 
@@ -96,7 +96,7 @@ class AutoMicrobatch(Callback):
         self.max_microbatches = max_microbatches
         self.policy = MicrobatchPolicy(grow_after)
         self._trainer: pl.Trainer | None = None
-        self._saved: dict[str, tuple[object, dict[str, Any]]] = {}  # what the patches replaced, to put back
+        self._patches = Patches()  # what the patches replaced, to put back
         self._probe: Probe | None = None
         self._calls: list[LogCall] = []
         self._buffering = False
@@ -158,17 +158,14 @@ class AutoMicrobatch(Callback):
         self._probe = make_probe(trainer.strategy.root_device, self)
         loop = trainer.fit_loop.epoch_loop.automatic_optimization
 
+        patch = self._patches.install
         # The wrapper shows the original's signature: Lightning reads it to decide what to pass (`batch_idx` or not).
-        @functools.wraps(pl_module.training_step)
-        def training_step(*args: Any, **kwargs: Any) -> Any:
-            return self._training_step(*args, **kwargs)
-
-        self._patch(pl_module, "training_step", training_step)
-        self._patch(pl_module, "log", self._log)
-        self._patch(pl_module, "backward", self._backward_hook)
-        self._patch(loop, "run", self._run)
-        self._patch(loop, "_on_before_zero_grad", self._skip_if_zeroed("_on_before_zero_grad"))
-        self._patch(loop, "_optimizer_zero_grad", self._skip_if_zeroed("_optimizer_zero_grad"))
+        patch(pl_module, "training_step", self._training_step, keep_signature=True)
+        patch(pl_module, "log", self._log)
+        patch(pl_module, "backward", self._backward_hook)
+        patch(loop, "run", self._run)
+        patch(loop, "_on_before_zero_grad", self._skip_if_zeroed("_on_before_zero_grad"))
+        patch(loop, "_optimizer_zero_grad", self._skip_if_zeroed("_optimizer_zero_grad"))
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -199,29 +196,14 @@ class AutoMicrobatch(Callback):
             metrics[keys.OOM_RECOVERIES.format()] = float(self.oom_recoveries)
             _logging.log_to_loggers(trainer, metrics, step=_logging.batches_that_stepped(trainer))
 
-    def _patch(self, owner: object, name: str, replacement: object) -> None:
-        key = f"{id(owner)}.{name}"
-        if key in self._saved:
-            return
-        self._saved[key] = (owner, {name: vars(owner)[name]} if name in vars(owner) else {})
-        setattr(owner, f"_gpumem_original_{name}", getattr(owner, name))
-        setattr(owner, name, replacement)
-
     def _unpatch(self) -> None:
-        for key, (owner, previous) in self._saved.items():
-            name = key.split(".", 1)[1]
-            delattr(owner, name)
-            delattr(owner, f"_gpumem_original_{name}")
-            if name in previous:
-                setattr(owner, name, previous[name])
-        self._saved.clear()
+        self._patches.undo()
         self._updates.clear()
         self._trainer = self._probe = None
         self._window, self._calls, self._measure = [], [], {}
 
-    @staticmethod
-    def _original(owner: object, name: str) -> Any:
-        return getattr(owner, f"_gpumem_original_{name}")
+    def _original(self, owner: object, name: str) -> Any:
+        return self._patches.original(owner, name)
 
     # ------------------------------------------------------------------ the step
     def _run(self, optimizer: torch.optim.Optimizer, batch_idx: int, kwargs: Any) -> Any:

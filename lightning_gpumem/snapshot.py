@@ -9,9 +9,13 @@ before leaving it on for a long run (docs/oom_forensics.md).
 
 from __future__ import annotations
 
+import itertools
+import numbers
+import operator
 import pickle
+import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +24,10 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_gpumem._checks import is_int_at_least, require_dirpath, require_int
+from lightning_gpumem._checks import require_int
 from lightning_gpumem._compat import Callback
-from lightning_gpumem._logging import log_dir
+from lightning_gpumem._files import check_dirpath, prepare_dir, unique_path, write_atomic
+from lightning_gpumem._logging import run_dir
 from lightning_gpumem._oom import is_oom_error, oom_expected
 from lightning_gpumem._snapshot_report import format_report, render_html
 from lightning_gpumem.probe import attach_oom_observer, start_history, stop_history, take_snapshot
@@ -39,22 +44,30 @@ class OOMSnapshot(Callback):
     (``torch.cuda.memory._record_memory_history``). When an allocation fails anywhere in fit, validate or test,
     even if the error is caught, it writes ``oom_rank<r>_step<n>.pickle`` (open it in PyTorch's memory viewer,
     https://pytorch.org/memory_viz) and ``oom_rank<r>_step<n>.html`` (one self-contained page: totals, the failed
-    allocation and where it was made, a map of the segments, the largest live allocations) next to the logger's
-    files or in ``dirpath``, and prints the paths, the failed allocation and the ten largest live allocations with
-    the line that made each. The exception itself propagates unchanged. ``at_steps`` writes
+    allocation and where it was made, a map of the segments, the largest live allocations) in the first logger's run
+    directory or in ``dirpath``, and prints the paths, the failed allocation and the ten largest live allocations
+    with the line that made each. The exception itself propagates unchanged: a snapshot that cannot be written (a
+    full disk, a read-only directory) is named in a warning, leaves no partial file, and the callbacks after this one
+    still get ``on_exception``. A name an earlier run took gets a ``-v1``, ``-v2``... suffix. ``at_steps`` writes
     ``snapshot_rank<r>_step<n>.*`` at the end of those training steps without any error. Without CUDA it warns
     once and does nothing.
 
     **Logged metrics**: none; the files and the printed report are the output.
 
     Args:
-        dirpath: where to write; ``None``: ``trainer.log_dir`` (the first logger's directory, else
-            ``default_root_dir``).
+        dirpath: where to write (``~`` expanded); ``None``: the first logger's run directory (``trainer.log_dir``
+            for TensorBoard and CSV, ``<save_dir>/<name>/<version>`` for MLflow and W&B, as ``ModelCheckpoint``),
+            else ``default_root_dir``.
         max_entries: allocation events kept in the history (older ones are dropped); more costs host memory.
-        at_steps: training steps (``global_step`` after the step) at which to write a snapshot anyway.
+        at_steps: training steps (``global_step`` after the step) at which to write a snapshot anyway: a collection
+            or an iterable of at most a million integers >= 0, or a ``range`` of any length.
 
     Raises:
-        ValueError: if ``max_entries`` is not a positive integer or ``at_steps`` holds anything but integers >= 0.
+        ValueError: if ``max_entries`` is not a positive integer, ``at_steps`` holds anything but integers >= 0 (or
+            more than a million of them outside a ``range``), or ``dirpath`` cannot be a directory (an existing file,
+            a path under a file, a blank name, a NUL byte, a name over 255 bytes); at ``setup``, if ``dirpath``
+            cannot be created or written to.
+        TypeError: if ``at_steps`` is not a collection or ``dirpath`` not a path.
 
     Example::
 
@@ -69,18 +82,9 @@ class OOMSnapshot(Callback):
         self, dirpath: str | Path | None = None, max_entries: int = 100_000, at_steps: Iterable[int] | None = None
     ) -> None:
         require_int("OOMSnapshot", "max_entries", max_entries, 1)
-        if at_steps is not None and (isinstance(at_steps, (str, bytes)) or not isinstance(at_steps, Iterable)):
-            raise TypeError(
-                f"`OOMSnapshot(at_steps={at_steps!r})` is not valid. Expected None or a collection of integers >= 0,"
-                " such as [100, 200]."
-            )
-        steps = tuple(at_steps) if at_steps is not None else ()
-        if not all(is_int_at_least(s, 0) for s in steps):
-            raise ValueError(f"`OOMSnapshot(at_steps={at_steps!r})` is not valid. Expected integers >= 0.")
-        require_dirpath("OOMSnapshot", dirpath)
-        self.dirpath = Path(dirpath) if dirpath is not None else None
+        self.dirpath = check_dirpath("OOMSnapshot", dirpath)
+        self.at_steps = _steps(at_steps)
         self.max_entries = max_entries
-        self.at_steps = frozenset(steps)
         self.paths: list[Path] = []
         """Every file written, in order."""
         self._trainer: pl.Trainer | None = None
@@ -99,6 +103,8 @@ class OOMSnapshot(Callback):
                     f"OOMSnapshot: `{trainer.strategy.root_device}` has no CUDA allocator history; doing nothing."
                 )
             return
+        if self.dirpath is not None:
+            prepare_dir("OOMSnapshot", self.dirpath)
         self._trainer = trainer
         if not self._recording:
             try:
@@ -130,26 +136,39 @@ class OOMSnapshot(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if self._recording and is_oom_error(exception) and not self._dumped_for_oom and not oom_expected():
-            self.dump("oom")  # no observer in this torch, or it failed: the state is still the OOM's
-        self._dumped_for_oom = False
-        self._stop()  # Lightning skips the callbacks' `teardown` after an exception
+        try:
+            if self._recording and is_oom_error(exception) and not self._dumped_for_oom and not oom_expected():
+                self.dump("oom")  # no observer in this torch, or it failed: the state is still the OOM's
+        finally:
+            self._dumped_for_oom = False
+            self._stop()  # Lightning skips the callbacks' `teardown` after an exception
 
     # ------------------------------------------------------------------ writing
     def dump(self, kind: str = "snapshot", print_report: bool = True) -> tuple[Path, Path] | None:
-        """Write the current snapshot as ``<kind>_rank<r>_step<n>.pickle`` and ``.html``; returns the two paths."""
+        """Write the current snapshot as ``<kind>_rank<r>_step<n>.pickle`` and ``.html``; returns the two paths.
+
+        A name an earlier run took gets a ``-v1``, ``-v2``... suffix. A file that cannot be written (a full disk, a
+        directory made read-only) is reported in a warning and nothing is left under its name; ``None`` is returned.
+        """
         trainer = self._trainer
         if trainer is None or not self._recording:
             return None
-        snapshot = take_snapshot()
-        directory = log_dir(trainer, self.dirpath)
-        directory.mkdir(parents=True, exist_ok=True)
-        stem = f"{kind}_rank{trainer.global_rank}_step{trainer.global_step}"
-        pickle_path, html_path = directory / f"{stem}.pickle", directory / f"{stem}.html"
-        with open(pickle_path, "wb") as f:
-            pickle.dump(snapshot, f)
-        title = f"{kind} on rank {trainer.global_rank} at step {trainer.global_step}"
-        html_path.write_text(render_html(snapshot, title), encoding="utf-8")
+        try:
+            snapshot = take_snapshot()
+            directory = run_dir(trainer, self.dirpath)
+            stem = f"{kind}_rank{trainer.global_rank}_step{trainer.global_step}"
+            pickle_path = unique_path(directory / f"{stem}.pickle")
+            html_path = unique_path(pickle_path.with_suffix(".html"))
+            title = f"{kind} on rank {trainer.global_rank} at step {trainer.global_step}"
+            write_atomic(pickle_path, pickle.dumps(snapshot))
+            try:
+                write_atomic(html_path, render_html(snapshot, title))
+            except BaseException:
+                pickle_path.unlink(missing_ok=True)  # the two files or neither
+                raise
+        except Exception as error:  # the run, and the user's error if there is one, go on unchanged
+            warnings.warn(f"OOMSnapshot: could not write the {kind} snapshot ({error!r}).", stacklevel=2)
+            return None
         self.paths += [pickle_path, html_path]
         if print_report:
             # Every rank prints its own: an OOM is a rank's own story.
@@ -167,12 +186,15 @@ class OOMSnapshot(Callback):
         self._dumped_for_oom = False
         renamed = []
         for path in self.paths[-2:]:
+            target = path
             if path.name.startswith("oom_rank") and path.exists():
-                target = path.with_name(path.name.replace("oom_rank", "oom_recovered_rank", 1))
-                path.rename(target)
-                renamed.append(target)
-            else:
-                renamed.append(path)
+                target = unique_path(path.with_name(path.name.replace("oom_rank", "oom_recovered_rank", 1)))
+                try:
+                    path.rename(target)
+                except OSError as error:  # the file keeps its name; the run goes on
+                    warnings.warn(f"OOMSnapshot: could not rename {path} ({error!r}).", stacklevel=2)
+                    target = path
+            renamed.append(target)
         self.paths[-2:] = renamed
 
     def _on_oom(self) -> None:
@@ -180,6 +202,35 @@ class OOMSnapshot(Callback):
             return
         self._oom_dumps += 1
         self._dumped_for_oom = self.dump("oom") is not None
+
+
+MAX_STEPS = 1_000_000  # `at_steps` beyond a range: more steps than this is a mistake (or an endless iterator)
+
+
+def _steps(at_steps: object) -> range | frozenset[int]:
+    """``at_steps`` as a set of steps; a ``range`` is kept as it is (``range(0, 10**12, 100)`` costs nothing)."""
+
+    def refuse(expected: str) -> ValueError:
+        return ValueError(f"`OOMSnapshot(at_steps={at_steps!r})` is not valid. Expected {expected}.")
+
+    if at_steps is None:
+        return frozenset()
+    if isinstance(at_steps, range):
+        if at_steps and min(at_steps[0], at_steps[-1]) < 0:
+            raise refuse("steps >= 0")
+        return at_steps
+    if isinstance(at_steps, (str, bytes, Mapping)) or not isinstance(at_steps, Iterable):
+        raise TypeError(
+            f"`OOMSnapshot(at_steps={at_steps!r})` is not valid. Expected None or a collection of integers >= 0,"
+            " such as [100, 200] or range(0, 10_000, 500)."
+        )
+    steps = list(itertools.islice(at_steps, MAX_STEPS + 1))
+    if len(steps) > MAX_STEPS:
+        raise refuse(f"at most {MAX_STEPS:,} steps (a range for more, such as range(0, 10**9, 100))")
+    # numbers.Integral: Python's and NumPy's integers; not a bool, not a float
+    if not all(isinstance(s, numbers.Integral) and not isinstance(s, bool) and operator.index(s) >= 0 for s in steps):
+        raise refuse("integers >= 0")
+    return frozenset(operator.index(s) for s in steps)
 
 
 def _attach_observer() -> None:

@@ -339,6 +339,12 @@ def has_batch_arg(trainer: pl.Trainer, name: str) -> bool:
     return bool(lightning_hasattr(trainer.lightning_module, name))
 
 
+def batch_arg_in_hparams(trainer: pl.Trainer, name: str) -> bool:
+    """Whether the module's or the datamodule's ``hparams`` (what Lightning logs as hyperparameters) hold ``name``."""
+    module, datamodule = trainer.lightning_module, getattr(trainer, "datamodule", None)
+    return any(name in getattr(owner, "hparams", {}) for owner in (module, datamodule) if owner is not None)
+
+
 def get_batch_size(trainer: pl.Trainer, name: str) -> int:
     """The current batch size, read where Lightning's finder reads it."""
     value = lightning_getattr(trainer.lightning_module, name)

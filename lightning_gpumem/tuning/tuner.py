@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -23,7 +24,8 @@ from lightning_gpumem import keys
 from lightning_gpumem._checks import require_flags, require_int
 from lightning_gpumem._compat import Callback
 from lightning_gpumem._distributed import gather_named
-from lightning_gpumem._logging import log_dir, log_table, log_to_loggers
+from lightning_gpumem._files import unique_path, write_atomic
+from lightning_gpumem._logging import log_table, log_to_loggers, run_dir
 from lightning_gpumem._oom import expecting_oom
 from lightning_gpumem._registry import budget_bytes
 from lightning_gpumem._units import GIB, format_gib, parse_budget
@@ -78,8 +80,10 @@ class BatchSizeTuner(Callback):
     The trials (batch size, outcome, peaks, seconds) also go to every logger as a table (TensorBoard text, a W&B
     table, an MLflow artifact; for the others ``gpumem_batch_size_trials.csv`` in their directory) and are kept in
     :attr:`trials`; rank zero prints one line, e.g. ``BatchSizeTuner: batch_size=53 (peak 22.6/24.0 GiB, ...)``.
-    Under ``LightningCLI`` the size chosen is also written next to the saved ``config.yaml``, as
-    ``gpumem_batch_size.yaml``.
+    The size the run trains at, tuned or restored on resume, is logged as ``gpumem/batch_size`` and, where the
+    module's or datamodule's hparams hold ``batch_arg_name``, as that hyperparameter (TensorBoard's HPARAMS,
+    ``hparams.yaml``). Under ``LightningCLI`` it is also written to the run's directory beside the saved
+    ``config.yaml`` (which keeps the initial size), as ``gpumem_batch_size.yaml``.
 
     Args:
         budget: memory the run may use: ``None`` for the budget of a :class:`~lightning_gpumem.MemoryBudget` among
@@ -173,6 +177,8 @@ class BatchSizeTuner(Callback):
         self.budget_bytes: int | None = None
         """The budget the last search used, in bytes (``None`` on CPU)."""
         self._planned: dict[str, int] = {}  # the allocator's OOM and retry counts when the trials ended
+        self._counted: dict[str, int | None] = {}  # the same, as logged: None where no source counts them (CPU)
+        self._yaml_path: Path | None = None  # the `gpumem_batch_size.yaml` this callback wrote
         self._accumulation: int | None = None
         self._restored: dict[str, Any] | None = None
         self._tuning = False
@@ -270,6 +276,10 @@ class BatchSizeTuner(Callback):
             self._tuning = False
             _release(probe, baseline)
             counters = probe.read(nvml=False, host=False)  # the trials' planned OOMs are not the run's
+            self._counted = {
+                keys.TRIAL_OOMS.format(): counters.num_ooms,
+                keys.TRIAL_RETRIES.format(): counters.alloc_retries,
+            }
             self._planned = {"planned_ooms": counters.num_ooms or 0, "planned_retries": counters.alloc_retries or 0}
         seconds = time.perf_counter() - start
         self.result = result
@@ -331,6 +341,7 @@ class BatchSizeTuner(Callback):
             f"BatchSizeTuner: batch_size={size} restored from the checkpoint; no trials ran"
             " (`retune_on_resume=True` tunes again)."
         )
+        self._record(trainer)
 
     def _limit_bytes(self, probe: Probe, trainer: pl.Trainer) -> int | None:
         total = probe.total_bytes()
@@ -504,26 +515,65 @@ class BatchSizeTuner(Callback):
             row.extend([gib(t.val_peak_bytes), f"{t.seconds:.2f}"])
         table: list[list[object]] = [list(columns), ["---"] * len(columns), *rows]
         lines = ["| " + " | ".join(str(cell) for cell in row) + " |" for row in table]
-        scalars = {keys.BATCH_SIZE.format(): float(result.batch_size or 0)}
-        scalars[keys.TRIAL_OOMS.format()] = float(self._planned.get("planned_ooms", 0))  # the report subtracts them
-        scalars[keys.TRIAL_RETRIES.format()] = float(self._planned.get("planned_retries", 0))
+        # the report subtracts the trials' planned OOMs and retries from the run's; only what a source counted
+        scalars = {name: float(count) for name, count in self._counted.items() if count is not None}
         log_to_loggers(trainer, scalars, step=trainer.global_step)
-        log_table(trainer, keys.BATCH_SIZE_TRIALS.format(), columns, rows, trainer.global_step, "\n".join(lines))
+        log_table(
+            trainer,
+            keys.BATCH_SIZE_TRIALS.format(),
+            columns,
+            rows,
+            trainer.global_step,
+            "\n".join(lines),
+            "BatchSizeTuner",
+        )
+        self._record(trainer)
+
+    def _record(self, trainer: pl.Trainer) -> None:
+        """Say in the run's logs which size it trains at, tuned or restored from a checkpoint (global rank zero).
+
+        ``gpumem/batch_size`` to every logger; the size in the hyperparameters the loggers show (TensorBoard's
+        HPARAMS, ``hparams.yaml``) where the module's or the datamodule's hparams hold ``batch_arg_name``, which
+        Lightning logged with the size the run started with; and under LightningCLI ``gpumem_batch_size.yaml`` in
+        the run's directory, beside the ``config.yaml`` that holds the initial size.
+        """
+        if not trainer.is_global_zero or self.optimal_batch_size is None:
+            return
+        log_to_loggers(trainer, {keys.BATCH_SIZE.format(): float(self.optimal_batch_size)}, step=trainer.global_step)
+        if _session.batch_arg_in_hparams(trainer, self.batch_arg_name):
+            for logger in trainer.loggers:
+                try:
+                    hparams = dict(getattr(logger, "hparams", None) or {})
+                    logger.log_hyperparams({**hparams, self.batch_arg_name: self.optimal_batch_size})
+                except Exception as error:  # a logger that cannot take them: the scalar above says it all the same
+                    rank_zero_warn(
+                        f"BatchSizeTuner: could not log `{self.batch_arg_name}` to {type(logger).__name__}'s"
+                        f" hyperparameters ({error!r})."
+                    )
         self._write_next_to_cli_config(trainer)
 
     def _write_next_to_cli_config(self, trainer: pl.Trainer) -> None:
-        """Under LightningCLI, write the size chosen next to ``config.yaml`` (which keeps the initial one)."""
+        """Under LightningCLI, write the size chosen to the run's directory, beside ``config.yaml``.
+
+        Its own file of an earlier search in this run is replaced; a file of another run keeps its name (this one
+        gets ``-v1``...). A disk that fails is named in a warning.
+        """
         if not any(type(c).__name__ == "SaveConfigCallback" for c in trainer.callbacks):  # type: ignore[attr-defined]
             return
-        directory = log_dir(trainer)  # trainer.log_dir without its broadcast: only rank zero gets here
         lines = [
             "# Chosen by BatchSizeTuner at fit start; config.yaml holds the value the run started with.",
             f"{self.batch_arg_name}: {self.optimal_batch_size}",
         ]
         if self.keep_effective_batch:
             lines.append(f"accumulate_grad_batches: {self._accumulation}")
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / "gpumem_batch_size.yaml").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        path = run_dir(trainer) / "gpumem_batch_size.yaml"  # trainer.log_dir's run, without its broadcast
+        if path != self._yaml_path:
+            path = unique_path(path)
+        try:
+            write_atomic(path, "\n".join(lines) + "\n")
+            self._yaml_path = path
+        except OSError as error:
+            rank_zero_warn(f"BatchSizeTuner: could not write {path} ({error!r}).")
 
 
 def _largest_size_with_batches(samples: int, limit: int | float, need: int) -> int:

@@ -11,22 +11,22 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger, Logger
 
 from lightning_gpumem import BatchSizeTuner
-from lightning_gpumem._logging import log_dir, log_table
+from lightning_gpumem._logging import log_table, run_dir
 from tests.unit.test_tuner import OOMModel
 
 
 class PlainLogger(Logger):
     """A logger with no text or table call (as a custom one may be)."""
 
-    def __init__(self, save_dir: str | None = None, **attributes) -> None:
+    def __init__(self, save_dir: str | None = None, name: str | None = "plain", **attributes) -> None:
         super().__init__()
-        self._save_dir = save_dir
+        self._save_dir, self._name = save_dir, name
         for name, value in attributes.items():
             setattr(self, name, value)
 
     @property
     def name(self):
-        return "plain"
+        return self._name
 
     @property
     def version(self):
@@ -77,24 +77,52 @@ def test_each_kind_of_logger_gets_the_table_its_own_way(tmp_path):
     assert tensorboard.experiment.calls == [("add_text", "gpumem/trials", "| md |", 7)]
     assert mlflow.experiment.calls == [("log_text", "run-1", "| md |", "gpumem_trials.md")]
     assert wandb_calls == [{"key": "gpumem/trials", "columns": COLUMNS, "data": ROWS, "step": 7}]
-    assert written == [tmp_path / "plain" / "gpumem_trials.csv"]
+    assert written == [tmp_path / "plain" / "plain" / "version_0" / "gpumem_trials.csv"]  # <save_dir>/<name>/<version>
     with open(written[0], newline="") as file:
         assert list(csv.reader(file)) == [COLUMNS, ["2", "ok"], ["4", "OOM"]]
 
 
-def test_loggers_sharing_a_directory_get_one_file_and_files_can_be_left_to_the_caller(tmp_path):
+def test_loggers_sharing_a_directory_get_one_file_and_the_callers_own_directory_none(tmp_path):
     trainer = _trainer(tmp_path, [PlainLogger(save_dir=str(tmp_path)), PlainLogger(save_dir=str(tmp_path))])
-    assert log_table(trainer, "gpumem/trials", COLUMNS, ROWS, step=0, text="") == [tmp_path / "gpumem_trials.csv"]
-    assert log_table(trainer, "gpumem/other", COLUMNS, ROWS, step=0, text="", files=False) == []
-    assert not (tmp_path / "gpumem_other.csv").exists()
+    run = tmp_path / "plain" / "version_0"
+    assert log_table(trainer, "gpumem/trials", COLUMNS, ROWS, step=0, text="") == [run / "gpumem_trials.csv"]
+    assert log_table(trainer, "gpumem/other", COLUMNS, ROWS, step=0, text="", has_file=run) == []
+    assert not (run / "gpumem_other.csv").exists()
 
 
-def test_files_follow_the_first_loggers_directory_as_trainer_log_dir_does(tmp_path):
-    assert log_dir(_trainer(tmp_path, [])) == tmp_path
-    mlflow_like = PlainLogger(save_dir=str(tmp_path / "mlruns"))  # no log_dir: its save_dir, as Lightning's
-    assert log_dir(_trainer(tmp_path, [mlflow_like, CSVLogger(tmp_path / "csv")])) == tmp_path / "mlruns"
-    assert log_dir(_trainer(tmp_path, [PlainLogger()])) == tmp_path  # neither: default_root_dir
-    assert log_dir(_trainer(tmp_path, []), dirpath=tmp_path / "x") == tmp_path / "x"
+def test_files_go_to_the_first_loggers_run_directory_as_model_checkpoint_places_them(tmp_path):
+    assert run_dir(_trainer(tmp_path, [])) == tmp_path
+    mlflow_like = PlainLogger(save_dir=str(tmp_path / "mlruns"))  # no log_dir: <save_dir>/<name>/<version>
+    csv_logger = CSVLogger(tmp_path / "csv")
+    assert run_dir(_trainer(tmp_path, [mlflow_like, csv_logger])) == tmp_path / "mlruns" / "plain" / "version_0"
+    assert run_dir(_trainer(tmp_path, [csv_logger])) == Path(csv_logger.log_dir)
+    assert run_dir(_trainer(tmp_path, [PlainLogger()])) == tmp_path / "plain" / "version_0"  # default_root_dir
+    assert run_dir(_trainer(tmp_path, [PlainLogger(name=None)])) == tmp_path  # no run named: the root itself
+    assert run_dir(_trainer(tmp_path, []), dirpath=tmp_path / "x") == tmp_path / "x"
+
+
+def test_an_mlflow_first_and_a_csv_logger_later_each_get_the_table_in_their_own_run(tmp_path):
+    mlflow = PlainLogger(save_dir=str(tmp_path / "mlruns"), experiment=MlflowClientLike(), run_id="run-1")
+    csv_logger = CSVLogger(tmp_path / "csv")
+    written = log_table(_trainer(tmp_path, [mlflow, csv_logger]), "gpumem/trials", COLUMNS, ROWS, step=0, text="t")
+    assert mlflow.experiment.calls == [("log_text", "run-1", "t", "gpumem_trials.md")]
+    assert written == [Path(csv_logger.log_dir) / "gpumem_trials.csv"]
+
+
+def test_a_logger_or_disk_that_fails_is_named_in_a_warning_and_the_others_still_get_the_table(tmp_path):
+    class Broken(SummaryWriterLike):
+        def add_text(self, key, text, global_step):
+            raise OSError(28, "No space left on device")
+
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the run directory should be")
+    plain_on_a_file = PlainLogger(save_dir=str(blocked))
+    good = PlainLogger(save_dir=str(tmp_path / "good"))
+    trainer = _trainer(tmp_path, [PlainLogger(experiment=Broken()), plain_on_a_file, good])
+    with pytest.warns(UserWarning, match="could not write the table `gpumem/trials` to PlainLogger") as record:
+        written = log_table(trainer, "gpumem/trials", COLUMNS, ROWS, step=0, text="t")
+    assert len(record) == 2
+    assert written == [tmp_path / "good" / "plain" / "version_0" / "gpumem_trials.csv"]
 
 
 @pytest.mark.filterwarnings("ignore:BatchSizeTuner. stopped at the upper bound")

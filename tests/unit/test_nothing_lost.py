@@ -1,0 +1,239 @@
+"""Nothing lost, nothing hidden: a callback that cannot write never replaces the user's error, never leaves a partial
+file, never writes outside the run, and undoes its patches on every exit path."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.loggers import CSVLogger
+
+import lightning_gpumem.snapshot as snapshot_module
+from lightning_gpumem import AutoMicrobatch, LayerMemoryProfiler, OOMSnapshot
+from lightning_gpumem._compat import Callback
+from lightning_gpumem._files import check_dirpath, unique_path, write_atomic
+from lightning_gpumem._patching import Patches
+from tests._fakes import FakeProbe
+from tests.unit.test_layers import FakeProfiler, Net
+from tests.unit.test_snapshot import SNAPSHOT
+
+
+class OOMModel(BoringModel):
+    """A training step that always runs out of memory (a CUDA OOM on CPU)."""
+
+    def training_step(self, batch, batch_idx):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+class RecordingSnapshot(OOMSnapshot):
+    """OOMSnapshot on CPU: records "history" without CUDA, and snapshots a synthetic state."""
+
+    def setup(self, trainer, pl_module, stage):
+        self._trainer, self._recording = trainer, True
+
+    def _stop(self):
+        self.stopped = True
+        self._recording = False
+
+
+@pytest.fixture
+def synthetic_snapshot(monkeypatch):
+    monkeypatch.setattr(snapshot_module, "take_snapshot", lambda: SNAPSHOT)
+
+
+def _trainer(tmp_path, callbacks, **kwargs):
+    return Trainer(
+        accelerator="cpu",
+        default_root_dir=tmp_path,
+        logger=CSVLogger(tmp_path),
+        callbacks=callbacks,
+        max_steps=kwargs.pop("max_steps", 2),
+        limit_val_batches=0,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def _files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.rglob("*") if p.is_file())
+
+
+# ---------------------------------------------------------------------------------------------- on_exception
+def test_no_callback_raises_from_on_exception_the_error_is_warned_and_the_users_error_kept():
+    class Failing(Callback):
+        def on_exception(self, trainer, pl_module, exception):
+            raise OSError(28, "No space left on device")
+
+    class Child(Failing):  # inherits the guarded hook
+        pass
+
+    error = ValueError("the user's own error")
+    for callback in (Failing(), Child()):
+        with pytest.warns(UserWarning, match=r"on_exception failed .*No space left.* while handling ValueError"):
+            callback.on_exception(None, None, error)
+    assert error.__context__ is None and error.__cause__ is None
+
+
+@pytest.mark.usefixtures("synthetic_snapshot")
+@pytest.mark.filterwarnings("ignore:.*ckpt_path:UserWarning")  # OnExceptionCheckpoint's own notes on resuming
+def test_an_oom_snapshot_that_cannot_write_keeps_the_oom_and_the_callbacks_after_it_run(tmp_path):
+    target = tmp_path / "snapshots"
+    snapshot = RecordingSnapshot(dirpath=target)
+    target.write_text("a file where the directory should be: every write fails")  # after construction
+    checkpoint = OnExceptionCheckpoint(dirpath=tmp_path / "ckpt")
+    microbatch = AutoMicrobatch()
+    model = OOMModel()
+    trainer = _trainer(tmp_path, [snapshot, microbatch, checkpoint])
+    with pytest.warns(UserWarning, match="OOMSnapshot: could not write the oom snapshot"):
+        with pytest.raises(torch.cuda.OutOfMemoryError) as raised:
+            trainer.fit(model)
+    assert raised.value.__context__ is None  # the user's error, not one raised while handling it
+    assert snapshot.stopped and snapshot.paths == []
+    assert (tmp_path / "ckpt" / "on_exception.ckpt").is_file()  # OnExceptionCheckpoint, moved last, still ran
+    assert not {"training_step", "log", "backward"} & set(vars(model))  # AutoMicrobatch put everything back
+
+
+@pytest.mark.usefixtures("synthetic_snapshot")
+def test_a_snapshot_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    snapshot = RecordingSnapshot(dirpath=tmp_path)
+    snapshot._trainer = _trainer(tmp_path, [])
+    snapshot._recording = True
+
+    def fail(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(snapshot_module, "render_html", fail)  # the second file fails: the first is taken back
+    with pytest.warns(UserWarning, match="No space left"):
+        assert snapshot.dump("oom") is None
+    assert _files(tmp_path) == []
+    monkeypatch.undo()
+    monkeypatch.setattr(snapshot_module, "take_snapshot", lambda: SNAPSHOT)
+    first, second = snapshot.dump("oom"), snapshot.dump("oom")  # a name taken before gets -v1
+    assert first is not None and second is not None
+    assert [p.name for p in (*first, *second)] == [
+        "oom_rank0_step0.pickle",
+        "oom_rank0_step0.html",
+        "oom_rank0_step0-v1.pickle",
+        "oom_rank0_step0-v1.html",
+    ]
+
+
+def test_write_atomic_leaves_the_old_file_or_the_new_one_never_a_part(tmp_path, monkeypatch):
+    path = tmp_path / "table.csv"
+    write_atomic(path, "old\n")
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        write_atomic(path, "new\n")
+    monkeypatch.undo()
+    assert path.read_text() == "old\n"
+    assert _files(tmp_path) == ["table.csv"]  # no temporary file left
+    write_atomic(path, b"new\n")
+    assert path.read_text() == "new\n"
+    assert unique_path(path) == tmp_path / "table-v1.csv"
+
+
+# ---------------------------------------------------------------------------------------------- patches
+def test_patches_put_back_exactly_what_was_there_and_leftovers_cannot_recurse():
+    class Owner:
+        def step(self, x):
+            return x + 1
+
+    owner = Owner()
+    first = Patches()
+    first.install(owner, "step", lambda x: first.original(owner, "step")(x) * 10)
+    assert owner.step(1) == 20
+    # `first` is never undone (a crash before its clean-up): a second owner installs over its leftover
+    second = Patches()
+    second.install(owner, "step", lambda x: second.original(owner, "step")(x) * 100)
+    assert owner.step(1) == 200  # the original, wrapped once: not 2000, and no RecursionError
+    second.undo()
+    assert "step" not in vars(owner) and owner.step(1) == 2
+
+
+def test_a_new_automicrobatch_over_the_leftover_patches_of_one_that_never_cleaned_up_trains(tmp_path):
+    model = BoringModel()
+    crashed = AutoMicrobatch()
+    crashed._unpatch = lambda: None  # its clean-up never runs: its patches stay on the module
+    _trainer(tmp_path, [crashed]).fit(model)
+    assert "training_step" in vars(model)
+    fresh = AutoMicrobatch()
+    _trainer(tmp_path, [fresh]).fit(model)  # was: RecursionError
+    assert not {"training_step", "log", "backward"} & set(vars(model))
+
+
+def test_ctrl_c_in_a_step_undoes_automicrobatchs_patches(tmp_path):
+    class Interrupted(BoringModel):
+        def training_step(self, batch, batch_idx):
+            raise KeyboardInterrupt
+
+    model = Interrupted()
+    with pytest.raises(SystemExit):  # Lightning's graceful shutdown after Ctrl-C
+        _trainer(tmp_path, [AutoMicrobatch()]).fit(model)
+    assert not {"training_step", "log", "backward"} & set(vars(model))
+
+
+# ---------------------------------------------------------------------------------------------- dirpath
+@pytest.mark.parametrize("owner", [OOMSnapshot, LayerMemoryProfiler])
+def test_a_dirpath_that_can_never_be_a_directory_is_refused_by_name(tmp_path, owner):
+    existing = tmp_path / "file.txt"
+    existing.write_text("x")
+    for value, why in [
+        (existing, "is an existing file"),
+        (existing / "below", "not a directory"),
+        ("logs\0x", "NUL byte"),
+        ("a" * 300, "longer than 255 bytes"),
+        (" ", "blank name"),
+        ("", "blank name"),
+    ]:
+        with pytest.raises(ValueError, match=rf"`{owner.__name__}\(dirpath=.*Expected a directory path; .*{why}"):
+            owner(dirpath=value)
+    with pytest.raises(TypeError, match=rf"`{owner.__name__}\(dirpath=5\)`"):
+        owner(dirpath=5)
+    assert owner(dirpath="~/gpumem").dirpath == Path.home() / "gpumem"  # as ModelCheckpoint expands it
+
+
+def test_check_dirpath_accepts_a_directory_to_be_made(tmp_path):
+    assert check_dirpath("X", tmp_path / "new" / "deeper") == tmp_path / "new" / "deeper"
+    assert check_dirpath("X", tmp_path) == tmp_path
+    assert check_dirpath("X", None) is None
+
+
+def test_a_dirpath_that_cannot_be_created_is_refused_at_setup_before_training(tmp_path):
+    target = tmp_path / "later-a-file"
+    profiler = FakeProfiler(FakeProbe(), at_step=1, dirpath=target)
+    target.write_text("made a file after construction")
+    model = Net(profiler.fake)
+    with pytest.raises(ValueError, match=r"`LayerMemoryProfiler\(dirpath=.*later-a-file'\)` cannot be written to"):
+        _trainer(tmp_path, [profiler], max_steps=3).fit(model)
+    assert model.global_step == 0
+
+
+def test_a_layer_csv_that_cannot_be_written_warns_and_training_goes_on(tmp_path, monkeypatch):
+    import lightning_gpumem.layers as layers_module
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(layers_module, "write_atomic", full_disk)
+    profiler = FakeProfiler(FakeProbe(), at_step=1, dirpath=tmp_path / "layers")
+    trainer = _trainer(tmp_path, [profiler], max_steps=3)
+    with pytest.warns(UserWarning, match="LayerMemoryProfiler: could not write .*No space left"):
+        trainer.fit(Net(profiler.fake))
+    assert trainer.global_step == 3 and profiler.table is not None and profiler.csv_path is None
+
+
+def test_a_second_run_into_the_same_dirpath_keeps_the_first_runs_layer_csv(tmp_path):
+    for _ in range(2):
+        profiler = FakeProfiler(FakeProbe(), at_step=1, dirpath=tmp_path / "layers")
+        _trainer(tmp_path, [profiler], max_steps=2).fit(Net(profiler.fake))
+    assert _files(tmp_path / "layers") == ["layer_memory_step1-v1.csv", "layer_memory_step1.csv"]
