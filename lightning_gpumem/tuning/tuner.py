@@ -179,6 +179,7 @@ class BatchSizeTuner(Callback):
         self._planned: dict[str, int] = {}  # the allocator's OOM and retry counts when the trials ended
         self._counted: dict[str, int | None] = {}  # the same, as logged: None where no source counts them (CPU)
         self._yaml_path: Path | None = None  # the `gpumem_batch_size.yaml` this callback wrote
+        self._hparams_due = False  # a size was chosen or restored whose hyperparameter is not logged yet
         self._accumulation: int | None = None
         self._restored: dict[str, Any] | None = None
         self._tuning = False
@@ -540,17 +541,30 @@ class BatchSizeTuner(Callback):
         if not trainer.is_global_zero or self.optimal_batch_size is None:
             return
         log_to_loggers(trainer, {keys.BATCH_SIZE.format(): float(self.optimal_batch_size)}, step=trainer.global_step)
-        if _session.batch_arg_in_hparams(trainer, self.batch_arg_name):
-            for logger in trainer.loggers:
-                try:
-                    hparams = dict(getattr(logger, "hparams", None) or {})
-                    logger.log_hyperparams({**hparams, self.batch_arg_name: self.optimal_batch_size})
-                except Exception as error:  # a logger that cannot take them: the scalar above says it all the same
-                    rank_zero_warn(
-                        f"BatchSizeTuner: could not log `{self.batch_arg_name}` to {type(logger).__name__}'s"
-                        f" hyperparameters ({error!r})."
-                    )
+        self._hparams_due = True
+        if _session.current_hook(trainer) != "on_fit_start":  # mid-training: Lightning logged its hparams already
+            self._log_hparams(trainer)
         self._write_next_to_cli_config(trainer)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log_hparams(trainer)  # after Lightning's own `log_hyperparams`, which logs the initial hparams
+
+    def _log_hparams(self, trainer: pl.Trainer) -> None:
+        if not self._hparams_due or not trainer.is_global_zero:
+            return
+        self._hparams_due = False
+        if not _session.batch_arg_in_hparams(trainer, self.batch_arg_name):
+            return
+        for logger in trainer.loggers:
+            try:
+                hparams = dict(getattr(logger, "hparams", None) or {})
+                logger.log_hyperparams({**hparams, self.batch_arg_name: self.optimal_batch_size})
+            except Exception as error:  # a logger that cannot take them: `gpumem/batch_size` says it all the same
+                rank_zero_warn(
+                    f"BatchSizeTuner: could not log `{self.batch_arg_name}` to {type(logger).__name__}'s"
+                    f" hyperparameters ({error!r})."
+                )
 
     def _write_next_to_cli_config(self, trainer: pl.Trainer) -> None:
         """Under LightningCLI, write the size chosen to the run's directory, beside ``config.yaml``.

@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
-from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from lightning.pytorch.loggers import CSVLogger
 
 import lightning_gpumem.snapshot as snapshot_module
@@ -237,3 +237,100 @@ def test_a_second_run_into_the_same_dirpath_keeps_the_first_runs_layer_csv(tmp_p
         profiler = FakeProfiler(FakeProbe(), at_step=1, dirpath=tmp_path / "layers")
         _trainer(tmp_path, [profiler], max_steps=2).fit(Net(profiler.fake))
     assert _files(tmp_path / "layers") == ["layer_memory_step1-v1.csv", "layer_memory_step1.csv"]
+
+
+# ---------------------------------------------------------------------------------------------- every run's files
+class HparamsOOMModel(BoringModel):
+    """`batch_size` in the hparams Lightning logs; batches over 24 samples run out of memory (simulated)."""
+
+    def __init__(self, batch_size: int = 2) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def training_step(self, batch, batch_idx):
+        if batch.shape[0] > 24:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return super().training_step(batch, batch_idx)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(RandomDataset(32, 640), batch_size=self.hparams.batch_size)
+
+
+def _tuned_fit(tmp_path, version, ckpt_path=None, max_steps=2):
+    from lightning_gpumem import BatchSizeTuner
+
+    logger = CSVLogger(tmp_path, version=version)
+    trainer = Trainer(
+        accelerator="cpu",
+        logger=logger,
+        callbacks=[BatchSizeTuner(include_validation=False)],
+        max_steps=max_steps,
+        limit_val_batches=0,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(HparamsOOMModel(), ckpt_path=ckpt_path)
+    return trainer, Path(logger.log_dir)
+
+
+@pytest.mark.filterwarnings("ignore:The dirpath has changed:UserWarning", "ignore:You're resuming:UserWarning")
+def test_a_resumed_run_records_the_size_it_trains_at_in_its_metrics_and_hparams(tmp_path):
+    import yaml
+
+    from tests._fakes import read_csv_metrics
+
+    trainer, first = _tuned_fit(tmp_path, "first")
+    tuned = trainer.callbacks[0].optimal_batch_size
+    assert 20 <= tuned <= 24
+    ckpt = tmp_path / "tuned.ckpt"
+    trainer.save_checkpoint(ckpt)
+    resumed, second = _tuned_fit(tmp_path, "resumed", ckpt_path=ckpt, max_steps=4)
+    assert resumed.callbacks[0].trials == ()  # restored, not searched
+    for run in (first, second):
+        sizes = [float(row["gpumem/batch_size"]) for row in read_csv_metrics(run) if row.get("gpumem/batch_size")]
+        assert sizes == [tuned], run.name
+        assert yaml.safe_load((run / "hparams.yaml").read_text())["batch_size"] == tuned, run.name
+
+
+def test_the_tuners_trials_on_cpu_log_no_allocator_counts_no_source_counted(tmp_path):
+    from tests._fakes import read_csv_metrics
+
+    _, run = _tuned_fit(tmp_path, "cpu")
+    logged = {key for row in read_csv_metrics(run) for key, value in row.items() if value}
+    assert "gpumem/batch_size" in logged
+    assert not {"gpumem/batch_size_trial_ooms", "gpumem/batch_size_trial_retries"} & logged
+
+
+def test_each_run_of_an_mlflow_like_logger_gets_its_own_directory_and_nothing_is_overwritten(tmp_path):
+    from tests.unit.test_log_table import PlainLogger
+
+    class RunLogger(PlainLogger):  # as MLflow: a save_dir shared by every run, a version per run, no log_dir
+        def __init__(self, version):
+            super().__init__(save_dir=str(tmp_path / "mlruns"), name="exp")
+            self._version = version
+
+        @property
+        def version(self):
+            return self._version
+
+    profilers = []
+    for version in ("run-a", "run-b"):
+        profiler = FakeProfiler(FakeProbe(), at_step=1)
+        trainer = Trainer(
+            accelerator="cpu",
+            logger=[RunLogger(version), CSVLogger(tmp_path / "csv")],
+            callbacks=[profiler],
+            max_steps=2,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+        trainer.fit(Net(profiler.fake))
+        profilers.append((profiler, trainer))
+    for (profiler, trainer), version in zip(profilers, ("run-a", "run-b"), strict=True):
+        assert profiler.csv_path == tmp_path / "mlruns" / "exp" / version / "layer_memory_step1.csv"
+        csv_run = Path(trainer.loggers[1].log_dir)  # the CSVLogger later in the list gets the table too
+        assert (csv_run / "gpumem_layer_memory.csv").is_file()
+    # beside each run's checkpoints/ (ModelCheckpoint's layout), none in the shared root
+    assert [f for f in _files(tmp_path / "mlruns") if f.endswith(".csv")] == ["layer_memory_step1.csv"] * 2
