@@ -18,6 +18,14 @@ _OOM_MESSAGES = (
 )
 
 
+class NotOutOfMemoryError(RuntimeError):
+    """An error of this package whose message speaks of running out of memory but that is not itself an OOM.
+
+    (``AutoMicrobatch`` stopping every rank because another one ran out of memory, say.) :func:`is_oom_error`
+    never takes it for one, so no callback tries to recover or snapshot it as an OOM.
+    """
+
+
 def _oom_types() -> tuple[type[BaseException], ...]:
     candidates = (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None))
     return tuple(t for t in candidates if isinstance(t, type))
@@ -32,7 +40,11 @@ def is_oom_error(error: BaseException) -> bool:
     True
     >>> is_oom_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     False
+    >>> is_oom_error(NotOutOfMemoryError("another rank ran out of memory"))
+    False
     """
+    if isinstance(error, NotOutOfMemoryError):
+        return False
     if isinstance(error, _oom_types()):
         return True
     if isinstance(error, RuntimeError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import inspect
+import time
 import traceback
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -26,7 +27,7 @@ from lightning_gpumem._microbatch import (
     combine_logs,
     split_batch,
 )
-from lightning_gpumem._oom import is_oom_error, oom_expected
+from lightning_gpumem._oom import NotOutOfMemoryError, is_oom_error, oom_expected
 from lightning_gpumem._patching import Patches
 from lightning_gpumem._registry import budget_bytes, tell_oom_recovered, tell_peak_reset
 from lightning_gpumem.probe import Probe, make_probe
@@ -252,7 +253,7 @@ class AutoMicrobatch(Callback):
         traceback.clear_frames(error.__traceback__)  # the frames hold the attempt's activations
         self._calls = []
         if self._distributed and self._agreed:
-            raise RuntimeError(
+            raise NotOutOfMemoryError(
                 f"AutoMicrobatch: out of memory at step {step} after the ranks had agreed on the step (in the"
                 " optimizer step or after it): under DDP the other ranks have moved on, so it cannot be re-run"
                 " (see the error above)."
@@ -371,13 +372,12 @@ class AutoMicrobatch(Callback):
     def _agree(self, trainer: pl.Trainer, failed: bool, give_up: bool) -> dict[str, float]:
         """Every rank's word on this attempt (collective): whether any ran out of memory, the split and wait to use."""
         values = [float(failed), float(self.policy.k), float(self.policy.wait), float(give_up)]
+        start = time.monotonic()
         try:
             reduced = all_reduce_max(values, self._group)
-        except RuntimeError as error:  # a rank stuck elsewhere: most likely a collective in `training_step`
-            raise RuntimeError(
-                f"AutoMicrobatch: the ranks did not all reach the agreement on step {trainer.global_step} within"
-                f" {AGREE_TIMEOUT_S:.0f} s (a rank waits in another collective, such as an `all_gather` inside"
-                " `training_step`, which AutoMicrobatch cannot re-run on one rank alone); the run stops."
+        except RuntimeError as error:
+            raise NotOutOfMemoryError(
+                _agreement_failed(trainer.global_step, time.monotonic() - start, error)
             ) from error
         self._agreed = True
         return dict(zip(("failed", "k", "wait", "give_up"), reduced, strict=True))
@@ -395,7 +395,7 @@ class AutoMicrobatch(Callback):
             return
         agreed = self._agree(trainer, failed=False, give_up=False)
         if agreed["give_up"]:
-            raise RuntimeError(
+            raise NotOutOfMemoryError(
                 f"AutoMicrobatch: another rank ran out of memory at step {trainer.global_step} with nothing smaller"
                 " to try; the run stops on every rank."
             )
@@ -596,6 +596,20 @@ def _counters(loop: Any) -> list[tuple[Any, dict[str, int]]]:
     optimizer = loop.optim_progress.optimizer
     trackers = (optimizer.step.total, optimizer.step.current, optimizer.zero_grad.total, optimizer.zero_grad.current)
     return [(tracker, dict(vars(tracker))) for tracker in trackers]
+
+
+def _agreement_failed(step: int, waited_s: float, error: BaseException) -> str:
+    """Why the ranks' agreement failed after ``waited_s``: a timeout (a rank stuck elsewhere) or a rank gone."""
+    if waited_s >= 0.9 * AGREE_TIMEOUT_S:
+        return (
+            f"AutoMicrobatch: the ranks did not all reach the agreement on step {step} within {AGREE_TIMEOUT_S:.0f} s"
+            " (a rank waits in another collective, such as an `all_gather` inside `training_step`, which"
+            " AutoMicrobatch cannot re-run on one rank alone); the run stops."
+        )
+    return (
+        f"AutoMicrobatch: another rank left the agreement on step {step} after {waited_s:.0f} s ({error}): it has"
+        " most likely stopped with an error of its own (see that rank's output above); the run stops."
+    )
 
 
 def _restore_counters(saved: list[tuple[Any, dict[str, int]]]) -> None:

@@ -245,6 +245,11 @@ class TrialSession:
         """Samples in each training batch of the last trial (what ran, not what was asked for)."""
         return self.callback.batch_sizes if self.callback is not None else []
 
+    @property
+    def dataset_samples(self) -> int | None:
+        """Samples in the last trial's training dataset (``None``: no length)."""
+        return self.callback.dataset_samples if self.callback is not None else None
+
     # ------------------------------------------------------------------ module patches
     def _patch_module(self, module: pl.LightningModule) -> None:
         def skip(*args: Any, **kwargs: Any) -> None:
@@ -285,12 +290,15 @@ class _TrialCallback(Callback):
         self.validate = validate
         self.before_validation = before_validation  # e.g. read the training steps' peaks, then reset them
         self.batch_sizes: list[int] = []
+        self.dataset_samples: int | None = None  # samples in the trial's training dataset
         self.validated = False
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if not self.batch_sizes:
+            self.dataset_samples = dataset_length(trainer.train_dataloader)
         self.batch_sizes.append(_batch_size(batch))
 
     @override
@@ -370,9 +378,12 @@ def train_source_is_module(trainer: pl.Trainer) -> bool:
 
 def train_dataset_length(trainer: pl.Trainer) -> int | None:
     """Samples in the first training dataset, asked from the user's ``train_dataloader`` (``None``: no length)."""
-    loaders = trainer.fit_loop._data_source.dataloader()  # private, see `train_source_is_module`
-    first = _first_loader(loaders)
-    dataset = getattr(first, "dataset", None)
+    return dataset_length(trainer.fit_loop._data_source.dataloader())  # private, see `train_source_is_module`
+
+
+def dataset_length(loaders: Any) -> int | None:
+    """Samples in the dataset of the first of ``loaders`` (``None``: no length)."""
+    dataset = getattr(_first_loader(loaders), "dataset", None)
     if isinstance(dataset, torch.utils.data.IterableDataset):
         return None
     try:

@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lightning_gpumem import keys
 from lightning_gpumem._checks import require_flags, require_int
-from lightning_gpumem._compat import Callback
+from lightning_gpumem._compat import Callback, either
 from lightning_gpumem._distributed import gather_named
 from lightning_gpumem._files import unique_path, write_atomic
 from lightning_gpumem._logging import log_table, log_to_loggers, run_dir
@@ -191,6 +191,15 @@ class BatchSizeTuner(Callback):
         return self.result.trials if self.result is not None else ()
 
     @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        finders = [type(c).__name__ for c in trainer.callbacks if isinstance(c, either("callbacks", "BatchSizeFinder"))]  # type: ignore[attr-defined]
+        if stage == "fit" and finders:
+            raise ValueError(
+                f"BatchSizeTuner and Lightning's {finders[0]} are both in the Trainer's callbacks: both tune the batch"
+                " size at fit start and would undo each other's trials. Keep one of them."
+            )
+
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         restored, self._restored = self._restored, None
         if restored is not None and not self.retune_on_resume:
@@ -255,7 +264,7 @@ class BatchSizeTuner(Callback):
         try:
             with TrialSession(trainer, self.batch_arg_name) as session:
                 self._original = session.original
-                self._seen: dict[int, int] = {}
+                self._seen: dict[int, tuple[int, int | None]] = {}  # size: (largest batch, dataset length)
                 if total:  # trials run with the allocator capped at the budget, as the fit will be
                     previous_fraction = probe.set_memory_fraction(min(1.0, limit / total))  # type: ignore[operator]
                 try:
@@ -395,7 +404,7 @@ class BatchSizeTuner(Callback):
         fits = session.run()
         seconds = time.perf_counter() - start
         after = probe.read(nvml=False, host=False).alloc_retries
-        self._check_batches(size, session.batches_seen)
+        self._check_batches(size, session.batches_seen, session.dataset_samples)
         end = list(probe.read_peaks())
         train_peaks, val_peaks = (train, end) if session.validated else (end, [None, None])
         # A reserved peak of validation alone is not measurable: the training steps' cache is still reserved then.
@@ -421,20 +430,31 @@ class BatchSizeTuner(Callback):
             retries=agreed["retries"],
         )
 
-    def _check_batches(self, size: int, seen: list[int]) -> None:
-        """Refuse to report sizes that never ran: the attribute must feed the training dataloader."""
+    def _check_batches(self, size: int, seen: list[int], samples: int | None) -> None:
+        """Refuse to report sizes that never ran: the attribute must set the training batches' first dimension.
+
+        Two sizes whose batches had the same number of samples, or that each made a dataset of exactly that many
+        samples (the attribute sets the dataset's length, and every epoch is one batch of it), are refused.
+        """
         largest = max(seen, default=-1)
-        if largest < 1 or largest == size:
-            return
-        for other, other_largest in self._seen.items():
-            if other != size and other_largest == largest:
+        for other, (other_largest, other_samples) in self._seen.items() if largest >= 1 else ():
+            if other == size:
+                continue
+            if largest != size and other_largest == largest:
                 raise ValueError(
                     f"BatchSizeTuner: setting `{self.batch_arg_name}` to {other} and to {size} gave training batches of"
                     f" {largest} samples both times, so `{self.batch_arg_name}` does not set the training"
                     " dataloader's batch size. Build the dataloader from it (`DataLoader(...,"
                     f" batch_size=self.{self.batch_arg_name})`), or pass the name your code uses as `batch_arg_name`."
                 )
-        self._seen[size] = largest
+            if samples == size and other_samples == other:
+                raise ValueError(
+                    f"BatchSizeTuner: setting `{self.batch_arg_name}` to {other} and to {size} gave training datasets"
+                    f" of {other} and {size} samples, so `{self.batch_arg_name}` sets the dataset's length, not the"
+                    " batch size. Build the dataloader's batch size from it (`DataLoader(...,"
+                    f" batch_size=self.{self.batch_arg_name})`), or pass the name your code uses as `batch_arg_name`."
+                )
+        self._seen[size] = (largest, samples)
 
     def _headroom_size(self, largest: int) -> int:
         """The size kept when ``largest`` is the largest that runs in the budget.

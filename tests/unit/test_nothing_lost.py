@@ -334,3 +334,57 @@ def test_each_run_of_an_mlflow_like_logger_gets_its_own_directory_and_nothing_is
         assert (csv_run / "gpumem_layer_memory.csv").is_file()
     # beside each run's checkpoints/ (ModelCheckpoint's layout), none in the shared root
     assert [f for f in _files(tmp_path / "mlruns") if f.endswith(".csv")] == ["layer_memory_step1.csv"] * 2
+
+
+# ---------------------------------------------------------------------------------------------- errors that say what happened
+def test_automicrobatchs_own_errors_are_never_taken_for_an_oom():
+    from lightning_gpumem._oom import NotOutOfMemoryError, is_oom_error
+
+    error = NotOutOfMemoryError("AutoMicrobatch: another rank ran out of memory at step 3; the run stops.")
+    assert not is_oom_error(error)
+    assert is_oom_error(RuntimeError("CUDA out of memory"))
+
+
+@pytest.mark.parametrize(
+    ("waited", "says"), [(12.0, "another rank left the agreement .* after 12 s"), (600.0, "within 600 s")]
+)
+def test_a_failed_agreement_says_whether_a_rank_is_gone_or_stuck(monkeypatch, waited, says):
+    import lightning_gpumem.microbatch as microbatch_module
+
+    clock = iter([0.0, waited])
+    monkeypatch.setattr(microbatch_module.time, "monotonic", lambda: next(clock))
+
+    def gone(values, group):
+        raise RuntimeError("[gloo] Connection closed by peer")
+
+    monkeypatch.setattr(microbatch_module, "all_reduce_max", gone)
+    callback = AutoMicrobatch()
+    trainer = type("T", (), {"global_step": 5})()
+    with pytest.raises(microbatch_module.NotOutOfMemoryError, match=says):
+        callback._agree(trainer, failed=False, give_up=False)
+
+
+def test_lightnings_batch_size_finder_beside_the_tuner_is_refused_as_a_conflict(tmp_path):
+    from lightning.pytorch.callbacks import BatchSizeFinder
+
+    from lightning_gpumem import BatchSizeTuner
+
+    trainer = _trainer(tmp_path, [BatchSizeFinder(), BatchSizeTuner()])
+    with pytest.raises(ValueError, match="BatchSizeTuner and Lightning's BatchSizeFinder are both"):
+        trainer.fit(HparamsOOMModel())
+
+
+def test_a_batch_arg_that_sets_the_dataset_length_is_refused(tmp_path):
+    from lightning_gpumem import BatchSizeTuner
+
+    class LengthModel(BoringModel):
+        def __init__(self):
+            super().__init__()
+            self.n, self.batch_size = 64, 64
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(RandomDataset(32, self.n), batch_size=self.batch_size)
+
+    trainer = _trainer(tmp_path, [BatchSizeTuner(batch_arg_name="n", include_validation=False)])
+    with pytest.raises(ValueError, match="`n` sets the dataset's length, not the batch size"):
+        trainer.fit(LengthModel())
