@@ -63,3 +63,32 @@ def test_linear_stack_activations_match_the_analytic_sizes(tmp_path):
     assert profiler.step_peak_bytes > sum(r.activation_bytes for r in profiler.records)
     assert (tmp_path / "layer_memory_step1.csv").exists()
     print(f"\n{profiler.table}")
+
+
+def test_a_layer_csv_that_cannot_be_written_warns_and_training_goes_on(tmp_path):
+    import shutil
+
+    from lightning.pytorch.callbacks import Callback
+
+    target = tmp_path / "layers"
+
+    class FillTheDisk(Callback):  # after setup: the directory becomes a file, so the write fails
+        def on_train_start(self, trainer, pl_module):
+            shutil.rmtree(target)
+            target.write_text("not a directory any more")
+
+    profiler = LayerMemoryProfiler(at_step=1, dirpath=target)
+    trainer = Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[profiler, FillTheDisk()],
+    )
+    with pytest.warns(UserWarning, match="LayerMemoryProfiler: could not write"):
+        trainer.fit(Stack())
+    assert trainer.global_step == 3
+    assert profiler.table is not None and profiler.csv_path is None

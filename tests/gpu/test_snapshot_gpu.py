@@ -118,3 +118,36 @@ def test_every_live_allocation_listed_points_at_code_outside_the_libraries_or_sa
         assert not _is_library(where.rsplit(" in ", 1)[0]), report
     assert "test_snapshot_gpu.py" in report.split("largest live allocations", 1)[0]  # the failed one: this file
     print(f"\n{report}")
+
+
+def test_a_snapshot_that_cannot_be_written_keeps_the_oom_and_the_callbacks_after_it_run(tmp_path):
+    import shutil
+
+    from lightning.pytorch.callbacks import Callback, OnExceptionCheckpoint
+
+    target = tmp_path / "snapshots"
+
+    class FillTheDisk(Callback):  # after setup: the directory becomes a file, so every write fails
+        def on_train_start(self, trainer, pl_module):
+            shutil.rmtree(target)
+            target.write_text("not a directory any more")
+
+    snapshot = OOMSnapshot(dirpath=target)
+    trainer = Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_steps=5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[MemoryBudget("2GiB"), snapshot, FillTheDisk(), OnExceptionCheckpoint(tmp_path / "ckpt")],
+    )
+    with pytest.warns(UserWarning, match="OOMSnapshot: could not write the oom snapshot"):
+        with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 3\.00 GiB") as raised:
+            trainer.fit(OverBudget())
+    assert raised.value.__context__ is None
+    assert snapshot.paths == []
+    assert (tmp_path / "ckpt" / "on_exception.ckpt").is_file()
+    assert not snapshot._recording  # history recording was turned off
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "snapshots"]  # no partial file anywhere
