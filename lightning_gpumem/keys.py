@@ -113,12 +113,15 @@ BATCH_SIZE_TRIALS = _key(
     "batch_size_trials", "table", "one row per trial: size, outcome, peaks (GiB), seconds", "BatchSizeTuner"
 )
 TRIAL_OOMS = _key(
-    "batch_size_trial_ooms", "count", "`ooms` when the trials ended: planned, not the run's", "BatchSizeTuner"
+    "batch_size_trial_ooms",
+    "count",
+    "`ooms` when the trials ended: planned, not the run's (none on CPU)",
+    "BatchSizeTuner",
 )
 TRIAL_RETRIES = _key(
     "batch_size_trial_retries",
     "count",
-    "`alloc_retries` when the trials ended: planned, not the run's",
+    "`alloc_retries` when the trials ended: planned, not the run's (none on CPU)",
     "BatchSizeTuner",
 )
 MICROBATCHES = _key("microbatches", "count", "micro-batches a batch runs as now (1: unsplit)", "AutoMicrobatch")

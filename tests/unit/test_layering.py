@@ -17,7 +17,7 @@ CALLBACKS = {
     "lightning_gpumem.tuning.tuner": "tuning/tuner.py",
     "lightning_gpumem.microbatch": "microbatch.py",
 }
-PURE = ["keys.py", "_peak_window.py", "_leaks.py", "_summary.py", "_snapshot_report.py"]
+PURE = ["keys.py", "_peak_window.py", "_leaks.py", "_summary.py", "_snapshot_report.py", "_files.py", "_patching.py"]
 
 
 def _imports(path: Path) -> set[str]:
