@@ -22,7 +22,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_gpumem._checks import require_int
+from lightning_gpumem._checks import require_int, require_trainer
 from lightning_gpumem._compat import Callback
 from lightning_gpumem._files import check_dirpath, prepare_dir, unique_path, write_atomic
 from lightning_gpumem._logging import log_table, run_dir
@@ -197,6 +197,7 @@ class LayerMemoryProfiler(Callback):
     # ------------------------------------------------------------------ hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        require_trainer("LayerMemoryProfiler", trainer)
         if self.dirpath is not None and trainer.is_global_zero:
             prepare_dir("LayerMemoryProfiler", self.dirpath)
         probe = make_probe(trainer.strategy.root_device, self)

@@ -16,7 +16,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_gpumem import _logging, keys
-from lightning_gpumem._checks import is_int_at_least, require_int
+from lightning_gpumem._checks import is_int_at_least, require_int, require_trainer
 from lightning_gpumem._compat import Callback, either
 from lightning_gpumem._distributed import all_reduce_max, side_group
 from lightning_gpumem._microbatch import (
@@ -142,6 +142,7 @@ class AutoMicrobatch(Callback):
     # ------------------------------------------------------------------ install
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        require_trainer("AutoMicrobatch", trainer)
         reason = None
         if not pl_module.automatic_optimization:
             reason = "manual optimization (`automatic_optimization = False`) is not supported"
@@ -170,6 +171,7 @@ class AutoMicrobatch(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        require_trainer("AutoMicrobatch", trainer)
         if stage == "fit":  # a new fit starts unsplit (a checkpoint's state is loaded after this hook)
             self.policy = MicrobatchPolicy(self.grow_after)
 

@@ -24,7 +24,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_gpumem._checks import require_int
+from lightning_gpumem._checks import require_int, require_trainer
 from lightning_gpumem._compat import Callback
 from lightning_gpumem._files import check_dirpath, prepare_dir, unique_path, write_atomic
 from lightning_gpumem._logging import run_dir
@@ -96,6 +96,7 @@ class OOMSnapshot(Callback):
     # ------------------------------------------------------------------ setup / teardown
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        require_trainer("OOMSnapshot", trainer)
         if trainer.strategy.root_device.type != "cuda":
             if not self._warned:
                 self._warned = True

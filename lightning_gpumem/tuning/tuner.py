@@ -21,7 +21,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_gpumem import keys
-from lightning_gpumem._checks import require_flags, require_int
+from lightning_gpumem._checks import require_flags, require_int, require_trainer
 from lightning_gpumem._compat import Callback, either
 from lightning_gpumem._distributed import gather_named
 from lightning_gpumem._files import unique_path, write_atomic
@@ -192,6 +192,7 @@ class BatchSizeTuner(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        require_trainer("BatchSizeTuner", trainer)
         finders = [type(c).__name__ for c in trainer.callbacks if isinstance(c, either("callbacks", "BatchSizeFinder"))]  # type: ignore[attr-defined]
         if stage == "fit" and finders:
             raise ValueError(
@@ -201,6 +202,7 @@ class BatchSizeTuner(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        require_trainer("BatchSizeTuner", trainer)
         restored, self._restored = self._restored, None
         if restored is not None and not self.retune_on_resume:
             self._apply_restored(trainer, restored)

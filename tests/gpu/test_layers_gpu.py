@@ -91,4 +91,5 @@ def test_a_layer_csv_that_cannot_be_written_warns_and_training_goes_on(tmp_path)
     with pytest.warns(UserWarning, match="LayerMemoryProfiler: could not write"):
         trainer.fit(Stack())
     assert trainer.global_step == 3
-    assert profiler.table is not None and profiler.csv_path is None
+    assert profiler.table is not None
+    assert profiler.csv_path is None

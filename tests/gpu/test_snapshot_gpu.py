@@ -143,9 +143,11 @@ def test_a_snapshot_that_cannot_be_written_keeps_the_oom_and_the_callbacks_after
         enable_model_summary=False,
         callbacks=[MemoryBudget("2GiB"), snapshot, FillTheDisk(), OnExceptionCheckpoint(tmp_path / "ckpt")],
     )
-    with pytest.warns(UserWarning, match="OOMSnapshot: could not write the oom snapshot"):
-        with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 3\.00 GiB") as raised:
-            trainer.fit(OverBudget())
+    with (
+        pytest.warns(UserWarning, match="OOMSnapshot: could not write the oom snapshot"),
+        pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 3\.00 GiB") as raised,
+    ):
+        trainer.fit(OverBudget())
     assert raised.value.__context__ is None
     assert snapshot.paths == []
     assert (tmp_path / "ckpt" / "on_exception.ckpt").is_file()

@@ -77,7 +77,8 @@ def test_no_callback_raises_from_on_exception_the_error_is_warned_and_the_users_
     for callback in (Failing(), Child()):
         with pytest.warns(UserWarning, match=r"on_exception failed .*No space left.* while handling ValueError"):
             callback.on_exception(None, None, error)
-    assert error.__context__ is None and error.__cause__ is None
+    assert error.__context__ is None
+    assert error.__cause__ is None
 
 
 @pytest.mark.usefixtures("synthetic_snapshot")
@@ -90,11 +91,12 @@ def test_an_oom_snapshot_that_cannot_write_keeps_the_oom_and_the_callbacks_after
     microbatch = AutoMicrobatch()
     model = OOMModel()
     trainer = _trainer(tmp_path, [snapshot, microbatch, checkpoint])
-    with pytest.warns(UserWarning, match="OOMSnapshot: could not write the oom snapshot"):
-        with pytest.raises(torch.cuda.OutOfMemoryError) as raised:
-            trainer.fit(model)
+    warns = pytest.warns(UserWarning, match="OOMSnapshot: could not write the oom snapshot")
+    with warns, pytest.raises(torch.cuda.OutOfMemoryError) as raised:
+        trainer.fit(model)
     assert raised.value.__context__ is None  # the user's error, not one raised while handling it
-    assert snapshot.stopped and snapshot.paths == []
+    assert snapshot.stopped
+    assert snapshot.paths == []
     assert (tmp_path / "ckpt" / "on_exception.ckpt").is_file()  # OnExceptionCheckpoint, moved last, still ran
     assert not {"training_step", "log", "backward"} & set(vars(model))  # AutoMicrobatch put everything back
 
@@ -115,7 +117,8 @@ def test_a_snapshot_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(snapshot_module, "take_snapshot", lambda: SNAPSHOT)
     first, second = snapshot.dump("oom"), snapshot.dump("oom")  # a name taken before gets -v1
-    assert first is not None and second is not None
+    assert first is not None
+    assert second is not None
     assert [p.name for p in (*first, *second)] == [
         "oom_rank0_step0.pickle",
         "oom_rank0_step0.html",
@@ -157,7 +160,8 @@ def test_patches_put_back_exactly_what_was_there_and_leftovers_cannot_recurse():
     second.install(owner, "step", lambda x: second.original(owner, "step")(x) * 100)
     assert owner.step(1) == 200  # the original, wrapped once: not 2000, and no RecursionError
     second.undo()
-    assert "step" not in vars(owner) and owner.step(1) == 2
+    assert "step" not in vars(owner)
+    assert owner.step(1) == 2
 
 
 def test_a_new_automicrobatch_over_the_leftover_patches_of_one_that_never_cleaned_up_trains(tmp_path):
@@ -229,7 +233,9 @@ def test_a_layer_csv_that_cannot_be_written_warns_and_training_goes_on(tmp_path,
     trainer = _trainer(tmp_path, [profiler], max_steps=3)
     with pytest.warns(UserWarning, match="LayerMemoryProfiler: could not write .*No space left"):
         trainer.fit(Net(profiler.fake))
-    assert trainer.global_step == 3 and profiler.table is not None and profiler.csv_path is None
+    assert trainer.global_step == 3
+    assert profiler.table is not None
+    assert profiler.csv_path is None
 
 
 def test_a_second_run_into_the_same_dirpath_keeps_the_first_runs_layer_csv(tmp_path):
@@ -336,7 +342,7 @@ def test_each_run_of_an_mlflow_like_logger_gets_its_own_directory_and_nothing_is
     assert [f for f in _files(tmp_path / "mlruns") if f.endswith(".csv")] == ["layer_memory_step1.csv"] * 2
 
 
-# ---------------------------------------------------------------------------------------------- errors that say what happened
+# ---------------------------------------------------------------------- errors that say what happened
 def test_automicrobatchs_own_errors_are_never_taken_for_an_oom():
     from lightning_gpumem._oom import NotOutOfMemoryError, is_oom_error
 
@@ -388,3 +394,14 @@ def test_a_batch_arg_that_sets_the_dataset_length_is_refused(tmp_path):
     trainer = _trainer(tmp_path, [BatchSizeTuner(batch_arg_name="n", include_validation=False)])
     with pytest.raises(ValueError, match="`n` sets the dataset's length, not the batch size"):
         trainer.fit(LengthModel())
+
+
+@pytest.mark.parametrize("name", ["OOMSnapshot", "LayerMemoryProfiler", "BatchSizeTuner", "AutoMicrobatch"])
+def test_under_fabric_a_callback_says_it_needs_a_trainer(name):
+    from lightning.fabric import Fabric
+
+    import lightning_gpumem
+
+    fabric = Fabric(accelerator="cpu", devices=1, callbacks=[getattr(lightning_gpumem, name)()])
+    with pytest.raises(TypeError, match=rf"{name} needs a Lightning `Trainer`; it got `Fabric`"):
+        fabric.call("setup", fabric, BoringModel(), "fit")
