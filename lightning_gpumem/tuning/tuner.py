@@ -179,7 +179,7 @@ class BatchSizeTuner(Callback):
         self._planned: dict[str, int] = {}  # the allocator's OOM and retry counts when the trials ended
         self._counted: dict[str, int | None] = {}  # the same, as logged: None where no source counts them (CPU)
         self._yaml_path: Path | None = None  # the `gpumem_batch_size.yaml` this callback wrote
-        self._hparams_due = False  # a size was chosen or restored whose hyperparameter is not logged yet
+        self._size_due = False  # a size was chosen or restored and is not logged yet
         self._accumulation: int | None = None
         self._restored: dict[str, Any] | None = None
         self._tuning = False
@@ -562,20 +562,23 @@ class BatchSizeTuner(Callback):
         """
         if not trainer.is_global_zero or self.optimal_batch_size is None:
             return
-        log_to_loggers(trainer, {keys.BATCH_SIZE.format(): float(self.optimal_batch_size)}, step=trainer.global_step)
-        self._hparams_due = True
+        self._size_due = True
         if _session.current_hook(trainer) != "on_fit_start":  # mid-training: Lightning logged its hparams already
-            self._log_hparams(trainer)
+            self._log_size(trainer)
         self._write_next_to_cli_config(trainer)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._log_hparams(trainer)  # after Lightning's own `log_hyperparams`, which logs the initial hparams
+        # after Lightning's own `log_hyperparams` (the initial hparams) and, on resume, at the restored step
+        self._log_size(trainer)
 
-    def _log_hparams(self, trainer: pl.Trainer) -> None:
-        if not self._hparams_due or not trainer.is_global_zero:
+    def _log_size(self, trainer: pl.Trainer) -> None:
+        if not self._size_due or not trainer.is_global_zero:
             return
-        self._hparams_due = False
+        self._size_due = False
+        log_to_loggers(
+            trainer, {keys.BATCH_SIZE.format(): float(self.optimal_batch_size or 0)}, step=trainer.global_step
+        )
         if not _session.batch_arg_in_hparams(trainer, self.batch_arg_name):
             return
         for logger in trainer.loggers:

@@ -293,9 +293,11 @@ def test_a_resumed_run_records_the_size_it_trains_at_in_its_metrics_and_hparams(
     trainer.save_checkpoint(ckpt)
     resumed, second = _tuned_fit(tmp_path, "resumed", ckpt_path=ckpt, max_steps=4)
     assert resumed.callbacks[0].trials == ()  # restored, not searched
-    for run in (first, second):
-        sizes = [float(row["gpumem/batch_size"]) for row in read_csv_metrics(run) if row.get("gpumem/batch_size")]
-        assert sizes == [tuned], run.name
+    for run, step in ((first, 0), (second, 2)):  # the resumed run's at the step it resumed from
+        logged = [
+            (int(r["step"]), float(r["gpumem/batch_size"])) for r in read_csv_metrics(run) if r.get("gpumem/batch_size")
+        ]
+        assert logged == [(step, tuned)], run.name
         assert yaml.safe_load((run / "hparams.yaml").read_text())["batch_size"] == tuned, run.name
 
 
