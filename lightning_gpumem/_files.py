@@ -1,7 +1,7 @@
-"""Writing the callbacks' files: checked directories, whole files or none, and no file of an earlier run replaced.
+"""Writing the callbacks' files: checked directories, whole files or none, and no file of another run replaced.
 
 Pure (stdlib only). A file is written to a temporary name beside its target and renamed over it, so a full disk or a
-crash leaves no truncated file under the final name. A name already taken (an earlier run writing to the same
+crash leaves no truncated file under the final name. A name already taken (another run writing to the same
 ``dirpath``) gets a ``-v1``, ``-v2``... suffix, as Lightning's ``ModelCheckpoint`` names its files.
 """
 

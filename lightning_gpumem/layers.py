@@ -133,7 +133,7 @@ class LayerMemoryProfiler(Callback):
     with totals reconciled against the step's measured peak; the table goes to the loggers that take tables
     (TensorBoard text, a W&B table, an MLflow artifact, a ``gpumem_layer_memory.csv`` in each other logger's run
     directory) and every layer to ``layer_memory_step<n>.csv`` in the first logger's run directory (or
-    ``dirpath``; ``-v1``, ``-v2``... where an earlier run took the name). A file that cannot be written is named in
+    ``dirpath``; ``-v1``, ``-v2``... where another run took the name). A file that cannot be written is named in
     a warning and training goes on. The layers with the most
     activation memory are the candidates for activation checkpointing. The hooks are removed after that step, so
     other steps run untouched. Without an accelerator it warns once and does nothing.
@@ -288,7 +288,7 @@ class LayerMemoryProfiler(Callback):
             return
         rank_zero_info(self.table)
         directory = run_dir(trainer, self.dirpath)
-        path = unique_path(directory / f"layer_memory_step{self._profiled_step}.csv")  # an earlier run's stays
+        path = unique_path(directory / f"layer_memory_step{self._profiled_step}.csv")  # another run's stays
         try:
             write_atomic(path, to_csv(self.records))
             self.csv_path = path

@@ -48,7 +48,7 @@ class OOMSnapshot(Callback):
     directory or in ``dirpath``, and prints the paths, the failed allocation and the ten largest live allocations
     with the line that made each. The exception itself propagates unchanged: a snapshot that cannot be written (a
     full disk, a read-only directory) is named in a warning, leaves no partial file, and the callbacks after this one
-    still get ``on_exception``. A name an earlier run took gets a ``-v1``, ``-v2``... suffix. ``at_steps`` writes
+    still get ``on_exception``. A name another run took gets a ``-v1``, ``-v2``... suffix. ``at_steps`` writes
     ``snapshot_rank<r>_step<n>.*`` at the end of those training steps without any error. Without CUDA it warns
     once and does nothing.
 
@@ -148,7 +148,7 @@ class OOMSnapshot(Callback):
     def dump(self, kind: str = "snapshot", print_report: bool = True) -> tuple[Path, Path] | None:
         """Write the current snapshot as ``<kind>_rank<r>_step<n>.pickle`` and ``.html``; returns the two paths.
 
-        A name an earlier run took gets a ``-v1``, ``-v2``... suffix. A file that cannot be written (a full disk, a
+        A name another run took gets a ``-v1``, ``-v2``... suffix. A file that cannot be written (a full disk, a
         directory made read-only) is reported in a warning and nothing is left under its name; ``None`` is returned.
         """
         trainer = self._trainer
