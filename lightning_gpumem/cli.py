@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from lightning_gpumem import __version__
 from lightning_gpumem.report import ReportError, format_table, load_runs, summarize, write_html, write_png
+from lightning_gpumem.report._output import HTML_MARK, PNG_MARK, check_output
+from lightning_gpumem.report._text import printable
+from lightning_gpumem.report.plot import left_out
+
+SIGPIPE_STATUS = 141  # 128 + SIGPIPE, as a shell reports a program that a closed pipe stopped
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,26 +33,47 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("logdir", metavar="LOGDIR", help="a logger's save_dir, name or version directory")
     report.add_argument("--png", metavar="FILE", help="write the memory timeline, one panel per run, as a PNG")
     report.add_argument("--html", metavar="FILE", help="write the tables and timelines as one HTML page")
+    report.add_argument(
+        "--force",
+        action="store_true",
+        help="overwrite an existing --png/--html file that gpumem report did not write, or write a link's target"
+        " (never a file the report reads)",
+    )
     return parser
 
 
-def report(logdir: str, png: str | None = None, html: str | None = None) -> int:
+def report(logdir: str, png: str | None = None, html: str | None = None, force: bool = False) -> int:
     """Run the ``report`` command; returns the exit status."""
     _check_outputs(png, html)  # before anything is read, printed or written
     loaded = load_runs(logdir)
+    _check_existing(png, html, loaded.inputs, force)  # before anything is printed or written
     for line in loaded.skipped:
-        print(f"gpumem report: skipped {line}", file=sys.stderr)
+        print(f"gpumem report: skipped {printable(line)}", file=sys.stderr)
     print("\n\n".join(format_table(summarize(run)) for run in loaded.runs))
     if png is not None or html is not None:
         print()
+    output = None
     try:
         if html is not None:  # first: it needs nothing optional
-            print(f"HTML: {write_html(loaded.runs, logdir, html)}")
+            output = html
+            print(f"HTML: {printable(str(write_html(loaded.runs, logdir, html, force)))}")
         if png is not None:
-            print(f"PNG:  {write_png(loaded.runs, png)}")
+            output = png
+            print(f"PNG:  {printable(str(write_png(loaded.runs, png, force)))}")
+            notice = left_out(loaded.runs)
+            if notice is not None:
+                print(f"gpumem report: {notice} (the tables and the HTML page hold every run)", file=sys.stderr)
     except OSError as error:
-        raise ReportError(f"cannot write {error.filename or 'the output'}: {error.strerror or error}") from None
+        raise ReportError(f"cannot write {printable(str(output))!r}: {error.strerror or error}") from None
     return 0
+
+
+def _check_existing(png: str | None, html: str | None, inputs: Iterable[Path], force: bool) -> None:
+    """Refuse an input of the report, or (without ``force``) a file it did not write or a symbolic link."""
+    inputs = list(inputs)
+    for option, value, mark in (("--html", html, HTML_MARK.encode()), ("--png", png, PNG_MARK)):
+        if value is not None:
+            check_output(option, value, mark, inputs, force)
 
 
 def _check_outputs(png: str | None, html: str | None) -> None:
@@ -69,10 +96,23 @@ def _check_outputs(png: str | None, html: str | None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``gpumem`` and ``python -m lightning_gpumem``."""
+    """Entry point of ``gpumem`` and ``python -m lightning_gpumem``.
+
+    A closed standard output (``gpumem report LOGDIR | head``) ends it quietly with status 141, as a shell reports
+    a program stopped by SIGPIPE.
+    """
     args = _parser().parse_args(argv)
     try:
-        return report(args.logdir, png=args.png, html=args.html)
-    except ReportError as error:
-        print(f"gpumem report: error: {error}", file=sys.stderr)
-        return 1
+        try:
+            status = report(args.logdir, png=args.png, html=args.html, force=args.force)
+        except ReportError as error:
+            lines = "\n".join(map(printable, str(error).split("\n")))  # its own line breaks kept, none from a name
+            print(f"gpumem report: error: {lines}", file=sys.stderr)
+            status = 1
+        sys.stdout.flush()  # here, so that a closed pipe is met inside the `try`, not at exit
+    except BrokenPipeError:
+        # As the Python docs advise (signal, "Note on SIGPIPE"): what is still buffered goes to devnull.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return SIGPIPE_STATUS
+    return status

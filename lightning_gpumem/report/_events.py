@@ -14,6 +14,8 @@ import struct
 from collections.abc import Iterator
 from pathlib import Path
 
+from lightning_gpumem.report._reading import read_log_file
+
 _CRC_TABLE: list[int] = []
 for _n in range(256):
     _c = _n
@@ -147,19 +149,27 @@ def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def read_scalars(path: str | Path) -> dict[str, list[tuple[int, float]]]:
+def read_scalars(path: str | Path, data: bytes | None = None) -> dict[str, list[tuple[int, float]]]:
     """Every scalar in one event file: ``{tag: [(step, value), ...]}`` in the order written.
+
+    Args:
+        path: the event file.
+        data: its bytes, where the caller has read them; else it is read here (a regular file only, up to
+            :data:`~lightning_gpumem.report._reading.MAX_FILE_BYTES`).
 
     Raises:
         CorruptEventFile: a record fails its checksum or does not decode; its ``scalars`` hold what the records
             before it held.
-        OSError: the file cannot be read.
+        OSError: the file cannot be read, or is not a regular file
+            (:class:`~lightning_gpumem.report._reading.NotRegularFile`).
     """
     path = Path(path)
+    if data is None:
+        data = read_log_file(path)[0]
     scalars: dict[str, list[tuple[int, float]]] = {}
     position = 0
     try:
-        for position, record in enumerate(_records(path.read_bytes(), path)):  # noqa: B007  # used in `except`
+        for position, record in enumerate(_records(data, path)):  # noqa: B007  # used in `except`
             _add_event(record, scalars)
     except CorruptEventFile as error:
         message = str(error) if str(path) in str(error) else f"{path}: event {position} does not decode ({error})"

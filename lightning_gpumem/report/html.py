@@ -8,6 +8,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from lightning_gpumem.report._output import HTML_MARK, check_output, write_atomic
 from lightning_gpumem.report.runs import Run
 from lightning_gpumem.report.summary import rows, summarize
 from lightning_gpumem.report.timeline import RELEASE_COLOR, lines, release_steps, title
@@ -27,14 +28,17 @@ svg text { font: 11px system-ui, sans-serif; fill: #555; }
 """
 
 
-def _ticks(low: float, high: float, count: int = 5) -> list[float]:
-    """About ``count`` round tick values covering ``[low, high]``."""
+def _ticks(low: float, high: float, count: int = 5, whole: bool = False) -> list[float]:
+    """About ``count`` round tick values covering ``[low, high]``; with ``whole``, whole numbers only (steps)."""
     span = high - low
     if span <= 0:
         return [low]
     raw = span / count
     magnitude = 10 ** math.floor(math.log10(raw))
-    step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
+    multiples = (1, 2, 5, 10) if whole and magnitude <= 1 else (1, 2, 2.5, 5, 10)  # 2.5 x 10 and up is whole
+    step = next(m * magnitude for m in multiples if m * magnitude >= raw)
+    if whole:
+        step = max(1, round(step))
     first = math.ceil(low / step) * step
     return [first + i * step for i in range(int((high - first) / step) + 1)]
 
@@ -68,7 +72,7 @@ def timeline_svg(run: Run) -> str:
     for tick in _ticks(0.0, y1):
         parts.append(f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{y(tick):.1f}" y2="{y(tick):.1f}" stroke="#eee"/>')
         parts.append(f'<text x="{LEFT - 6}" y="{y(tick) + 4:.1f}" text-anchor="end">{_label(tick)}</text>')
-    for tick in _ticks(x0, x1):
+    for tick in _ticks(x0, x1, whole=True):
         parts.append(f'<text x="{x(tick):.1f}" y="{HEIGHT - BOTTOM + 16}" text-anchor="middle">{_label(tick)}</text>')
     parts.append(f'<text x="{LEFT + plot_w / 2}" y="{HEIGHT - 4}" text-anchor="middle">step</text>')
     parts.append(f'<text x="12" y="{TOP + plot_h / 2}" transform="rotate(-90 12 {TOP + plot_h / 2})">GiB</text>')
@@ -118,14 +122,24 @@ def render_html(runs: Sequence[Run], logdir: str) -> str:
         )
         body.append(f"<h2>{html.escape(title(run))}</h2><table>{table}</table>{timeline_svg(run)}")
     return (
-        '<!doctype html><html lang="en"><head><meta charset="utf-8"><title>gpumem report</title>'
+        f'<!doctype html>\n{HTML_MARK}\n<html lang="en"><head><meta charset="utf-8"><title>gpumem report</title>'
         f"<style>{_STYLE}</style></head><body>{''.join(body)}</body></html>\n"
     )
 
 
-def write_html(runs: Sequence[Run], logdir: str, path: str | os.PathLike[str]) -> Path:
-    """Write :func:`render_html` to ``path`` and return it."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_html(runs, logdir), encoding="utf-8")
-    return out
+def write_html(runs: Sequence[Run], logdir: str, path: str | os.PathLike[str], force: bool = False) -> Path:
+    """Write :func:`render_html` to ``path`` (whole or not at all) and return it.
+
+    ``path`` is never one of the runs' sources; an existing file that the report did not write (one without
+    :data:`~lightning_gpumem.report._output.HTML_MARK` near its start), or a symbolic link, is replaced only with
+    ``force`` (which writes the link's target).
+
+    Raises:
+        ReportError: ``path`` is refused, as above.
+        OSError: it cannot be written.
+    """
+    inputs = [source for run in runs for source in run.sources]
+    out = check_output("--html", path, HTML_MARK.encode(), inputs, force)
+    page = render_html(runs, logdir).encode("utf-8")
+    write_atomic(out, lambda handle: handle.write(page))
+    return Path(path)

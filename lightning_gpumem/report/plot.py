@@ -8,36 +8,52 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_gpumem.report._output import PNG_MARK, PNG_SOFTWARE, check_output, write_atomic
+from lightning_gpumem.report._text import printable
 from lightning_gpumem.report.runs import ReportError, Run
 from lightning_gpumem.report.timeline import RELEASE_COLOR, lines, release_steps, title
 
 WIDTH_IN, RUN_HEIGHT_IN, DPI = 10.0, 4.0, 100  # each run adds a 1000 x 400 pixel panel
+MAX_RUNS = 24  # panels in one picture (24 x 400 px = 9600 px high); the HTML page and the tables hold every run
 
 
-def write_png(runs: Sequence[Run], path: str | os.PathLike[str]) -> Path:
-    """Draw one panel per run (GiB against step) and save it as a PNG.
+def write_png(runs: Sequence[Run], path: str | os.PathLike[str], force: bool = False) -> Path:
+    """Draw one panel per run (GiB against step), for the first :data:`MAX_RUNS` runs, and save it as a PNG.
 
-    The figure is drawn without ``pyplot``, so the caller's matplotlib backend and figures are left alone.
+    The figure is drawn without ``pyplot``, so the caller's matplotlib backend and figures are left alone. The
+    file is written whole or not at all, with a ``Software`` text chunk that marks it as the report's; ``path`` is
+    never one of the runs' sources, and an existing file that the report did not write, or a symbolic link, is
+    replaced only with ``force`` (which writes the link's target). :func:`left_out` says which runs it leaves out.
 
     Returns:
         The path written.
 
     Raises:
-        ReportError: matplotlib is not installed, or ``path`` does not end in ``.png``.
+        ReportError: matplotlib is not installed, ``path`` does not end in ``.png``, or it is refused, as above.
+        OSError: it cannot be written.
     """
     out = Path(path)
     if out.suffix.lower() != ".png":
-        raise ReportError(f"--png {str(path)!r}: expected a file name ending in .png.")
+        raise ReportError(f"--png {printable(str(path))!r}: expected a file name ending in .png.")
+    target = check_output("--png", path, PNG_MARK, [source for run in runs for source in run.sources], force)
     try:
         import matplotlib.figure  # noqa: F401  # only whether it is there: `_figure` draws with it
     except ImportError:
         raise ReportError(
             "--png needs matplotlib: pip install 'lightning-gpumem[report]' (or pip install matplotlib)."
         ) from None
-    figure = _figure(runs)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=DPI, format="png")
+    figure = _figure(runs[:MAX_RUNS])
+    metadata = {"Software": PNG_SOFTWARE}
+    write_atomic(target, lambda handle: figure.savefig(handle, dpi=DPI, format="png", metadata=metadata))
     return out
+
+
+def left_out(runs: Sequence[Run]) -> str | None:
+    """What :func:`write_png` leaves out of ``runs``, as a sentence naming them (``None`` when it draws them all)."""
+    if len(runs) <= MAX_RUNS:
+        return None
+    names = ", ".join(f"'{printable(run.name)}'" for run in runs[MAX_RUNS:])
+    return f"the PNG holds the first {MAX_RUNS} of {len(runs)} runs; left out: {names}"
 
 
 def _figure(runs: Sequence[Run]) -> Any:
@@ -47,6 +63,7 @@ def _figure(runs: Sequence[Run]) -> Any:
     run) is drawn inside the frame, not on its edge.
     """
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     figure = Figure(figsize=(WIDTH_IN, RUN_HEIGHT_IN * len(runs)), dpi=DPI, layout="constrained")
     axes = figure.subplots(len(runs), 1, squeeze=False)
@@ -69,7 +86,8 @@ def _figure(runs: Sequence[Run]) -> Any:
                 )
         for i, step in enumerate(release_steps(run)):
             ax.axvline(step, color=RELEASE_COLOR, linestyle=":", linewidth=1, label="cache release" if i == 0 else None)
-        ax.set_title(title(run), fontsize=10, loc="left")
+        ax.set_title(title(run).replace("$", r"\$"), fontsize=10, loc="left")  # a `$` in a name is not mathtext
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
         ax.set_xlabel("step")
         ax.set_ylabel("GiB")
         ax.set_ylim(0, highest * 1.08 if highest > 0 else 1.0)

@@ -8,16 +8,23 @@ the same directory, the event files' values are kept and the CSV adds only the k
 from __future__ import annotations
 
 import csv
+import io
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lightning_gpumem.report import _reading
 from lightning_gpumem.report._events import CorruptEventFile, read_scalars
+from lightning_gpumem.report._reading import read_log_file
+from lightning_gpumem.report._text import printable
 
 PREFIX = "gpumem/"
 EVENT_FILE_MARK = "tfevents"
 CSV_NAME = "metrics.csv"
+MAX_MAGNITUDE = 1e100  # no GiB figure or count comes near; beyond ~1.7e299 GiB the bytes overflow a float
+NOTICES_PER_FILE = 5  # values left out that are named one by one; the rest of a file's are counted
 
 Series = list[tuple[int, float]]
 
@@ -44,8 +51,8 @@ class Run:
     sources: list[Path] = field(default_factory=list)
 
     def values(self, key: str) -> list[float]:
-        """The finite values logged under ``key`` (empty if it was never logged)."""
-        return [value for _, value in self.series.get(key, []) if math.isfinite(value)]
+        """The finite values logged under ``key`` below :data:`MAX_MAGNITUDE` (empty if it was never logged)."""
+        return [value for _, value in self.series.get(key, []) if in_range(value)]
 
     def last(self, key: str) -> float | None:
         """The last finite value logged under ``key``, or ``None``."""
@@ -60,11 +67,24 @@ class Run:
 
 @dataclass
 class LoadResult:
-    """The runs found (those with at least one ``gpumem/`` key) and the files skipped, with why."""
+    """The runs found (those with at least one ``gpumem/`` key), what was skipped, with why, and the log files found.
+
+    Attributes:
+        runs: the runs, in path order.
+        skipped: one line per file, directory or value passed over, naming it and why.
+        files_read: how many log files were read (whole or in part).
+        inputs: every log file found (read or skipped): the report never writes over one.
+    """
 
     runs: list[Run]
     skipped: list[str]
     files_read: int
+    inputs: list[Path] = field(default_factory=list)
+
+
+def in_range(value: float) -> bool:
+    """Whether ``value`` is finite and below :data:`MAX_MAGNITUDE` (the values the report keeps)."""
+    return math.isfinite(value) and abs(value) < MAX_MAGNITUDE
 
 
 def load_runs(logdir: str | os.PathLike[str]) -> LoadResult:
@@ -84,52 +104,40 @@ def load_runs(logdir: str | os.PathLike[str]) -> LoadResult:
         raise ReportError(f"LOGDIR {str(logdir)!r}: expected a directory (a logger's save_dir or a version directory).")
     root = Path(logdir)
     if not root.exists():
-        raise ReportError(f"LOGDIR '{root}' does not exist.")
+        raise ReportError(f"LOGDIR '{_shown(root)}' does not exist.")
     if not root.is_dir():
-        raise ReportError(f"LOGDIR '{root}' is not a directory.")
+        raise ReportError(f"LOGDIR '{_shown(root)}' is not a directory.")
     runs: list[Run] = []
     skipped: list[str] = []
+    inputs: list[Path] = []
     files_read = 0
-    for directory, _, names in sorted(os.walk(root)):
-        events = sorted(name for name in names if EVENT_FILE_MARK in name and name.startswith("events.out"))
-        has_csv = CSV_NAME in names
-        if not events and not has_csv:
+
+    def not_searched(error: OSError) -> None:
+        skipped.append(f"directory {_shown(error.filename)}: {error.strerror or error} (not searched)")
+
+    for directory, _, names in sorted(os.walk(root, onerror=not_searched)):
+        events = sorted(
+            (name for name in names if EVENT_FILE_MARK in name and name.startswith("events.out")), key=_natural
+        )
+        files = [Path(directory, name) for name in events]
+        if CSV_NAME in names:
+            files.append(Path(directory, CSV_NAME))
+        if not files:
             continue
         path = Path(directory)
         name = str(path.relative_to(root)) if path != root else (root.resolve().name or str(root))
         run = Run(name=name, path=path)
-        for name in events:
-            file = path / name
-            try:
-                scalars = read_scalars(file)
-            except CorruptEventFile as error:
-                scalars = error.scalars
-                kept = sum(map(len, scalars.values()))
-                skipped.append(f"{error}; the rest of the file is skipped ({kept} scalars before it are kept)")
-            except OSError as error:
-                skipped.append(f"{file}: {error}")
+        for file in files:
+            inputs.append(file)
+            scalars = _read_file(file, skipped)
+            if scalars is None:
                 continue
             files_read += 1
             run.sources.append(file)
             for key, points in scalars.items():
-                if key.startswith(PREFIX):
+                # The event files' values first; a CSV beside them adds only the keys they lack.
+                if key.startswith(PREFIX) and (file.name != CSV_NAME or key not in run.series):
                     run.series.setdefault(key, []).extend(points)
-        if has_csv:
-            file = path / CSV_NAME
-            bad: list[str] = []
-            try:
-                table = _read_csv(file, bad)
-            except (OSError, ValueError, csv.Error) as error:
-                skipped.append(f"{file}: {error}")
-            else:
-                skipped.extend(f"{file}, {what}" for what in bad[:5])
-                if len(bad) > 5:
-                    skipped.append(f"{file}: {len(bad) - 5} more cells that are not numbers left out")
-                files_read += 1
-                run.sources.append(file)
-                for key, points in table.items():
-                    if key.startswith(PREFIX) and key not in run.series:
-                        run.series[key] = points
         for key, points in run.series.items():
             # One value per step, the last written: a run resumed from a checkpoint logs its steps again.
             run.series[key] = sorted(dict(points).items())
@@ -138,24 +146,81 @@ def load_runs(logdir: str | os.PathLike[str]) -> LoadResult:
     if not runs:
         if skipped:
             raise ReportError(
-                f"No readable `gpumem/` metrics under '{root}': {len(skipped)} file(s) skipped:\n  "
+                f"No readable `gpumem/` metrics under '{_shown(root)}': {len(skipped)} file(s) skipped:\n  "
                 + "\n  ".join(skipped)
             )
         raise ReportError(
-            f"No `gpumem/` metrics under '{root}' ({files_read} readable log file(s)). Log with `MemoryMonitor`"
+            f"No `gpumem/` metrics under '{_shown(root)}' ({files_read} readable log file(s)). Log with `MemoryMonitor`"
             " (and a TensorBoardLogger or CSVLogger) first; point LOGDIR at the logger's save_dir or a version"
             " directory."
         )
-    return LoadResult(runs=runs, skipped=skipped, files_read=files_read)
+    return LoadResult(runs=runs, skipped=skipped, files_read=files_read, inputs=inputs)
 
 
-def _read_csv(path: Path, bad: list[str] | None = None) -> dict[str, Series]:
-    """``CSVLogger``'s ``metrics.csv``: one row per ``log_metrics`` call, a ``step`` column, empty cells.
+def _natural(name: str) -> list[str | int]:
+    """Sort key: the numbers in a name compared as numbers (a writer's file ``.10`` comes after its ``.9``)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
-    A cell that is not a finite number is left out and described in ``bad`` (the rest of the file is kept).
+
+def _shown(path: object) -> str:
+    """A path as the report prints it: control characters escaped."""
+    return printable(str(path))
+
+
+def _read_file(file: Path, skipped: list[str]) -> dict[str, Series] | None:
+    """The scalars of one event file or ``metrics.csv``, ``None`` where it cannot be read.
+
+    What it passes over goes to ``skipped``: the file itself, the part past the size bound or a damaged record, and
+    values that are not finite numbers or are out of range.
+    """
+    try:
+        data, cut = read_log_file(file)
+    except OSError as error:
+        skipped.append(f"{_shown(file)}: {printable(str(error))}")
+        return None
+    if cut:
+        what = "row" if file.name == CSV_NAME else "record"
+        skipped.append(
+            f"{_shown(file)}: larger than {_reading.MAX_FILE_BYTES} bytes; read up to there (the {what} cut there left"
+            " out)"
+        )
+    bad: list[str] = []
+    if file.name == CSV_NAME:
+        try:
+            table = _read_csv(data[: data.rfind(b"\n") + 1] if cut else data, bad)
+        except (ValueError, csv.Error) as error:
+            skipped.append(f"{_shown(file)}: {printable(str(error))}")
+            return None
+    else:
+        try:
+            table = read_scalars(file, data)
+        except CorruptEventFile as error:
+            table = error.scalars
+            kept = sum(map(len, table.values()))
+            skipped.append(
+                f"{printable(str(error))}; the rest of the file is skipped ({kept} scalars before it are kept)"
+            )
+        for key, points in table.items():
+            bad.extend(
+                f"{key} at step {step} = {value!r} is out of range (beyond ±{MAX_MAGNITUDE:g}; value left out)"
+                for step, value in points
+                if math.isfinite(value) and not in_range(value)
+            )
+            table[key] = [(step, value) for step, value in points if not math.isfinite(value) or in_range(value)]
+    skipped.extend(f"{_shown(file)}, {printable(what)}" for what in bad[:NOTICES_PER_FILE])
+    if len(bad) > NOTICES_PER_FILE:
+        skipped.append(f"{_shown(file)}: {len(bad) - NOTICES_PER_FILE} more values left out, as above")
+    return table
+
+
+def _read_csv(data: bytes, bad: list[str] | None = None) -> dict[str, Series]:
+    """``CSVLogger``'s ``metrics.csv`` (UTF-8): one row per ``log_metrics`` call, a ``step`` column, empty cells.
+
+    A cell that is not a finite number below :data:`MAX_MAGNITUDE`, or a row whose step is not an integer that an
+    int64 holds (as TensorBoard's steps), is left out and described in ``bad`` (the rest of the file is kept).
     """
     table: dict[str, Series] = {}
-    with path.open(newline="") as handle:
+    with io.StringIO(data.decode("utf-8"), newline="") as handle:
         reader = csv.DictReader(handle)
         if reader.fieldnames is None or "step" not in reader.fieldnames:
             raise ValueError("not a CSVLogger metrics file (no `step` column)")
@@ -170,6 +235,10 @@ def _read_csv(path: Path, bad: list[str] | None = None) -> dict[str, Series]:
                 if bad is not None:
                     bad.append(f"line {line}: step {step_text!r} is not a finite number (row left out)")
                 continue
+            if not -(2**63) <= step < 2**63:
+                if bad is not None:
+                    bad.append(f"line {line}: step {step_text!r} is out of range (beyond int64; row left out)")
+                continue
             for key, text in row.items():
                 if key is None or key == "step" or not text or not key.startswith(PREFIX):
                     continue
@@ -180,6 +249,12 @@ def _read_csv(path: Path, bad: list[str] | None = None) -> dict[str, Series]:
                 except ValueError:
                     if bad is not None:
                         bad.append(f"line {line}: {key} = {text!r} is not a finite number (cell left out)")
+                    continue
+                if not in_range(value):
+                    if bad is not None:
+                        bad.append(
+                            f"line {line}: {key} = {text!r} is out of range (beyond ±{MAX_MAGNITUDE:g}; cell left out)"
+                        )
                     continue
                 table.setdefault(key, []).append((step, value))
     return table

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from lightning_gpumem import keys
 from lightning_gpumem._summary import RunMemory, advice
 from lightning_gpumem._units import GIB, format_gib
-from lightning_gpumem.report.runs import Run
+from lightning_gpumem.report._text import printable
+from lightning_gpumem.report.runs import Run, in_range
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,11 @@ class RunSummary:
         cache_releases: releases by ``EmptyCacheOnThreshold`` (summed over ranks where logged per rank).
         released: GiB those releases gave back.
         leak_warnings: how many times the monitor warned of a leak.
-        leak_rate_max: the highest growth rate logged, MiB per step.
+        leaks_watched: the monitor's leak detection logged a growth rate or a warning.
+        leak_rate: the growth rate, MiB per step, logged at the first leak warning or the first logging step after
+            it (the detector stops sampling there, so its estimate holds from then on); ``None`` without a warning.
+            A leak-free run's estimates are noise about zero, the highest of them the first, made from the first
+            samples after the warm-up: they are not shown.
         alloc_retries: allocator retries (cumulative count, last value).
         ooms: out-of-memory errors (cumulative count, last value).
         over_ranks: cross-rank ``_max`` keys were logged (DDP/FSDP): the peaks above are the highest over ranks.
@@ -60,7 +65,8 @@ class RunSummary:
     cache_releases: int | None = None
     released: float | None = None
     leak_warnings: int = 0
-    leak_rate_max: float | None = None
+    leaks_watched: bool = False
+    leak_rate: float | None = None
     alloc_retries: int | None = None
     ooms: int | None = None
     over_ranks: bool = False
@@ -107,7 +113,8 @@ def summarize(run: Run) -> RunSummary:
         cache_releases=None if releases is None else round(releases),
         released=_per_rank_total(run, keys.RELEASED),
         leak_warnings=len(run.values(keys.LEAK_WARNINGS.format())),
-        leak_rate_max=run.maximum(keys.LEAK_RATE.format()),
+        leaks_watched=bool(run.values(keys.LEAK_RATE.format()) or run.values(keys.LEAK_WARNINGS.format())),
+        leak_rate=_rate_when_flagged(run),
         alloc_retries=memory.alloc_retries,
         ooms=memory.num_ooms,
         over_ranks=any(found is not None and found.suffix == "_max" for found in map(keys.parse, run.series)),
@@ -146,6 +153,15 @@ def run_memory(run: Run, peaks: dict[str, tuple[float | None, float | None]] | N
     )
 
 
+def _rate_when_flagged(run: Run) -> float | None:
+    """The leak rate logged at the first leak warning or next after it, ``None`` where no leak was flagged."""
+    flagged = [step for step, value in run.series.get(keys.LEAK_WARNINGS.format(), []) if in_range(value)]
+    if not flagged:
+        return None
+    rates = run.series.get(keys.LEAK_RATE.format(), [])
+    return next((value for step, value in rates if step >= min(flagged) and in_range(value)), None)
+
+
 def _bytes(gib: float | None) -> int | None:
     return None if gib is None else round(gib * GIB)
 
@@ -175,8 +191,12 @@ def _per_rank_total(run: Run, key: keys.Key) -> float | None:
 
 
 def _gib(value: float | None, digits: int = 2) -> str:
-    """A value logged in GiB, formatted as the rest of the package formats bytes."""
-    return format_gib(None if value is None else value * GIB, digits)
+    """A value logged in GiB, formatted as the rest of the package formats bytes; ``-`` where it was not logged."""
+    return "-" if value is None else format_gib(value * GIB, digits)
+
+
+def _count_text(value: int | None) -> str:
+    return "-" if value is None else str(value)
 
 
 def rows(summary: RunSummary) -> list[tuple[str, str]]:
@@ -219,11 +239,11 @@ def rows(summary: RunSummary) -> list[tuple[str, str]]:
     if summary.cache_releases is not None:
         released = f", {_gib(summary.released)} given back" if summary.released is not None else ""
         out.append(("cache releases", f"{summary.cache_releases}{released}"))
-    if summary.leak_warnings or summary.leak_rate_max is not None:
-        rate = f" (highest rate {summary.leak_rate_max:.2f} MiB/step)" if summary.leak_rate_max is not None else ""
+    if summary.leaks_watched:
+        rate = f" (growth {summary.leak_rate:.2f} MiB/step when flagged)" if summary.leak_rate is not None else ""
         out.append(("leak warnings", f"{summary.leak_warnings}{rate}"))
-    if summary.alloc_retries is not None:
-        out.append(("allocator retries / OOMs", f"{summary.alloc_retries} / {summary.ooms}"))
+    if summary.alloc_retries is not None or summary.ooms is not None:
+        out.append(("allocator retries / OOMs", f"{_count_text(summary.alloc_retries)} / {_count_text(summary.ooms)}"))
     if summary.host_rss_peak is not None:
         out.append(("host RSS peak", _gib(summary.host_rss_peak)))
     out.extend(("advice", line) for line in summary.advice)
@@ -231,7 +251,7 @@ def rows(summary: RunSummary) -> list[tuple[str, str]]:
 
 
 def format_table(summary: RunSummary) -> str:
-    """The run's table as aligned plain text, headed by the run's name."""
-    table = rows(summary)
+    """The run's table as aligned plain text, headed by the run's name; control characters escaped."""
+    table = [(printable(label), printable(value)) for label, value in rows(summary)]
     width = max((len(label) for label, _ in table), default=0)
-    return "\n".join([f"run {summary.name}", *(f"  {label:<{width}}  {value}" for label, value in table)])
+    return "\n".join([f"run {printable(summary.name)}", *(f"  {label:<{width}}  {value}" for label, value in table)])

@@ -222,7 +222,7 @@ def test_released_and_budget_rows(logs):
     assert table["budget"] == "4.0 GiB"
     assert table["headroom at the highest peak"] == "1.00 GiB (25% of the budget)"
     assert table["tuned batch size"] == "48"
-    assert table["leak warnings"] == "1 (highest rate 6.50 MiB/step)"
+    assert table["leak warnings"] == "1 (growth 6.50 MiB/step when flagged)"
 
 
 def _layouts(event_files) -> list:
