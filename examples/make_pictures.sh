@@ -42,7 +42,8 @@ fi
 [ -d "$LOGDIR" ] || { echo "make_pictures.sh: LOGDIR '$LOGDIR' is not a directory" >&2; exit 2; }
 
 # 1. The report command's PNG.
-PYTHONPATH=. "$PYTHON" -m lightning_gpumem report "$LOGDIR" --png "$OUTDIR/report.png"
+# (--force: the committed picture may predate the report's own mark, which lets it replace its own files)
+PYTHONPATH=. "$PYTHON" -m lightning_gpumem report "$LOGDIR" --png "$OUTDIR/report.png" --force
 
 # 2. TensorBoard on a free loopback port, in its own process group; wait until it serves the layout.
 command -v "$CHROMIUM" > /dev/null || { echo "make_pictures.sh: no $CHROMIUM (apt-get install -y chromium)" >&2; exit 2; }

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_gpumem import BatchSizeTuner, EmptyCacheOnThreshold, MemoryBudget, MemoryMonitor
 from lightning_gpumem._units import GIB
 from lightning_gpumem.cli import report
+from lightning_gpumem.tuning.search import Trial
 
 
 class Tensors(Dataset):
@@ -131,7 +132,11 @@ def main() -> None:
     trainer.fit(model)
     tuner = next(c for c in trainer.callbacks if isinstance(c, BatchSizeTuner))  # type: ignore[attr-defined]
     print("\ntuner trials (batch size, ran, peak reserved GiB):")
-    print(", ".join(f"({t.batch_size}, {t.fits}, {(t.peak_bytes or 0) / GIB:.2f})" for t in tuner.trials))
+
+    def peak(t: Trial) -> str:  # `-`: nothing measured (a CPU)
+        return "-" if t.peak_bytes is None else f"{t.peak_bytes / GIB:.2f}"
+
+    print(", ".join(f"({t.batch_size}, {t.fits}, {peak(t)})" for t in tuner.trials))
     print()
     png = args.png or f"{logger.log_dir}/memory.png"
     report(
