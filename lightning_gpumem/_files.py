@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 NAME_MAX = 255  # bytes in one path component on Linux, macOS and Windows file systems
 
@@ -86,19 +89,32 @@ def unique_path(path: Path) -> Path:
     return candidate
 
 
-def write_atomic(path: Path, data: bytes | str) -> None:
+def write_atomic(path: str | os.PathLike[str], data: bytes | str | Callable[[BinaryIO], object]) -> Path:
     """Write ``data`` to ``path`` whole, through a temporary file in the same directory renamed over it.
 
-    On any error the temporary file is removed and the error raised: ``path`` is then as it was.
+    ``data`` is bytes, text (UTF-8) or a function that writes to the open binary file. The new file has the mode of
+    the one it replaces, or the umask's for a new one (not the temporary file's 0600). On any error the temporary
+    file is removed and the error raised: ``path`` is then as it was.
     """
-    payload = data.encode("utf-8") if isinstance(data, str) else data
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        mode = stat.S_IMODE(os.stat(out).st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    handle, temporary = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     try:
         with os.fdopen(handle, "wb") as file:
-            file.write(payload)
-        os.replace(temporary, path)
+            if callable(data):
+                data(file)
+            else:
+                file.write(data.encode("utf-8") if isinstance(data, str) else data)
+        os.chmod(temporary, mode)
+        os.replace(temporary, out)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
         raise
+    return out

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import os
 import stat
-import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
-from typing import BinaryIO
 
 from lightning_gpumem.report._reading import kind_of
 from lightning_gpumem.report._text import printable
@@ -68,31 +66,6 @@ def check_output(
             " overwrite it."
         )
     return target
-
-
-def write_atomic(path: str | os.PathLike[str], write: Callable[[BinaryIO], object]) -> Path:
-    """Call ``write`` on a temporary file beside ``path``, then rename it to ``path``; on failure ``path`` is untouched.
-
-    The new file keeps the mode of the one it replaces (a new one gets the umask's).
-    """
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        mode = stat.S_IMODE(os.stat(out).st_mode)
-    except FileNotFoundError:
-        umask = os.umask(0)
-        os.umask(umask)
-        mode = 0o666 & ~umask
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    try:
-        with os.fdopen(descriptor, "wb") as handle:
-            write(handle)
-        os.chmod(temporary, mode)
-        os.replace(temporary, out)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    return out
 
 
 def _holds(path: Path, mark: bytes) -> bool:

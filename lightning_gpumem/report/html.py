@@ -8,7 +8,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_gpumem.report._output import HTML_MARK, check_output, write_atomic
+from lightning_gpumem._files import write_atomic
+from lightning_gpumem.report._output import HTML_MARK, check_output
 from lightning_gpumem.report.runs import Run
 from lightning_gpumem.report.summary import rows, summarize
 from lightning_gpumem.report.timeline import RELEASE_COLOR, lines, release_steps, title

@@ -140,8 +140,16 @@ def test_write_atomic_leaves_the_old_file_or_the_new_one_never_a_part(tmp_path, 
     monkeypatch.undo()
     assert path.read_text() == "old\n"
     assert _files(tmp_path) == ["table.csv"]  # no temporary file left
+    path.chmod(0o640)
     write_atomic(path, b"new\n")
     assert path.read_text() == "new\n"
+    assert path.stat().st_mode & 0o777 == 0o640  # the mode of the file it replaced
+    umask = os.umask(0o022)
+    try:
+        fresh = write_atomic(tmp_path / "fresh.csv", lambda file: file.write(b"x"))
+    finally:
+        os.umask(umask)
+    assert fresh.stat().st_mode & 0o777 == 0o644  # the umask's, not the temporary file's 0600
     assert unique_path(path) == tmp_path / "table-v1.csv"
 
 
