@@ -11,8 +11,10 @@ On a GPU:
 - `MemoryMonitor` logs `gpumem/budget_gib`, shows `mem=peak/budget` in the progress bar and, with `--leak`, warns
   within a few dozen steps that allocated memory keeps growing, with the rate, the step at which the budget runs
   out and the tensors that grew.
-On a CPU there is no allocator cache or cap: the first two warn once and do nothing, and leak detection (which reads
-the allocator) is off; the run completes.
+On a CPU (or with `--simulate`) there is no allocator cache or cap: `MemoryBudget` and `EmptyCacheOnThreshold` would
+warn once and do nothing, and leak detection (which reads the allocator) would be off. A simulated 4 GiB card stands
+in (`examples/_simulated_gpu.py`): the model moves its memory by what each step and the validation spike take on a
+GPU, and the three callbacks read it; the releases and the leak warning are theirs, the memory is simulated.
 """
 
 from __future__ import annotations
@@ -21,32 +23,43 @@ import argparse
 
 import lightning as L
 import torch
+from _simulated_gpu import GIB, SimulatedGPU
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpumem import EmptyCacheOnThreshold, MemoryBudget, MemoryMonitor
-from lightning_gpumem._units import GIB
 
 
 class SpikyModel(L.LightningModule):
-    """An MLP whose validation steps allocate `val_spike_bytes` on the device; `leak` keeps every loss's graph."""
+    """An MLP whose validation steps allocate `val_spike_bytes` on the device; `leak` keeps every loss's graph.
 
-    def __init__(self, val_spike_bytes: int, leak: bool) -> None:
+    `simulated`: the model moves that simulated GPU's memory by what its steps take on a real one.
+    """
+
+    def __init__(self, val_spike_bytes: int, leak: bool, simulated: SimulatedGPU | None = None) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1))
-        self.val_spike_bytes, self.leak = val_spike_bytes, leak
+        self.val_spike_bytes, self.leak, self.simulated = val_spike_bytes, leak, simulated
         self.losses: list[torch.Tensor] = []
+        if simulated is not None:  # weights, gradients and AdamW's two moments stay allocated
+            simulated.allocate(4 * sum(p.numel() * p.element_size() for p in self.parameters()))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x).squeeze(-1), y)
         self.losses.append(loss if self.leak else loss.detach())  # the bug `--leak` shows: graphs kept alive
+        if self.simulated is not None:  # the step's activations (4 floats per hidden unit): kept with a kept graph
+            activations = self.simulated.allocate(len(x) * (256 + 4 * 1024 + 1) * 4)
+            if not self.leak:
+                self.simulated.free(activations)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, batch, batch_idx):
-        if self.device.type != "cpu":
+        if self.simulated is not None:
+            self.simulated.spike(self.val_spike_bytes)  # freed to the simulated cache, which keeps it reserved
+        elif self.device.type != "cpu":
             spike = torch.empty(self.val_spike_bytes, dtype=torch.uint8, device=self.device)
             spike.fill_(0)  # a one-off large buffer (think: a validation pass with larger shapes)
             del spike
@@ -68,11 +81,20 @@ def main() -> None:
     parser.add_argument("--leak", action="store_true", help="keep every loss with its graph (a memory leak)")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--logdir", default="lightning_logs")
+    parser.add_argument("--simulate", action="store_true", help="simulate the GPU (the default without one)")
     args = parser.parse_args()
 
+    simulated = None
+    if args.simulate or not torch.cuda.is_available():
+        simulated = SimulatedGPU(total=4 * GIB).install()
+        print(
+            "simulated: no GPU here; a simulated 4 GiB card stands in for MemoryBudget('4GiB') (a cap only CUDA has):"
+            " the model moves its memory, the callbacks read it."
+        )
     L.seed_everything(0)
     release = EmptyCacheOnThreshold(threshold=0.25)  # of the 4 GiB budget: release above 1 GiB held
     trainer = L.Trainer(
+        accelerator="cpu" if simulated else "auto",
         max_steps=args.steps,
         val_check_interval=40,
         limit_val_batches=2,
@@ -83,11 +105,13 @@ def main() -> None:
     )
     train = DataLoader(make_data(16_384, seed=0), batch_size=256, shuffle=True)
     val = DataLoader(make_data(1_024, seed=1), batch_size=256)
-    trainer.fit(SpikyModel(val_spike_bytes=2 * GIB, leak=args.leak), train, val)
+    trainer.fit(SpikyModel(val_spike_bytes=2 * GIB, leak=args.leak, simulated=simulated), train, val)
     print(
         f"\ncache releases: {release.releases}, given back: {release.released_bytes / GIB:.2f} GiB"
         f" in {release.release_seconds * 1e3:.1f} ms; metrics in {trainer.logger.log_dir}"  # type: ignore[union-attr]
     )
+    if simulated:
+        print("(simulated: no GPU here; the memory given back and any leak are the simulated GPU's, not measured)")
 
 
 if __name__ == "__main__":

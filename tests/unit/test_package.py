@@ -69,3 +69,49 @@ def test_the_ci_floors_job_installs_the_floors_pyproject_declares():
         pinned = [int(p) for p in pins[name].split(".")]
         wanted = [int(p) for p in floor.split(".")]
         assert pinned[: len(wanted)] == wanted, f"{name}: declared >={floor}, the floors job installs {pins[name]}"
+
+
+def _project() -> dict:
+    from pathlib import Path
+
+    import tomllib
+
+    return tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+
+
+def test_the_python_classifiers_claim_only_the_version_ci_checks():
+    """CI runs one Python (3.11; its wheel check fails when the classifiers name another), and mypy checks for it."""
+    import re
+
+    config = _project()
+    versions = {
+        c.rsplit(" :: ", 1)[1]
+        for c in config["project"]["classifiers"]
+        if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)
+    }
+    assert versions == {config["tool"]["mypy"]["python_version"]}
+    floor = re.fullmatch(r">=3\.(\d+)", config["project"]["requires-python"]).group(1)
+    assert all(int(v.split(".")[1]) >= int(floor) for v in versions)
+
+
+def test_the_sdist_ships_what_the_readme_links_to_and_the_tests_read():
+    """The README is the long description: its relative links and pictures resolve inside the sdist (MANIFEST.in)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    assert _project()["project"]["readme"] == "README.md"
+    shipped = {"README.md", "LICENSE", "pyproject.toml"}  # setuptools ships these without MANIFEST.in
+    grafted = set()
+    for line in (root / "MANIFEST.in").read_text().splitlines():
+        command, *paths = line.split()
+        if command == "include":
+            shipped.update(paths)
+        elif command == "graft":
+            grafted.update(paths)
+    assert {"tests", "docs", "examples", ".ci", "tools", "benchmarks"} <= grafted
+    for target in re.findall(r"\]\(([^)\s]+)\)", (root / "README.md").read_text(encoding="utf-8")):
+        path = target.partition("#")[0]
+        if not path or target.startswith(("http://", "https://", "mailto:")):
+            continue
+        assert path in shipped or path.split("/")[0] in grafted, f"README.md links to {path}, not in the sdist"
