@@ -1,12 +1,13 @@
 """lightning-gpumem: PyTorch Lightning callbacks that make GPU memory visible and manageable.
 
 The callbacks are imported on first use (PEP 562), so ``gpumem`` and ``lightning_gpumem.report`` start without
-importing torch or Lightning.
+importing torch or Lightning; where Lightning is imported already, they are imported with the package (see the end).
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -58,3 +59,12 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+if "lightning.pytorch" in sys.modules or "pytorch_lightning" in sys.modules:
+    # Lightning, and so torch, is loaded already: the laziness would save nothing. Define the callbacks now, so that
+    # LightningCLI's short form (`--trainer.callbacks+=MemoryMonitor`), which looks among the `Callback` subclasses
+    # defined so far, finds them after a plain `import lightning_gpumem`.
+    for _name in _EXPORTS:
+        __getattr__(_name)
+    del _name

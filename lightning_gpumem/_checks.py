@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+from collections.abc import Iterable, Mapping, Sized
+from typing import TypeGuard
+
+from lightning_gpumem._units import MAX_BYTES
 
 
 def require_flags(owner: str, **flags: object) -> None:
@@ -59,12 +64,84 @@ def require_number(owner: str, name: str, value: object, minimum: float, unit: s
     Traceback (most recent call last):
     ValueError: `X(mib=0)` is not valid. Expected a finite number of MiB > 0.
     """
-    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not number or (value <= minimum if above else value < minimum):  # type: ignore[operator]
+    if not is_finite_number(value) or (value <= minimum if above else value < minimum):  # type: ignore[operator]
         sign = ">" if above else ">="
         raise ValueError(
             f"`{owner}({name}={value!r})` is not valid. Expected a finite number of {unit} {sign} {minimum:g}."
         )
+
+
+def is_finite_number(value: object) -> bool:
+    """Whether ``value`` is an ``int`` or ``float`` (not a ``bool``) that a float can hold and that is finite.
+
+    >>> is_finite_number(2.5), is_finite_number(float("nan")), is_finite_number(10**400), is_finite_number(True)
+    (True, False, False, False)
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond the range of a float
+        return False
+
+
+def require_size(owner: str, name: str, value: object, unit_bytes: int, unit: str) -> None:
+    """Raise ``ValueError`` unless ``value``, a size in ``unit`` (``unit_bytes`` bytes), is 1 byte to 2**64 bytes.
+
+    A size that rounds to 0 bytes means nothing, and one beyond 2**64 bytes (16 EiB) is larger than any device.
+
+    >>> require_size("X", "mib", 32.0, 2**20, "MiB")
+    >>> require_size("X", "mib", 1e-300, 2**20, "MiB")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: `X(mib=1e-300)` is not valid. Expected a finite number of MiB from 9.54e-07 (1 byte) to ...
+    """
+    if not is_finite_number(value) or not 1 <= value * unit_bytes <= MAX_BYTES:  # type: ignore[operator]
+        raise ValueError(
+            f"`{owner}({name}={value!r})` is not valid. Expected a finite number of {unit} from {1 / unit_bytes:.3g}"
+            f" (1 byte) to {MAX_BYTES / unit_bytes:.3g} (2**64 bytes)."
+        )
+
+
+def is_collection(value: object) -> TypeGuard[Iterable[object]]:
+    """Whether ``value`` is a finite collection: sized and iterable, and not a ``str``, ``bytes`` or mapping.
+
+    Any such collection counts (list, tuple, set, ``range``, a numpy array, an OmegaConf ``ListConfig``); an iterator
+    without a length (``itertools.count()``, a generator) does not, as it may never end.
+
+    >>> is_collection(("a", "b")), is_collection(range(10**12)), is_collection("ab"), is_collection(iter("ab"))
+    (True, True, False, False)
+    """
+    if not isinstance(value, Sized) or not isinstance(value, Iterable) or isinstance(value, (str, bytes, Mapping)):
+        return False
+    try:
+        len(value)
+    except TypeError:  # a 0-d numpy array says it is sized, and has no length
+        return False
+    return True
+
+
+def require_trainer(owner: str, trainer: object) -> None:
+    """Raise ``TypeError`` unless ``trainer`` is a Lightning ``Trainer`` (``lightning.pytorch``, ``pytorch_lightning``).
+
+    The callbacks read the Trainer's loops, loggers and settings; Lightning Fabric's ``fabric.call(hook, ...)``
+    passes whatever the caller gives, a ``Fabric`` usually. Neither namespace is imported here: a ``Trainer`` of
+    one is an instance of a class from a module already loaded.
+
+    >>> require_trainer("X", object())  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    TypeError: X needs a Lightning `Trainer`; it got `object`. ...
+    """
+    for package in ("lightning.pytorch", "pytorch_lightning"):
+        module = sys.modules.get(package)
+        trainer_class = getattr(module, "Trainer", None)
+        if isinstance(trainer_class, type) and isinstance(trainer, trainer_class):
+            return
+    raise TypeError(
+        f"{owner} needs a Lightning `Trainer`; it got `{type(trainer).__name__}`. Its hooks read the Trainer's"
+        f" loops, loggers and settings: use it in `Trainer(callbacks=[...])` (lightning.pytorch or"
+        f" pytorch_lightning); Lightning Fabric's `Fabric(callbacks=...)` is not supported (a `MemoryProbe` reads"
+        f" memory under Fabric: `MemoryProbe(fabric.device).read()`)."
+    )
 
 
 def require_int_or_none(owner: str, name: str, value: object, minimum: int, none_means: str) -> None:

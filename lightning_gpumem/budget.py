@@ -13,8 +13,9 @@ import lightning.pytorch as pl
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_gpumem._checks import require_trainer
 from lightning_gpumem._compat import Callback
-from lightning_gpumem._units import format_gib, parse_budget
+from lightning_gpumem._units import check_budget, format_gib, parse_budget
 from lightning_gpumem.probe import Probe, make_probe
 
 
@@ -36,7 +37,8 @@ class MemoryBudget(Callback):
 
     Raises:
         TypeError: if ``budget`` is not an ``int``, ``float`` or ``str``.
-        ValueError: if it is not a positive size, a fraction in (0, 1] or a size string.
+        ValueError: if it is not a size of 1 MiB to 2**64 bytes, a fraction in (0, 1] or a size string; at setup,
+            if a fraction comes to less than 1 MiB of the device.
 
     Example::
 
@@ -48,7 +50,7 @@ class MemoryBudget(Callback):
     """
 
     def __init__(self, budget: int | float | str) -> None:
-        parse_budget(budget, 1, "MemoryBudget")  # the form now; its size against the device in `setup`
+        check_budget(budget, "MemoryBudget")  # the form now; its size against the device in `setup`
         self.budget = budget
         self.budget_bytes: int | None = None
         """The budget in bytes once set up on a CUDA device (``None`` before, and without one)."""
@@ -58,6 +60,7 @@ class MemoryBudget(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        require_trainer("MemoryBudget", trainer)
         device = trainer.strategy.root_device
         probe = make_probe(device, self)
         total = probe.total_bytes() if probe.device.type == "cuda" else None

@@ -14,7 +14,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_gpumem import _logging, keys
+from lightning_gpumem import _checks, _logging, keys
 from lightning_gpumem._checks import require_flags, require_int, require_int_or_none, require_number
 from lightning_gpumem._compat import Callback
 from lightning_gpumem._distributed import gather_named
@@ -105,7 +105,7 @@ class MemoryMonitor(Callback):
             detect_leaks=detect_leaks,
             tensorboard_layout=tensorboard_layout,
         )
-        require_number("MemoryMonitor", "leak_threshold_mib", leak_threshold_mib, 0, "MiB", above=True)
+        _checks.require_size("MemoryMonitor", "leak_threshold_mib", leak_threshold_mib, MIB, "MiB")
         require_int("MemoryMonitor", "leak_warmup_steps", leak_warmup_steps, 0)
         require_number("MemoryMonitor", "nvml_host_interval_s", nvml_host_interval_s, 0, "seconds")
         self._log_every_n_steps, self._tensorboard_layout = log_every_n_steps, tensorboard_layout
@@ -131,6 +131,7 @@ class MemoryMonitor(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        _checks.require_trainer("MemoryMonitor", trainer)
         if stage == "fit":  # a new fit starts from nothing (a checkpoint's `state_dict` is loaded after this hook)
             self._reset_run()
         device = trainer.strategy.root_device
@@ -167,7 +168,7 @@ class MemoryMonitor(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._window.train_start()
-        self._require_probe().reset_peaks()
+        self._require_probe(trainer).reset_peaks()
 
     @override
     def on_train_batch_start(
@@ -175,14 +176,15 @@ class MemoryMonitor(Callback):
     ) -> None:
         fold, reset = self._window.batch_start(_logging.is_logging_step(trainer, self._every_n))
         if fold:
-            self._fold("train")
+            self._fold("train", trainer)
         if reset:
-            self._require_probe().reset_peaks()
+            self._require_probe(trainer).reset_peaks()
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
     ) -> None:
+        self._require_probe(trainer)
         accumulating = _logging.is_accumulating(trainer)
         logged = self._window.batch_end(accumulating)  # a logging step: its allocator read feeds the leak watch too
         leak_sample = not accumulating and self._leaks is not None and self._leaks.due(trainer, logged, self._every_n)
@@ -193,42 +195,34 @@ class MemoryMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._fold("train")
+        self._fold("train", trainer)
         self._window.train_end()
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._start_loop()
+        if self._window.loop_start():
+            self._fold("train", trainer)
+        self._require_probe(trainer).reset_peaks()
+
+    on_test_start = on_predict_start = on_validation_start  # every loop starts alike
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._end_loop(trainer, "val")
 
     @override
-    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._start_loop()
-
-    @override
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._end_loop(trainer, "test")
-
-    @override
-    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._start_loop()
 
     @override
     def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._end_loop(trainer, "predict")
 
-    def _start_loop(self) -> None:
-        if self._window.loop_start():
-            self._fold("train")
-        self._require_probe().reset_peaks()
-
     def _end_loop(self, trainer: pl.Trainer, stage: str) -> None:
+        probe = self._require_probe(trainer)
         if not trainer.sanity_checking:  # device-wide keys go with the training keys in a fit
             self._measure_and_log(trainer, stage, device_wide=trainer.state.fn != "fit")
-        self._require_probe().reset_peaks()
+        probe.reset_peaks()
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -239,7 +233,7 @@ class MemoryMonitor(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # This rank's measurements alone (the others may never get here); never raises (other callbacks run next).
-        if trainer.state.fn != "fit" or not self._summary or not trainer.is_global_zero or self._probe is None:
+        if self._probe is None or trainer.state.fn != "fit" or not self._summary or not trainer.is_global_zero:
             return
         try:
             run = self._gather_run(trainer, collective=False)
@@ -255,25 +249,26 @@ class MemoryMonitor(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._maxima.load_state_dict(state_dict)
 
-    def _require_probe(self) -> Probe:
-        if self._probe is None:
+    def _require_probe(self, trainer: object) -> Probe:
+        if self._probe is None:  # used outside a Trainer (Fabric's `call`: a TypeError naming it), or before `setup`
+            _checks.require_trainer("MemoryMonitor", trainer)
             raise RuntimeError("MemoryMonitor was used before `setup`; add it to `Trainer(callbacks=[...])`.")
         return self._probe
 
     def _gpumem_before_peak_reset(self) -> None:  # another callback resets the counters: keep what they hold
         if self._probe is not None and self._window.training and not self._window.open:
-            self._fold("train")
+            self._fold("train", None)
 
-    def _fold(self, stage: str) -> None:
+    def _fold(self, stage: str, trainer: object) -> None:
         """Add the peaks since the last reset to ``stage``'s running maximum."""
-        if (probe := self._require_probe()).has_allocator:
+        if (probe := self._require_probe(trainer)).has_allocator:
             self._maxima.peak(stage, *probe.read_peaks())
 
     def _watch_leaks(self, trainer: pl.Trainer, allocated: int | None) -> None:
         self.leak = (self._leaks.sample(trainer, allocated, self._total_bytes) if self._leaks else None) or self.leak
 
     def _measure_and_log(self, trainer: pl.Trainer, stage: str, device_wide: bool, leak_sample: bool = False) -> None:
-        probe = self._require_probe()
+        probe = self._require_probe(trainer)
         distributed = trainer.world_size > 1
         slow = self._slow.now(distributed)
         sample = self._last_sample = probe.read(nvml=self._nvml and slow, host=self._host and slow)
@@ -296,5 +291,5 @@ class MemoryMonitor(Callback):
                 _logging.show_in_progress_bar(trainer, "mem", text)
 
     def _gather_run(self, trainer: pl.Trainer, collective: bool = True) -> RunMemory:
-        probe, last = self._require_probe(), self._last_sample
+        probe, last = self._require_probe(trainer), self._last_sample
         return gather_run(trainer, self._maxima, last, probe, self._total_bytes, collective)

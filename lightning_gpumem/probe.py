@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
+from lightning_gpumem._checks import require_flags
 from lightning_gpumem._nvml import NvmlDevice, NvmlReading
 
 try:
@@ -157,9 +158,15 @@ class MemoryProbe:
     """Reads a :class:`MemorySample` for one device.
 
     Args:
-        device: the device to watch; ``cpu`` gives host fields only.
+        device: the device to watch: a ``torch.device``, or what ``torch.device`` takes (``"cuda:0"``, ``"cpu"``, a
+            device index); ``cpu`` gives host fields only. It also works under Lightning Fabric:
+            ``MemoryProbe(fabric.device)``.
         nvml: read NVML (CUDA only). Off or failing, the NVML fields are ``None``.
         host: read host memory with ``psutil``.
+
+    Raises:
+        TypeError: if ``device`` is of another type, or ``nvml``/``host`` is not a ``bool``.
+        ValueError: if ``device`` names no device, or a CUDA device that this torch build or machine does not have.
 
     Example:
         >>> probe = MemoryProbe(torch.device("cpu"))
@@ -167,7 +174,9 @@ class MemoryProbe:
         (False, True)
     """
 
-    def __init__(self, device: torch.device, *, nvml: bool = True, host: bool = True) -> None:
+    def __init__(self, device: torch.device | str | int, *, nvml: bool = True, host: bool = True) -> None:
+        device = _device(device)
+        require_flags("MemoryProbe", nvml=nvml, host=host)
         self.device = device
         self.has_allocator = _has_allocator_stats(device)
         self._accelerator_api = self.has_allocator and device.type != "cuda"
@@ -292,6 +301,30 @@ class MemoryProbe:
             self._stats_failed = True
             rank_zero_warn(f"lightning_gpumem: allocator statistics unavailable on {self.device} ({err!r}).")
             return {}
+
+
+def _device(value: object) -> torch.device:
+    """``value`` as a ``torch.device`` that exists here, or a ``TypeError``/``ValueError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, (torch.device, str, int)):
+        raise TypeError(
+            f"`MemoryProbe(device={value!r})` is not valid. Expected a torch.device, a device string such as"
+            " 'cuda:0' or 'cpu', or a device index."
+        )
+    try:
+        device = value if isinstance(value, torch.device) else torch.device(value)
+    except (RuntimeError, ValueError) as error:  # "gpu", -1, an index with no accelerator
+        raise ValueError(f"`MemoryProbe(device={value!r})` is not valid: {error}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+            raise ValueError(f"`MemoryProbe(device={value!r})` is not valid: {why}. Expected a device that exists.")
+        count = torch.cuda.device_count()
+        if device.index is not None and not 0 <= device.index < count:
+            raise ValueError(
+                f"`MemoryProbe(device={value!r})` is not valid: this machine has {count} CUDA device(s)."
+                f" Expected an index in 0..{count - 1}."
+            )
+    return device
 
 
 def _index(device: torch.device) -> int:

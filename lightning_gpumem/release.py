@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_gpumem import keys
-from lightning_gpumem._checks import require_flags, require_int
+from lightning_gpumem._checks import is_collection, require_flags, require_int, require_trainer
 from lightning_gpumem._compat import Callback
 from lightning_gpumem._distributed import gather_values
 from lightning_gpumem._logging import batches_that_stepped, is_accumulating, log_to_loggers
@@ -45,13 +45,24 @@ DEFAULT_HOOKS = ("train_batch_end", "validation_end")
 
 
 def _hook_names(value: object, name: str) -> tuple[str, ...]:
-    """``value`` as a tuple of hook names, or a ``ValueError`` naming the argument."""
-    hooks = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, (list, tuple, set)) else None
-    if not hooks or any(hook not in HOOKS for hook in hooks):
+    """``value``, a hook name or a collection of them (any sequence or set), as a tuple of names.
+
+    A ``ValueError`` naming the argument otherwise; the names are checked one by one, so a long collection of
+    something else (``range(10**12)``) is refused at its first item, and an iterator without a length is refused.
+    """
+    items = (value,) if isinstance(value, str) else value if is_collection(value) else ()
+    hooks: list[str] = []
+    for hook in items:
+        if not isinstance(hook, str) or hook not in HOOKS:
+            hooks = []
+            break
+        hooks.append(str(hook))  # a numpy or OmegaConf string as a plain `str` (the state key shows it)
+    if not hooks:
         raise ValueError(
-            f"`EmptyCacheOnThreshold({name}={value!r})` is not valid. Expected one or more of {', '.join(HOOKS)}."
+            f"`EmptyCacheOnThreshold({name}={value!r})` is not valid. Expected a name or a list of names, one or more"
+            f" of {', '.join(HOOKS)}."
         )
-    return hooks
+    return tuple(hooks)
 
 
 class ReleasePolicy:
@@ -117,15 +128,16 @@ class EmptyCacheOnThreshold(Callback):
         collect_garbage: run ``gc.collect()`` before emptying the cache, so tensors held only by reference cycles
             are freed too (costs milliseconds with many Python objects).
         min_steps_between: training steps to wait after a release before another while usage stays above the mark.
-        hooks: the hooks after which to check, any of ``"train_batch_end"``, ``"train_epoch_end"``,
-            ``"validation_batch_end"``, ``"validation_end"``, ``"test_batch_end"``, ``"test_end"``,
-            ``"predict_batch_end"``, ``"predict_end"``.
+        hooks: the hooks after which to check (a name, or any sequence or set of names), any of
+            ``"train_batch_end"``, ``"train_epoch_end"``, ``"validation_batch_end"``, ``"validation_end"``,
+            ``"test_batch_end"``, ``"test_end"``, ``"predict_batch_end"``, ``"predict_end"``.
         on: deprecated name of ``hooks`` (YAML 1.1 reads an unquoted key ``on`` as ``True``, which breaks
             ``LightningCLI`` configs); it still works, with a ``DeprecationWarning``.
 
     Raises:
-        ValueError: if ``threshold`` is not in (0, 1], ``relative_to``/``measure``/``hooks`` name something else,
-            ``min_steps_between`` is not an integer >= 0, or both ``hooks`` and ``on`` are given.
+        ValueError: if ``threshold`` is not in (0, 1], ``relative_to``/``measure``/``hooks`` name something else
+            (``hooks``: also an iterator without a length, such as a generator), ``min_steps_between`` is not an
+            integer >= 0, or both ``hooks`` and ``on`` are given.
         TypeError: if ``collect_garbage`` is not a ``bool``.
 
     Example::
@@ -151,18 +163,18 @@ class EmptyCacheOnThreshold(Callback):
             raise ValueError(
                 f"`EmptyCacheOnThreshold(threshold={threshold!r})` is not valid. Expected a number in (0, 1]."
             )
-        if relative_to not in ("budget", "device"):
+        if not isinstance(relative_to, str) or relative_to not in ("budget", "device"):
             raise ValueError(
                 f"`EmptyCacheOnThreshold(relative_to={relative_to!r})` is not valid. Expected 'budget' or 'device'."
             )
-        if measure not in ("reserved", "nvml"):
+        if not isinstance(measure, str) or measure not in ("reserved", "nvml"):
             raise ValueError(
                 f"`EmptyCacheOnThreshold(measure={measure!r})` is not valid. Expected 'reserved' or 'nvml'."
             )
         require_int("EmptyCacheOnThreshold", "min_steps_between", min_steps_between, 0)
         name = "hooks"
         if on is not None:
-            if tuple(hooks) != DEFAULT_HOOKS:
+            if hooks is not DEFAULT_HOOKS and (hooks is None or _hook_names(hooks, "hooks") != DEFAULT_HOOKS):
                 raise ValueError(
                     f"`EmptyCacheOnThreshold(hooks={hooks!r}, on={on!r})`: `on` is the deprecated name of `hooks`."
                     " Expected only `hooks`."
@@ -197,6 +209,7 @@ class EmptyCacheOnThreshold(Callback):
     # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        require_trainer("EmptyCacheOnThreshold", trainer)
         device = trainer.strategy.root_device
         self._every_n = trainer.log_every_n_steps  # type: ignore[attr-defined]
         probe = (
@@ -246,6 +259,9 @@ class EmptyCacheOnThreshold(Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if "validation_end" in self.hooks:
             self._check(trainer)
+        if self._probe is None:
+            require_trainer("EmptyCacheOnThreshold", trainer)  # not set up: outside a Trainer (Fabric), say so
+            return
         if trainer.state.fn == "fit" and not trainer.sanity_checking:
             self._log(trainer, now=True)  # every rank ends validation together: a release there shows at once
 
@@ -344,6 +360,7 @@ class EmptyCacheOnThreshold(Callback):
     def _check(self, trainer: pl.Trainer) -> None:
         probe, policy = self._probe, self._policy_for(trainer)
         if probe is None or policy is None:
+            require_trainer("EmptyCacheOnThreshold", trainer)  # not set up: outside a Trainer (Fabric), say so
             return
         usage = self._usage(probe)
         step = trainer.global_step
@@ -364,7 +381,10 @@ class EmptyCacheOnThreshold(Callback):
         # Logging steps by the step count alone (not `should_stop`, which one rank may set alone): under DDP every
         # rank must reach the gather below together. `now`: a point every rank reaches together (validation end,
         # train end).
-        if self._probe is None or not trainer.loggers or self._every_n <= 0:
+        if self._probe is None:
+            require_trainer("EmptyCacheOnThreshold", trainer)  # not set up: outside a Trainer (Fabric), say so
+            return
+        if not trainer.loggers or self._every_n <= 0:
             return
         if not now and ((batches_that_stepped(trainer) + 1) % self._every_n or is_accumulating(trainer)):
             return  # the cheap test first: this runs after every training batch
