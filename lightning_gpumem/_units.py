@@ -80,8 +80,7 @@ def parse_budget(value: int | float | str, total_bytes: int | None, owner: str, 
             f"`{owner}({arg}={value!r})` is a fraction of device memory, but no device memory is known here."
         )
     size = int(form * total_bytes)
-    # A total under 1 MiB is no device: the placeholder of a form-only call (`parse_budget(value, 1, ...)`).
-    if size < MIN_BUDGET_BYTES and total_bytes >= MIN_BUDGET_BYTES:
+    if size < MIN_BUDGET_BYTES:
         raise ValueError(
             f"`{owner}({arg}={value!r})` is {size} bytes of the device's {format_gib(total_bytes)}. Expected at least"
             f" 1 MiB ({MIN_BUDGET_BYTES} bytes)."

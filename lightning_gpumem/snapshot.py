@@ -13,6 +13,7 @@ import itertools
 import numbers
 import operator
 import pickle
+import sys
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping
@@ -63,10 +64,10 @@ class OOMSnapshot(Callback):
             or an iterable of at most a million integers >= 0, or a ``range`` of any length.
 
     Raises:
-        ValueError: if ``max_entries`` is not a positive integer, ``at_steps`` holds anything but integers >= 0 (or
-            more than a million of them outside a ``range``), or ``dirpath`` cannot be a directory (an existing file,
-            a path under a file, a blank name, a NUL byte, a name over 255 bytes); at ``setup``, if ``dirpath``
-            cannot be created or written to.
+        ValueError: if ``max_entries`` is not an integer in [1, ``sys.maxsize``], ``at_steps`` holds anything but
+            integers >= 0 (or more than a million of them outside a ``range``), or ``dirpath`` cannot be a directory
+            (an existing file, a path under a file, a blank name, a NUL byte, a name over 255 bytes); at ``setup``,
+            if ``dirpath`` cannot be created or written to.
         TypeError: if ``at_steps`` is not a collection or ``dirpath`` not a path.
 
     Example::
@@ -82,6 +83,8 @@ class OOMSnapshot(Callback):
         self, dirpath: str | Path | None = None, max_entries: int = 100_000, at_steps: Iterable[int] | None = None
     ) -> None:
         require_int("OOMSnapshot", "max_entries", max_entries, 1)
+        if max_entries > sys.maxsize:  # torch's own default and the most its history takes
+            raise ValueError(f"`OOMSnapshot(max_entries={max_entries!r})` is not valid. Expected at most sys.maxsize.")
         self.dirpath = check_dirpath("OOMSnapshot", dirpath)
         self.at_steps = _steps(at_steps)
         self.max_entries = max_entries

@@ -28,7 +28,7 @@ from lightning_gpumem._files import unique_path, write_atomic
 from lightning_gpumem._logging import log_table, log_to_loggers, run_dir
 from lightning_gpumem._oom import expecting_oom
 from lightning_gpumem._registry import budget_bytes
-from lightning_gpumem._units import GIB, format_gib, parse_budget
+from lightning_gpumem._units import GIB, check_budget, format_gib, parse_budget
 from lightning_gpumem.probe import Probe, make_probe
 from lightning_gpumem.tuning import _session
 from lightning_gpumem.tuning._session import TrialSession
@@ -142,7 +142,7 @@ class BatchSizeTuner(Callback):
         retune_on_resume: bool = False,
     ) -> None:
         if budget is not None:
-            parse_budget(budget, 1, "BatchSizeTuner")  # type and format now; the size against the device at fit
+            check_budget(budget, "BatchSizeTuner")  # type and format now; the size against the device at fit
         if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0.0 <= headroom < 1.0:
             raise ValueError(f"`BatchSizeTuner(headroom={headroom!r})` is not valid. Expected a number in [0, 1).")
         require_int("BatchSizeTuner", "init_val", init_val, 1)
