@@ -82,8 +82,9 @@ class BatchSizeTuner(Callback):
     :attr:`trials`; rank zero prints one line, e.g. ``BatchSizeTuner: batch_size=53 (peak 22.6/24.0 GiB, ...)``.
     The size the run trains at, tuned or restored on resume, is logged as ``gpumem/batch_size`` and, where the
     module's or datamodule's hparams hold ``batch_arg_name``, as that hyperparameter (TensorBoard's HPARAMS,
-    ``hparams.yaml``). Under ``LightningCLI`` it is also written to the run's directory beside the saved
-    ``config.yaml`` (which keeps the initial size), as ``gpumem_batch_size.yaml``.
+    ``hparams.yaml``). Under ``LightningCLI`` it is also written to the run's directory as
+    ``gpumem_batch_size.yaml`` (beside the saved ``config.yaml``, which keeps the initial size, where the first logger
+    is a TensorBoard or CSV one: Lightning saves the config in ``trainer.log_dir``, an MLflow or W&B logger's root).
 
     Args:
         budget: memory the run may use: ``None`` for the budget of a :class:`~lightning_gpumem.MemoryBudget` among
@@ -558,7 +559,7 @@ class BatchSizeTuner(Callback):
         ``gpumem/batch_size`` to every logger; the size in the hyperparameters the loggers show (TensorBoard's
         HPARAMS, ``hparams.yaml``) where the module's or the datamodule's hparams hold ``batch_arg_name``, which
         Lightning logged with the size the run started with; and under LightningCLI ``gpumem_batch_size.yaml`` in
-        the run's directory, beside the ``config.yaml`` that holds the initial size.
+        the run's directory (where ``config.yaml``, which holds the initial size, is for TensorBoard and CSV).
         """
         if not trainer.is_global_zero or self.optimal_batch_size is None:
             return
@@ -592,7 +593,7 @@ class BatchSizeTuner(Callback):
                 )
 
     def _write_next_to_cli_config(self, trainer: pl.Trainer) -> None:
-        """Under LightningCLI, write the size chosen to the run's directory, beside ``config.yaml``.
+        """Under LightningCLI, write the size chosen to the run's directory (:func:`run_dir`).
 
         Its own file of an earlier search in this run is replaced; a file of another run keeps its name (this one
         gets ``-v1``...). A disk that fails is named in a warning.
