@@ -1,7 +1,7 @@
 """Keep memory in bounds: MemoryBudget, EmptyCacheOnThreshold and MemoryMonitor's leak detection (CPU or GPU).
 
     python examples/keep_memory_in_bounds.py                # a run with a validation spike, capped at 4 GiB
-    python examples/keep_memory_in_bounds.py --leak         # the same model keeping every loss with its graph
+    python examples/keep_memory_in_bounds.py --leak         # the same model keeping every layer's output, every step
 
 On a GPU:
 - `MemoryBudget("4GiB")` caps the process as if the card had 4 GiB (an allocation past it raises OutOfMemoryError);
@@ -32,27 +32,31 @@ from lightning_gpumem import EmptyCacheOnThreshold, MemoryBudget, MemoryMonitor
 
 
 class SpikyModel(L.LightningModule):
-    """An MLP whose validation steps allocate `val_spike_bytes` on the device; `leak` keeps every loss's graph.
+    """An MLP whose validation steps allocate `val_spike_bytes` on the device; `leak` keeps every layer's outputs.
 
-    `simulated`: the model moves that simulated GPU's memory by what its steps take on a real one.
+    `simulated`: the model moves that simulated GPU's memory by the bytes its tensors take.
     """
 
     def __init__(self, val_spike_bytes: int, leak: bool, simulated: SimulatedGPU | None = None) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1))
         self.val_spike_bytes, self.leak, self.simulated = val_spike_bytes, leak, simulated
-        self.losses: list[torch.Tensor] = []
+        self.kept: list[list[torch.Tensor]] = []
         if simulated is not None:  # weights, gradients and AdamW's two moments stay allocated
             simulated.allocate(4 * sum(p.numel() * p.element_size() for p in self.parameters()))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = nn.functional.mse_loss(self.net(x).squeeze(-1), y)
-        self.losses.append(loss if self.leak else loss.detach())  # the bug `--leak` shows: graphs kept alive
-        if self.simulated is not None:  # the step's activations (4 floats per hidden unit): kept with a kept graph
-            activations = self.simulated.allocate(len(x) * (256 + 4 * 1024 + 1) * 4)
+        outputs = [x]
+        for layer in self.net:
+            outputs.append(layer(outputs[-1]))
+        loss = nn.functional.mse_loss(outputs[-1].squeeze(-1), y)
+        if self.leak:
+            self.kept.append(outputs[1:])  # the bug `--leak` shows: every layer's output of every step kept (4 MiB)
+        if self.simulated is not None:  # those outputs on the simulated GPU: freed after the step, or kept
+            handle = self.simulated.allocate(sum(output.nbytes for output in outputs[1:]))
             if not self.leak:
-                self.simulated.free(activations)
+                self.simulated.free(handle)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
@@ -98,6 +102,9 @@ def main() -> None:
         max_steps=args.steps,
         val_check_interval=40,
         limit_val_batches=2,
+        # No sanity check: it would run the process's first matrix product after the first spike is freed, and cuBLAS
+        # would put its workspace inside the cached spike, which then could not be given back (fragmentation).
+        num_sanity_val_steps=0,
         logger=CSVLogger(args.logdir, name="keep_memory_in_bounds"),
         log_every_n_steps=10,
         callbacks=[MemoryBudget("4GiB"), release, MemoryMonitor(log_every_n_steps=10)],
