@@ -30,6 +30,7 @@ class SimulatedGPU:
 
     def __init__(self, total: int, limit: int | None = None) -> None:
         self.device = torch.device("cpu")  # where the tensors really are
+        self.why = "no GPU here" if not torch.cuda.is_available() else "--simulate"  # for the examples' output
         self.total, self.limit = total, limit or total  # `limit`: a cap below the card, as `MemoryBudget` sets
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = self.ooms = 0
         self.blocks: dict[int, tuple[int, list[dict[str, Any]]]] = {}  # handle: (bytes, stack) of live allocations

@@ -92,8 +92,8 @@ def main() -> None:
     if args.simulate or not torch.cuda.is_available():
         simulated = SimulatedGPU(total=4 * GIB).install()
         print(
-            "simulated: no GPU here; a simulated 4 GiB card stands in for MemoryBudget('4GiB') (a cap only CUDA has):"
-            " the model moves its memory, the callbacks read it."
+            f"simulated: {simulated.why}; a simulated 4 GiB card stands in for MemoryBudget('4GiB') (a cap only CUDA"
+            " has): the model moves its memory, the callbacks read it."
         )
     L.seed_everything(0)
     release = EmptyCacheOnThreshold(threshold=0.25)  # of the 4 GiB budget: release above 1 GiB held
@@ -118,7 +118,7 @@ def main() -> None:
         f" in {release.release_seconds * 1e3:.1f} ms; metrics in {trainer.logger.log_dir}"  # type: ignore[union-attr]
     )
     if simulated:
-        print("(simulated: no GPU here; the memory given back and any leak are the simulated GPU's, not measured)")
+        print(f"(simulated: {simulated.why}; the memory given back and any leak are the simulated GPU's, not measured)")
 
 
 if __name__ == "__main__":

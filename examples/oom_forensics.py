@@ -89,8 +89,8 @@ def main() -> None:
     if args.simulate or not torch.cuda.is_available():
         simulated = SimulatedGPU(total=2 * GIB).install()
         print(
-            "simulated: no GPU here; a simulated 2 GiB card stands in for MemoryBudget('2GiB'). In the layer table,"
-            " params, grads and saved are the CPU step's tensors; activations and peaks are the simulated GPU's."
+            f"simulated: {simulated.why}; a simulated 2 GiB card stands in for MemoryBudget('2GiB'). In the layer"
+            " table, params, grads and saved are the CPU step's tensors; activations and peaks are the simulated GPU's."
         )
     L.seed_everything(0)
     train = DataLoader(TensorDataset(torch.randn(4096, 512), torch.randint(0, 10, (4096,))), 256, shuffle=True)
@@ -113,7 +113,7 @@ def main() -> None:
     written += [*snapshot.paths, *sorted(Path(trainer.log_dir).glob("layer_memory_step*.csv"))]
     print("\nfiles written:", *written, sep="\n  ")
     if simulated is not None:
-        print("(simulated: no GPU here; OOMSnapshot needs CUDA's allocator history and wrote no snapshot of its own)")
+        print(f"(simulated: {simulated.why}; OOMSnapshot needs CUDA's allocator history and wrote no snapshot itself)")
 
 
 if __name__ == "__main__":

@@ -95,7 +95,7 @@ def main() -> None:
         simulated = SimulatedGPU(total=80 * GIB, limit=parse_budget(budget, 80 * GIB, "tune_batch_size"))
         simulated.install()
         print(
-            f"simulated: no GPU here; a simulated 80 GiB card capped at the {simulated.limit / GIB:.1f} GiB budget"
+            f"simulated: {simulated.why}; a simulated 80 GiB card capped at the {simulated.limit / GIB:.1f} GiB budget"
             f" stands in, each sample taking {SIMULATED_SAMPLE_BYTES // MIB} MiB of it (past the cap the model raises"
             " the OutOfMemoryError a GPU would)."
         )
@@ -116,7 +116,7 @@ def main() -> None:
         peak = "-" if trial.peak_bytes is None else f"{trial.peak_bytes / GIB:.2f} GiB"
         print(f"  trial batch_size={trial.batch_size:>5}  {'ok ' if trial.fits else 'OOM'}  peak {peak}")
     if simulated:
-        print("(simulated: no GPU here; the peaks and OOMs above are the simulated GPU's, not measured)")
+        print(f"(simulated: {simulated.why}; the peaks and OOMs above are the simulated GPU's, not measured)")
 
 
 if __name__ == "__main__":
