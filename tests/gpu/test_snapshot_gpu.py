@@ -138,7 +138,6 @@ def test_a_snapshot_that_cannot_be_written_keeps_the_oom_and_the_callbacks_after
         devices=1,
         max_steps=5,
         logger=False,
-        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[MemoryBudget("2GiB"), snapshot, FillTheDisk(), OnExceptionCheckpoint(tmp_path / "ckpt")],
