@@ -24,7 +24,10 @@ from tests._fakes import kept, read_csv_metrics  # noqa: E402
 from tests.integration.test_report import _layouts  # noqa: E402
 
 pytestmark = [
-    pytest.mark.filterwarnings("ignore:.*(has no allocator|without an accelerator|no accelerator|does nothing).*"),
+    pytest.mark.filterwarnings(
+        "ignore:.*(has no allocator|has no memory cap|has no CUDA allocator|without an accelerator|no accelerator"
+        "|does nothing|doing nothing).*"
+    ),
     pytest.mark.filterwarnings("ignore:`weights_only` was not set"),
 ]
 
@@ -94,6 +97,7 @@ def test_two_release_callbacks_coexist(tmp_path):
 
 @pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 @pytest.mark.filterwarnings("ignore:No seed found")
+@pytest.mark.filterwarnings("ignore:MemoryMonitor. no logger")
 def test_pytorch_lightning_cli_takes_the_callbacks_by_class_path(tmp_path, monkeypatch):
     monkeypatch.setenv("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
     pytest.importorskip("jsonargparse")
@@ -106,7 +110,8 @@ def test_pytorch_lightning_cli_takes_the_callbacks_by_class_path(tmp_path, monke
         "  callbacks:\n    - class_path: lightning_gpumem.MemoryMonitor\n"
         "    - class_path: lightning_gpumem.BatchSizeTuner\n      init_args:\n        max_val: 16\n"
     )
-    cli = LightningCLI(OOMModel, args=["fit", "--config", str(config)])
+    with pytest.warns(UserWarning, match="BatchSizeTuner: stopped at the upper bound 16"):
+        cli = LightningCLI(OOMModel, args=["fit", "--config", str(config)])
     tuner = next(c for c in cli.trainer.callbacks if isinstance(c, BatchSizeTuner))
     assert cli.model.batch_size == tuner.optimal_batch_size == 16  # the dataset fits: stopped at max_val
 

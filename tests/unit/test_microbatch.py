@@ -123,6 +123,7 @@ def _reference(tmp_path, **kwargs):
 
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.filterwarnings("ignore:AutoMicrobatch. step .* ran as .* batches run so from now on")
 def test_a_recovered_run_equals_one_that_never_ran_out_of_memory(tmp_path, where):
     reference, reference_rows = _reference(tmp_path)
     seed_everything(0)
@@ -176,6 +177,7 @@ def test_with_gradient_accumulation_any_batch_of_a_window_is_recovered(tmp_path,
     assert column(rows, "train_loss_step") == pytest.approx(column(reference_rows, "train_loss_step"), abs=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore:AutoMicrobatch. step .* ran as .* batches run so from now on")
 def test_an_oom_in_the_optimizer_step_is_recovered(tmp_path):
     reference, _ = _reference(tmp_path)
     seed_everything(0)
@@ -270,6 +272,7 @@ class HalfStateAdam(torch.optim.Adam):
 
 
 @pytest.mark.parametrize("touch_in_forward", [False, True])
+@pytest.mark.filterwarnings("ignore:AutoMicrobatch. step .* ran as .* batches run so from now on")
 def test_an_oom_while_the_optimizer_creates_its_state_is_recovered(tmp_path, touch_in_forward):
     """The half-made state is dropped; a parameter changed in place in the forward (not by the update) is no update."""
 
@@ -309,6 +312,7 @@ def test_bf16_and_gradient_clipping_still_match(tmp_path):
     torch.testing.assert_close(_weights(model), _weights(reference), atol=2e-2, rtol=0)  # bf16 sums differ a little
 
 
+@pytest.mark.filterwarnings("ignore:AutoMicrobatch. out of memory in the forward or backward")  # the retries
 def test_an_oom_that_a_split_cannot_fix_propagates_with_a_clear_message(tmp_path):
     model = Net(limit=0, pressure=range(STEPS))
     with pytest.raises(
@@ -419,6 +423,7 @@ def test_hooks_run_once_per_step_and_after_backward_sees_the_whole_gradient(tmp_
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
 
 
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")
 def test_a_checkpoint_keeps_the_split(tmp_path):
     seed_everything(0)
     model = Net(limit=5, pressure={1})
@@ -598,6 +603,8 @@ def test_a_training_step_without_batch_idx_is_called_as_lightning_calls_it(tmp_p
     assert trainer.global_step == 3
 
 
+@pytest.mark.filterwarnings("ignore:You are using the .dataloader_iter. step flavor")
+@pytest.mark.filterwarnings("ignore:Found .dataloader_iter. argument in the .training_step.")
 def test_training_step_with_dataloader_iter_is_refused_with_a_warning(tmp_path):
     class Iterating(Net):
         def training_step(self, dataloader_iter):
@@ -625,6 +632,7 @@ def test_a_logged_parameter_is_its_value_at_log_time(tmp_path):
     assert column(read_csv_metrics(tmp_path / "with"), "bias") == expected
 
 
+@pytest.mark.filterwarnings("ignore:.training_step. returned .None.")
 def test_a_micro_batch_that_returns_none_skips_the_whole_batch_as_unsplit(tmp_path):
     class SkipsBatchThree(Net):
         """Batch 3 holds a sample `training_step` refuses (returns None): the whole batch is skipped."""
@@ -662,6 +670,7 @@ def test_a_second_fit_starts_unsplit_and_nothing_is_kept_after_a_fit(tmp_path):
     assert callback.microbatches == 1
 
 
+@pytest.mark.filterwarnings("ignore:Trying to infer the .batch_size. from an ambiguous collection")
 def test_a_batch_whose_dimension_cannot_be_told_is_not_split_and_the_oom_propagates(tmp_path):
     class PerSample(Net):
         """Batches carry per-sample tensors of other first dimensions (boxes per image, as in object detection)."""

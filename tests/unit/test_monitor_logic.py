@@ -253,6 +253,7 @@ def test_no_logger_warns_once_and_still_measures(tmp_path):
     assert monitor.peaks["train"][0] == 2 * GIB
 
 
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")  # resumed in place
 def test_running_maxima_survive_a_checkpoint_resume(tmp_path):
     probe = FakeProbe(base=GIB)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
@@ -281,6 +282,7 @@ def test_a_monitor_reused_for_a_second_fit_reports_that_fit_only(tmp_path):
     assert "5.0" not in monitor.summary_text, monitor.summary_text
 
 
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")  # resumed in place
 def test_a_reused_monitor_resuming_from_a_checkpoint_continues_its_maxima(tmp_path):
     # The reset at fit start comes before Lightning loads the callback's state from the checkpoint.
     probe = FakeProbe(base=GIB)

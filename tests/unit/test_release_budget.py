@@ -142,6 +142,10 @@ def test_the_on_attribute_still_reads_with_a_deprecation_warning():
         assert release.on == {"validation_end"}
 
 
+# Lightning on resuming a mid-epoch checkpoint in place, with the callback's state under a key it does not know:
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")
+@pytest.mark.filterwarnings("ignore:Be aware that when using .ckpt_path., callbacks used to create the checkpoint")
 def test_a_checkpoint_from_before_the_per_configuration_state_key_still_restores_the_counts(tmp_path):
     def trainer(release, steps):
         return Trainer(

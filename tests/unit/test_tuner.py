@@ -282,6 +282,7 @@ def test_keep_effective_batch_adjusts_accumulation():
     assert trainer.accumulate_grad_batches == 2  # 16 x 2 = 4 x 8
 
 
+@pytest.mark.filterwarnings("ignore:You defined a .validation_step. but have no .val_dataloader.")
 def test_writes_to_the_datamodule_like_lightning():
     class DM(LightningDataModule):
         def __init__(self):
