@@ -302,6 +302,7 @@ def test_a_closed_pipe_ends_the_report_quietly(tmp_path):
     assert process.stderr is not None
     process.stdout.close()  # as `| head` that has read enough: the report's writes meet a closed pipe
     error = process.stderr.read().decode()
+    process.stderr.close()
     assert process.wait(timeout=60) == 141  # 128 + SIGPIPE, as a shell reports it
     assert "Traceback" not in error, error
     assert "BrokenPipeError" not in error, error
