@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_gpumem._sample import MemorySample
 from lightning_gpumem.keys import STAGE_OF_LOOP
-from lightning_gpumem.probe import MemorySample
 
 
 class PeakWindow:

@@ -10,8 +10,8 @@ import time
 from collections.abc import Mapping
 
 from lightning_gpumem import keys
+from lightning_gpumem._sample import MemorySample
 from lightning_gpumem._units import GIB, MIB
-from lightning_gpumem.probe import MemorySample
 
 # The sample's fields logged per rank as `<key>_max` / `<key>_min` under DDP/FSDP, with their keys.
 REDUCED = {

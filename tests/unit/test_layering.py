@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,20 @@ CALLBACKS = {
     "lightning_gpumem.tuning.tuner": "tuning/tuner.py",
     "lightning_gpumem.microbatch": "microbatch.py",
 }
-PURE = ["keys.py", "_peak_window.py", "_leaks.py", "_summary.py", "_snapshot_report.py", "_files.py", "_patching.py"]
+PURE = [
+    "keys.py",
+    "_sample.py",
+    "_units.py",
+    "_checks.py",
+    "_files.py",
+    "_patching.py",
+    "_peak_window.py",
+    "_sample_metrics.py",
+    "_leaks.py",
+    "_summary.py",
+    "_snapshot_report.py",
+    "tuning/search.py",
+]
 
 
 def _imports(path: Path) -> set[str]:
@@ -41,6 +56,16 @@ def test_no_callback_imports_another(module):
 def test_the_pure_parts_import_neither_lightning_nor_the_hardware(name):
     imported = _imports(PACKAGE / name)
     assert not {m for m in imported if m.split(".")[0] in ("lightning", "pytorch_lightning", "torch", "psutil")}
+
+
+@pytest.mark.parametrize("name", PURE)
+def test_a_pure_part_loads_neither_torch_nor_lightning_in_a_fresh_interpreter(name):
+    # Direct imports are not enough: a pure module importing a module that imports torch loads torch all the same.
+    module = "lightning_gpumem." + name.removesuffix(".py").replace("/", ".")
+    heavy = "('torch', 'lightning', 'pytorch_lightning')"
+    code = f"import sys, {module}; print(sorted(m for m in {heavy} if m in sys.modules))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "[]", f"{module} loads {loaded}"
 
 
 def test_the_monitor_module_stays_thin():
