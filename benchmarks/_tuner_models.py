@@ -237,7 +237,7 @@ _OOM_MESSAGES = (
 def is_oom(error: BaseException) -> bool:
     """Whether ``error`` is an out-of-memory error (real or simulated), as ``lightning_gpumem`` recognises them.
 
-    A copy of ``lightning_gpumem._oom.is_oom_error``: importing that module imports the package and with it
+    A copy of ``lightning_gpumem._hw.oom.is_oom_error``: importing that module imports the package and with it
     Lightning, which the probe workers avoid.
     """
     oom_types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), torch.cuda.OutOfMemoryError) if t)

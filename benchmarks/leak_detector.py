@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_gpumem._leaks import LeakDetector
-from lightning_gpumem._logging import steps_to_next_log
+from lightning_gpumem._core.leaks import LeakDetector
+from lightning_gpumem._pl.logging import steps_to_next_log
 
 MIB = 2**20
 GIB = 2**30

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import auto_microbatch as example
 
 from lightning_gpumem import AutoMicrobatch
-from lightning_gpumem._microbatch import MicrobatchPolicy
+from lightning_gpumem.microbatch.split import MicrobatchPolicy
 
 CONFIGS = ("none", "AutoMicrobatch", "split2", "grown_back")
 

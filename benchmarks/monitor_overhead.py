@@ -63,7 +63,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_gpumem
 from lightning_gpumem import MemoryMonitor
-from lightning_gpumem.probe import MemoryProbe
+from lightning_gpumem._hw.probe import MemoryProbe
 
 MICRO_BLOCKS = 5  # part 1: interleaved blocks of calls per reader
 HOOK_LOG_EVERY = 10  # log_every_n_steps of part 2

@@ -24,8 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tuner as bench
 
-from lightning_gpumem.tuning import _session, _state
-from lightning_gpumem.tuning import tuner as tuner_module
+from lightning_gpumem.tuning import callback as tuner_module
+from lightning_gpumem.tuning import model_state as _state
+from lightning_gpumem.tuning import trials as _session
 
 STAGES = [  # (owner, attribute, label)
     (_session.TrialSession, "__enter__", "session enter (snapshot)"),

@@ -3,7 +3,7 @@
 On a CPU there is no allocator to measure or to run out of. `SimulatedGPU` stands in for one: its counters
 (allocated, reserved, their peaks) move only when the example's model calls `allocate`, `free` or `spike`, an
 allocation past `limit` raises the `torch.OutOfMemoryError` a GPU raises, and `install()` has every lightning-gpumem
-callback read it (through `lightning_gpumem.probe.set_probe_factory`, the seam the package's tests use too). Freed
+callback read it (through `lightning_gpumem._hw.probe.set_probe_factory`, the seam the package's tests use too). Freed
 memory stays reserved (cached) until a callback releases the cache, as with PyTorch's caching allocator. Nothing in
 it is measured: each example that uses it says "simulated" in its output.
 """
@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 
-from lightning_gpumem.probe import MemorySample, set_probe_factory
+from lightning_gpumem._hw.probe import MemorySample, set_probe_factory
 
 MIB, GIB = 2**20, 2**30
 
 
 class SimulatedGPU:
-    """The allocator the callbacks read (the `lightning_gpumem.probe.Probe` protocol), moved by the model."""
+    """The allocator the callbacks read (the `lightning_gpumem._hw.probe.Probe` protocol), moved by the model."""
 
     device_name = "simulated GPU"
     has_allocator = True

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_gpumem import BatchSizeTuner, EmptyCacheOnThreshold, MemoryBudget, MemoryMonitor
-from lightning_gpumem._units import GIB
+from lightning_gpumem._core.units import GIB
 from lightning_gpumem.cli import report
 from lightning_gpumem.tuning.search import Trial
 

@@ -69,7 +69,7 @@ class Model(L.LightningModule):
 
 def write_simulated_report(simulated: SimulatedGPU, trainer: L.Trainer) -> Path:
     """The page and the report OOMSnapshot writes on a GPU, here from the simulated GPU's record of its allocations."""
-    from lightning_gpumem._snapshot_report import format_report, render_html  # OOMSnapshot's own (private) writer
+    from lightning_gpumem._core.snapshot_report import format_report, render_html  # OOMSnapshot's own (private) writer
 
     title = f"simulated oom on rank 0 at step {trainer.global_step}"
     path = Path(trainer.log_dir) / f"simulated_oom_rank0_step{trainer.global_step}.html"

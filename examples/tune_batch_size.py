@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_gpumem import BatchSizeTuner, MemoryMonitor
-from lightning_gpumem._units import parse_budget
+from lightning_gpumem._core.units import parse_budget
 
 SEQ, FEATURES = 64, 256
 SIMULATED_SAMPLE_BYTES = 48 * MIB  # the activations of one sample on the simulated GPU

@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "AutoMicrobatch": "lightning_gpumem.microbatch",
-    "BatchSizeTuner": "lightning_gpumem.tuning.tuner",
+    "AutoMicrobatch": "lightning_gpumem.microbatch.callback",
+    "BatchSizeTuner": "lightning_gpumem.tuning.callback",
     "EmptyCacheOnThreshold": "lightning_gpumem.release",
     "LayerMemoryProfiler": "lightning_gpumem.layers",
     "MemoryBudget": "lightning_gpumem.budget",
-    "MemoryMonitor": "lightning_gpumem.monitor",
-    "MemoryProbe": "lightning_gpumem.probe",
-    "MemorySample": "lightning_gpumem.probe",
+    "MemoryMonitor": "lightning_gpumem.monitor.callback",
+    "MemoryProbe": "lightning_gpumem._hw.probe",
+    "MemorySample": "lightning_gpumem._core.sample",
     "OOMSnapshot": "lightning_gpumem.snapshot",
 }
 
@@ -38,14 +38,15 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from lightning_gpumem._core.sample import MemorySample
+    from lightning_gpumem._hw.probe import MemoryProbe
     from lightning_gpumem.budget import MemoryBudget
     from lightning_gpumem.layers import LayerMemoryProfiler
-    from lightning_gpumem.microbatch import AutoMicrobatch
-    from lightning_gpumem.monitor import MemoryMonitor
-    from lightning_gpumem.probe import MemoryProbe, MemorySample
+    from lightning_gpumem.microbatch.callback import AutoMicrobatch
+    from lightning_gpumem.monitor.callback import MemoryMonitor
     from lightning_gpumem.release import EmptyCacheOnThreshold
     from lightning_gpumem.snapshot import OOMSnapshot
-    from lightning_gpumem.tuning.tuner import BatchSizeTuner
+    from lightning_gpumem.tuning.callback import BatchSizeTuner
 
 
 def __getattr__(name: str) -> Any:

@@ -13,10 +13,10 @@ import lightning.pytorch as pl
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_gpumem._checks import require_trainer
-from lightning_gpumem._compat import Callback
-from lightning_gpumem._units import check_budget, format_gib, parse_budget
-from lightning_gpumem.probe import Probe, make_probe
+from lightning_gpumem._core.checks import require_trainer
+from lightning_gpumem._core.units import check_budget, format_gib, parse_budget
+from lightning_gpumem._hw.probe import Probe, make_probe
+from lightning_gpumem._pl.compat import Callback
 
 
 class MemoryBudget(Callback):
@@ -95,6 +95,6 @@ class MemoryBudget(Callback):
             self._probe.set_memory_fraction(self._previous_fraction)
         self._previous_fraction = None
 
-    def _gpumem_budget(self) -> int | None:
-        """The budget in bytes once set up (how the other callbacks find it: ``lightning_gpumem._registry``)."""
+    def gpumem_budget(self) -> int | None:
+        """The budget in bytes once set up (how the other callbacks find it: ``lightning_gpumem._pl.peers``)."""
         return self.budget_bytes

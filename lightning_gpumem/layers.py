@@ -22,11 +22,11 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_gpumem._checks import require_int, require_trainer
-from lightning_gpumem._compat import Callback
-from lightning_gpumem._files import check_dirpath, prepare_dir, unique_path, write_atomic
-from lightning_gpumem._logging import log_table, run_dir
-from lightning_gpumem.probe import Probe, make_probe
+from lightning_gpumem._core.checks import require_int, require_trainer
+from lightning_gpumem._core.files import check_dirpath, prepare_dir, unique_path, write_atomic
+from lightning_gpumem._hw.probe import Probe, make_probe
+from lightning_gpumem._pl.compat import Callback
+from lightning_gpumem._pl.logging import log_table, run_dir
 
 _MIB = 2**20
 
@@ -210,7 +210,7 @@ class LayerMemoryProfiler(Callback):
             return
         self._probe = probe
 
-    def _summary_context(self) -> dict[str, Any]:
+    def gpumem_summary_context(self) -> dict[str, Any]:
         """What this callback adds to ``MemoryMonitor``'s fit-end advice: the layers by memory saved for backward."""
         if not self.records:
             return {}

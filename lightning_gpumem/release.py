@@ -23,13 +23,13 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_gpumem import keys
-from lightning_gpumem._checks import is_collection, require_flags, require_int, require_trainer
-from lightning_gpumem._compat import Callback
-from lightning_gpumem._distributed import gather_values
-from lightning_gpumem._logging import batches_that_stepped, is_accumulating, log_to_loggers
-from lightning_gpumem._registry import budget_bytes
-from lightning_gpumem._units import GIB, format_gib
-from lightning_gpumem.probe import Probe, make_probe
+from lightning_gpumem._core.checks import is_collection, require_flags, require_int, require_trainer
+from lightning_gpumem._core.units import GIB, format_gib
+from lightning_gpumem._hw.probe import Probe, make_probe
+from lightning_gpumem._pl.compat import Callback
+from lightning_gpumem._pl.distributed import gather_values
+from lightning_gpumem._pl.logging import batches_that_stepped, is_accumulating, log_to_loggers
+from lightning_gpumem._pl.peers import budget_bytes
 
 HOOKS = (
     "train_batch_end",

@@ -25,13 +25,13 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_gpumem._checks import require_int, require_trainer
-from lightning_gpumem._compat import Callback
-from lightning_gpumem._files import check_dirpath, prepare_dir, unique_path, write_atomic
-from lightning_gpumem._logging import run_dir
-from lightning_gpumem._oom import is_oom_error, oom_expected
-from lightning_gpumem._snapshot_report import format_report, render_html
-from lightning_gpumem.probe import attach_oom_observer, start_history, stop_history, take_snapshot
+from lightning_gpumem._core.checks import require_int, require_trainer
+from lightning_gpumem._core.files import check_dirpath, prepare_dir, unique_path, write_atomic
+from lightning_gpumem._core.snapshot_report import format_report, render_html
+from lightning_gpumem._hw.oom import is_oom_error, oom_expected
+from lightning_gpumem._hw.probe import attach_oom_observer, start_history, stop_history, take_snapshot
+from lightning_gpumem._pl.compat import Callback
+from lightning_gpumem._pl.logging import run_dir
 
 _ACTIVE: weakref.WeakSet[OOMSnapshot] = weakref.WeakSet()
 _OBSERVER_ATTACHED = False
@@ -179,10 +179,10 @@ class OOMSnapshot(Callback):
             print(f"OOMSnapshot: {title}\n  {pickle_path}\n  {html_path}\n{format_report(snapshot)}", flush=True)
         return pickle_path, html_path
 
-    def _gpumem_oom_recovered(self) -> None:
+    def gpumem_oom_recovered(self) -> None:
         """An ``AutoMicrobatch`` recovered the OOM just written: rename its files ``oom_recovered_...``.
 
-        (How the callbacks find each other: ``lightning_gpumem._registry``.) The OOM's snapshot is kept, so the memory
+        (How the callbacks find each other: ``lightning_gpumem._pl.peers``.) The OOM's snapshot is kept, so the memory
         that ran out can still be looked at; the name says the run went on.
         """
         if not self._dumped_for_oom:
@@ -201,7 +201,8 @@ class OOMSnapshot(Callback):
             renamed.append(target)
         self.paths[-2:] = renamed
 
-    def _on_oom(self) -> None:
+    def on_out_of_memory(self) -> None:
+        """Called by the allocator as it raises an OOM: write the snapshot (unless expected, or written enough)."""
         if not self._recording or oom_expected() or self._oom_dumps >= MAX_OOM_DUMPS:
             return
         self._oom_dumps += 1
@@ -248,6 +249,6 @@ def _observer(device: int, alloc: int, device_total: int, device_free: int) -> N
     # Called by the allocator while it raises: never raise from here (the user's error must stay the one they see).
     for callback in list(_ACTIVE):
         try:
-            callback._on_oom()
+            callback.on_out_of_memory()
         except Exception as error:  # pragma: no cover - reported, never masks the OOM
             print(f"OOMSnapshot: could not write the snapshot ({error!r}).", flush=True)

@@ -11,8 +11,8 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_gpumem import EmptyCacheOnThreshold, MemoryMonitor
-from lightning_gpumem._units import GIB, MIB
-from lightning_gpumem.probe import MemorySample, Probe, default_probe_factory, set_probe_factory
+from lightning_gpumem._core.units import GIB, MIB
+from lightning_gpumem._hw.probe import MemorySample, Probe, default_probe_factory, set_probe_factory
 
 
 class FakeProbe:

@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_gpumem._files import write_atomic
+from lightning_gpumem._core.files import write_atomic
 from lightning_gpumem.report._output import HTML_MARK, check_output
 from lightning_gpumem.report.runs import Run
 from lightning_gpumem.report.summary import rows, summarize

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_gpumem._files import write_atomic
+from lightning_gpumem._core.files import write_atomic
 from lightning_gpumem.report._output import PNG_MARK, PNG_SOFTWARE, check_output
 from lightning_gpumem.report._text import printable
 from lightning_gpumem.report.runs import ReportError, Run

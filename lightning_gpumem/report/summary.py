@@ -6,8 +6,8 @@ import statistics
 from dataclasses import dataclass, field
 
 from lightning_gpumem import keys
-from lightning_gpumem._summary import RunMemory, advice
-from lightning_gpumem._units import GIB, format_gib
+from lightning_gpumem._core.summary import RunMemory, advice
+from lightning_gpumem._core.units import GIB, format_gib
 from lightning_gpumem.report._text import printable
 from lightning_gpumem.report.runs import Run, in_range
 
@@ -45,7 +45,7 @@ class RunSummary:
         alloc_retries: allocator retries (cumulative count, last value).
         ooms: out-of-memory errors (cumulative count, last value).
         over_ranks: cross-rank ``_max`` keys were logged (DDP/FSDP): the peaks above are the highest over ranks.
-        advice: the fit-end summary's advice (:func:`~lightning_gpumem._summary.advice`) on what the logs say.
+        advice: the fit-end summary's advice (:func:`~lightning_gpumem._core.summary.advice`) on what the logs say.
     """
 
     name: str
@@ -123,7 +123,7 @@ def summarize(run: Run) -> RunSummary:
 
 
 def run_memory(run: Run, peaks: dict[str, tuple[float | None, float | None]] | None = None) -> RunMemory:
-    """The run as the fit-end summary models it (:class:`~lightning_gpumem._summary.RunMemory`, bytes), from its logs.
+    """The run as the fit-end summary models it (a :class:`~lightning_gpumem._core.summary.RunMemory`), from its logs.
 
     What the logs cannot say (precision, DDP settings, layers) is left unknown, and the advice that rests on it is not
     given.

@@ -1,4 +1,4 @@
-"""Batch-size tuning: a pure search (``search.py``) driven by real trials run through Lightning (``tuner.py``).
+"""Batch-size tuning: a pure search (``search.py``) driven by real trials run through Lightning (``callback.py``).
 
 The names are imported on first use (PEP 562), so ``lightning_gpumem.tuning.search`` loads neither torch nor
 Lightning.
@@ -10,11 +10,11 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from lightning_gpumem.tuning.callback import BatchSizeTuner
     from lightning_gpumem.tuning.search import SearchResult, Trial, search_batch_size
-    from lightning_gpumem.tuning.tuner import BatchSizeTuner
 
 _EXPORTS = {
-    "BatchSizeTuner": "lightning_gpumem.tuning.tuner",
+    "BatchSizeTuner": "lightning_gpumem.tuning.callback",
     "SearchResult": "lightning_gpumem.tuning.search",
     "Trial": "lightning_gpumem.tuning.search",
     "search_batch_size": "lightning_gpumem.tuning.search",

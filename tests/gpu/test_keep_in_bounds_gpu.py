@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpumem import EmptyCacheOnThreshold, MemoryBudget, MemoryMonitor, MemoryProbe
-from lightning_gpumem._units import GIB, MIB
+from lightning_gpumem._core.units import GIB, MIB
 
 pytestmark = pytest.mark.gpu
 

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpumem import MemoryMonitor, MemoryProbe
-from lightning_gpumem._units import GIB
+from lightning_gpumem._core.units import GIB
 from tests._fakes import column, read_csv_metrics
 
 pytestmark = pytest.mark.gpu

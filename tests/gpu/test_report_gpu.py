@@ -12,7 +12,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_gpumem import EmptyCacheOnThreshold, MemoryBudget, MemoryMonitor
-from lightning_gpumem._units import GIB
+from lightning_gpumem._core.units import GIB
 from lightning_gpumem.report import load_runs, summarize
 from tests.gpu.test_monitor_gpu import SpikeModule
 

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpumem import MemoryBudget, OOMSnapshot
-from lightning_gpumem._units import GIB
+from lightning_gpumem._core.units import GIB
 
 pytestmark = pytest.mark.gpu
 
@@ -93,7 +93,7 @@ def test_at_steps_writes_snapshots_without_an_oom(tmp_path):
 
 
 def test_every_live_allocation_listed_points_at_code_outside_the_libraries_or_says_none_exists(tmp_path):
-    from lightning_gpumem._snapshot_report import _is_library, format_report
+    from lightning_gpumem._core.snapshot_report import _is_library, format_report
 
     trainer = Trainer(
         accelerator="gpu",

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpumem import BatchSizeTuner
-from lightning_gpumem._units import GIB
+from lightning_gpumem._core.units import GIB
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:`weights_only` was not set")]
 

@@ -13,7 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
-from lightning_gpumem import AutoMicrobatch, microbatch
+from lightning_gpumem import AutoMicrobatch
+from lightning_gpumem.microbatch import callback as microbatch
 from tests._fakes import close_process_group
 from tests.unit.test_microbatch import STEPS, Net
 

@@ -15,7 +15,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gpumem import MemoryMonitor
-from lightning_gpumem._units import GIB
+from lightning_gpumem._core.units import GIB
 from tests._fakes import FakeMonitor, FakeProbe, FakeRelease, SpikeModel, close_process_group
 
 

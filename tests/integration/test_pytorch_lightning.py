@@ -19,7 +19,7 @@ from lightning_gpumem import (  # noqa: E402
     MemoryMonitor,
     OOMSnapshot,
 )
-from lightning_gpumem.tuning._state import keeps_whole_model  # noqa: E402
+from lightning_gpumem.tuning.model_state import keeps_whole_model  # noqa: E402
 from tests._fakes import kept, read_csv_metrics  # noqa: E402
 from tests.integration.test_report import _layouts  # noqa: E402
 

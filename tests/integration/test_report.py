@@ -14,7 +14,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lightning_gpumem._units import GIB
+from lightning_gpumem._core.units import GIB
 from lightning_gpumem.report import ReportError, load_runs, render_html, summarize, write_png
 from lightning_gpumem.report._events import read_scalars
 from lightning_gpumem.report.summary import rows

@@ -27,8 +27,8 @@ from lightning_gpumem import (
     MemorySample,
     OOMSnapshot,
 )
-from lightning_gpumem._checks import require_trainer
-from lightning_gpumem._units import GIB
+from lightning_gpumem._core.checks import require_trainer
+from lightning_gpumem._core.units import GIB
 from tests._fakes import FakeProbe
 
 NAN, INF = math.nan, math.inf

@@ -19,7 +19,7 @@ from lightning_gpumem import (
     MemoryMonitor,
     keys,
 )
-from lightning_gpumem._units import GIB, MIB
+from lightning_gpumem._core.units import GIB, MIB
 from lightning_gpumem.report import load_runs
 from tests._fakes import FakeMonitor, FakeProbe, FakeRelease, SpikeModel
 
@@ -77,7 +77,7 @@ def test_the_docstring_tables_are_the_schemas(cls):
 class Budget(Callback):
     """A callback that sets a budget, found by the monitor through the registry's duck typing."""
 
-    def _gpumem_budget(self) -> int:
+    def gpumem_budget(self) -> int:
         return 4 * GIB
 
 

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpumem import LayerMemoryProfiler
-from lightning_gpumem._units import MIB
+from lightning_gpumem._core.units import MIB
 from tests._fakes import FakeProbe
 
 

@@ -11,9 +11,9 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gpumem import MemoryMonitor
-from lightning_gpumem._leaks import LeakDetector, grown_tensors
-from lightning_gpumem._units import GIB, MIB
-from lightning_gpumem.probe import tensor_census
+from lightning_gpumem._core.leaks import LeakDetector, grown_tensors
+from lightning_gpumem._core.units import GIB, MIB
+from lightning_gpumem._hw.probe import tensor_census
 from tests._fakes import FakeMonitor, FakeProbe, SpikeModel, column, read_csv_metrics
 
 

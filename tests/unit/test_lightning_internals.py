@@ -5,7 +5,7 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 from packaging.version import Version
 
-from lightning_gpumem._logging import batches_that_stepped, is_accumulating, is_logging_step
+from lightning_gpumem._pl.logging import batches_that_stepped, is_accumulating, is_logging_step
 
 
 def test_batches_that_stepped_is_the_step_lightning_logs_at(tmp_path):
@@ -77,7 +77,7 @@ def test_private_loop_attributes_the_tuner_uses_exist():
     """`lightning_gpumem/tuning/_session.py` relies on these; a Lightning upgrade that renames one fails here."""
     import lightning.pytorch as pl
 
-    from lightning_gpumem.tuning import _session
+    from lightning_gpumem.tuning import trials as _session
 
     trainer = Trainer(
         accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False
@@ -120,7 +120,7 @@ def test_ddp_strategy_keeps_its_ddp_kwargs():
 
 def test_current_fx_name_names_the_running_hook():
     """`BatchSizeTuner.scale` reads `LightningModule._current_fx_name` to refuse hooks it cannot run from."""
-    from lightning_gpumem.tuning import _session
+    from lightning_gpumem.tuning import trials as _session
 
     seen = {}
 
@@ -154,7 +154,7 @@ def test_dataloader_workers_told_to_exit_are_gone_without_a_join():
     from lightning.pytorch.utilities.combined_loader import CombinedLoader
     from torch.utils.data import DataLoader
 
-    from lightning_gpumem.tuning import _session
+    from lightning_gpumem.tuning import trials as _session
 
     loader = DataLoader(torch.arange(64.0), batch_size=4, num_workers=2)
     combined = CombinedLoader(loader, "max_size_cycle")

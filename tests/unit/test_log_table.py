@@ -11,7 +11,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger, Logger
 
 from lightning_gpumem import BatchSizeTuner
-from lightning_gpumem._logging import log_table, run_dir
+from lightning_gpumem._pl.logging import log_table, run_dir
 from tests.unit.test_tuner import OOMModel
 
 

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpumem import AutoMicrobatch
-from lightning_gpumem._microbatch import LogCall, MicrobatchPolicy, UpdateWatch, combine_logs, split_batch
+from lightning_gpumem.microbatch.split import LogCall, MicrobatchPolicy, UpdateWatch, combine_logs, split_batch
 from tests._fakes import column, read_csv_metrics
 
 STEPS = 30
@@ -466,7 +466,7 @@ def test_callbacks_that_listen_are_told_of_each_recovered_oom(tmp_path):
     class Listener(Callback):
         told = 0
 
-        def _gpumem_oom_recovered(self):
+        def gpumem_oom_recovered(self):
             self.told += 1
 
     listener = Listener()
@@ -484,13 +484,13 @@ def test_oom_snapshot_marks_the_snapshot_of_a_recovered_oom(tmp_path):
     for path in files:
         path.write_text("x")
     snapshot.paths, snapshot._dumped_for_oom = list(files), True  # as the OOM observer leaves them
-    snapshot._gpumem_oom_recovered()
+    snapshot.gpumem_oom_recovered()
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "oom_recovered_rank0_step3.html",
         "oom_recovered_rank0_step3.pickle",
     ]
     assert [p.name for p in snapshot.paths] == ["oom_recovered_rank0_step3.pickle", "oom_recovered_rank0_step3.html"]
-    snapshot._gpumem_oom_recovered()  # nothing new was written: nothing more is renamed
+    snapshot.gpumem_oom_recovered()  # nothing new was written: nothing more is renamed
     assert len(list(tmp_path.iterdir())) == 2
 
 
@@ -518,12 +518,12 @@ class Budget(Callback):
     def __init__(self, nbytes):
         self.nbytes = nbytes
 
-    def _gpumem_budget(self):
+    def gpumem_budget(self):
         return self.nbytes
 
 
 def test_a_measured_peak_that_says_the_whole_batch_cannot_fit_skips_the_try(tmp_path):
-    from lightning_gpumem._units import GIB
+    from lightning_gpumem._core.units import GIB
     from tests._fakes import FakeProbe
 
     probe = FakeProbe(base=GIB, total=24 * GIB)
@@ -538,7 +538,7 @@ def test_a_measured_peak_that_says_the_whole_batch_cannot_fit_skips_the_try(tmp_
 
 
 def test_a_measured_peak_that_says_it_fits_lets_the_batch_grow_back(tmp_path):
-    from lightning_gpumem._units import GIB
+    from lightning_gpumem._core.units import GIB
     from tests._fakes import FakeProbe
 
     probe = FakeProbe(base=GIB, total=24 * GIB)
@@ -552,7 +552,7 @@ def test_a_measured_peak_that_says_it_fits_lets_the_batch_grow_back(tmp_path):
 
 
 def test_the_monitors_running_peak_keeps_what_the_split_steps_reset(tmp_path):
-    from lightning_gpumem._units import GIB
+    from lightning_gpumem._core.units import GIB
     from tests._fakes import FakeMonitor, FakeProbe
 
     class Spiky(FakeMemoryNet):

@@ -8,7 +8,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gpumem import MemoryMonitor
-from lightning_gpumem._units import GIB
+from lightning_gpumem._core.units import GIB
 from tests._fakes import FakeMonitor, FakeProbe, SpikeModel, column, read_csv_metrics
 
 
@@ -232,7 +232,7 @@ def test_other_callbacks_add_to_the_advice_through_summary_context(tmp_path):
     from lightning.pytorch import Callback
 
     class Tuned(Callback):  # what BatchSizeTuner says once it chose a size
-        def _summary_context(self):
+        def gpumem_summary_context(self):
             return {"tuned": True}
 
     probe = FakeProbe(base=2 * GIB, total=24 * GIB)  # 8% of the device: advice to tune the batch size...
@@ -303,11 +303,11 @@ def test_the_tuner_and_the_layer_profiler_say_what_they_add_to_the_summary():
     from lightning_gpumem.layers import LayerRecord
 
     tuner = BatchSizeTuner()
-    assert tuner._summary_context() == {}
+    assert tuner.gpumem_summary_context() == {}
     tuner.optimal_batch_size = 32
-    assert tuner._summary_context() == {"tuned": True}
+    assert tuner.gpumem_summary_context() == {"tuned": True}
     profiler = LayerMemoryProfiler()
-    assert profiler._summary_context() == {}
+    assert profiler.gpumem_summary_context() == {}
     profiler.records = [LayerRecord("a", "Linear", saved_bytes=1), LayerRecord("b", "GELU", saved_bytes=0)]
     profiler.records.append(LayerRecord("c", "Linear", saved_bytes=5))
-    assert profiler._summary_context() == {"top_layers": [("c", 5), ("a", 1)]}
+    assert profiler.gpumem_summary_context() == {"top_layers": [("c", 5), ("a", 1)]}

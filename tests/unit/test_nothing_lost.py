@@ -15,9 +15,9 @@ from lightning.pytorch.loggers import CSVLogger
 
 import lightning_gpumem.snapshot as snapshot_module
 from lightning_gpumem import AutoMicrobatch, LayerMemoryProfiler, OOMSnapshot
-from lightning_gpumem._compat import Callback
-from lightning_gpumem._files import check_dirpath, unique_path, write_atomic
-from lightning_gpumem._patching import Patches
+from lightning_gpumem._core.files import check_dirpath, unique_path, write_atomic
+from lightning_gpumem._pl.compat import Callback
+from lightning_gpumem._pl.patching import Patches
 from tests._fakes import FakeProbe
 from tests.unit.test_layers import FakeProfiler, Net
 from tests.unit.test_snapshot import SNAPSHOT
@@ -354,7 +354,7 @@ def test_each_run_of_an_mlflow_like_logger_gets_its_own_directory_and_nothing_is
 
 # ---------------------------------------------------------------------- errors that say what happened
 def test_automicrobatchs_own_errors_are_never_taken_for_an_oom():
-    from lightning_gpumem._oom import NotOutOfMemoryError, is_oom_error
+    from lightning_gpumem._hw.oom import NotOutOfMemoryError, is_oom_error
 
     error = NotOutOfMemoryError("AutoMicrobatch: another rank ran out of memory at step 3; the run stops.")
     assert not is_oom_error(error)
@@ -365,7 +365,7 @@ def test_automicrobatchs_own_errors_are_never_taken_for_an_oom():
     ("waited", "says"), [(12.0, "another rank left the agreement .* after 12 s"), (600.0, "within 600 s")]
 )
 def test_a_failed_agreement_says_whether_a_rank_is_gone_or_stuck(monkeypatch, waited, says):
-    import lightning_gpumem.microbatch as microbatch_module
+    import lightning_gpumem.microbatch.callback as microbatch_module
 
     clock = iter([0.0, waited])
     monkeypatch.setattr(microbatch_module.time, "monotonic", lambda: next(clock))

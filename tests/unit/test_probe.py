@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lightning_gpumem import MemoryProbe, MemorySample
-from lightning_gpumem._nvml import NvmlDevice, uuid_candidates
-from lightning_gpumem.probe import _stat
+from lightning_gpumem._hw.nvml import NvmlDevice, uuid_candidates
+from lightning_gpumem._hw.probe import _stat
 
 
 def test_cpu_probe_reads_host_memory_only():

@@ -9,7 +9,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gpumem import EmptyCacheOnThreshold, MemoryBudget
-from lightning_gpumem._units import GIB
+from lightning_gpumem._core.units import GIB
 from lightning_gpumem.release import ReleasePolicy
 from tests._fakes import FakeMonitor, FakeProbe, SpikeModel, column, read_csv_metrics
 

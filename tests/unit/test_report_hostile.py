@@ -122,7 +122,7 @@ def test_a_rewritten_output_keeps_its_permissions(tmp_path):
 
 
 def test_a_failed_write_leaves_the_old_file_whole_and_no_temporary_file(tmp_path):
-    from lightning_gpumem._files import write_atomic
+    from lightning_gpumem._core.files import write_atomic
 
     page = tmp_path / "page.html"
     page.write_text("old", encoding="utf-8")

@@ -8,8 +8,8 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_gpumem import OOMSnapshot
-from lightning_gpumem._oom import expecting_oom
-from lightning_gpumem._snapshot_report import failed_allocation, format_report, live_allocations, render_html
+from lightning_gpumem._core.snapshot_report import failed_allocation, format_report, live_allocations, render_html
+from lightning_gpumem._hw.oom import expecting_oom
 from lightning_gpumem.snapshot import MAX_OOM_DUMPS
 
 MIB = 2**20
@@ -156,7 +156,7 @@ class Recorder(OOMSnapshot):
 
 def test_an_oom_is_dumped_once_by_the_observer_and_not_again_by_on_exception():
     callback = Recorder()
-    callback._on_oom()
+    callback.on_out_of_memory()
     callback.on_exception(None, None, torch.cuda.OutOfMemoryError("CUDA out of memory"))
     assert callback.dumps == ["oom"]
     assert not callback._recording  # Lightning calls no `teardown` after an exception: history is off now
@@ -169,7 +169,7 @@ def test_user_errors_and_planned_ooms_write_nothing():
     callback = Recorder()
     callback.on_exception(None, None, ValueError("shape mismatch"))
     with expecting_oom():  # the batch-size search's trials
-        callback._on_oom()
+        callback.on_out_of_memory()
         callback.on_exception(None, None, torch.cuda.OutOfMemoryError("CUDA out of memory"))
     assert callback.dumps == []
 
@@ -177,5 +177,5 @@ def test_user_errors_and_planned_ooms_write_nothing():
 def test_a_loop_that_catches_ooms_cannot_fill_the_disk():
     callback = Recorder()
     for _ in range(3 * MAX_OOM_DUMPS):
-        callback._on_oom()
+        callback.on_out_of_memory()
     assert callback.dumps == ["oom"] * MAX_OOM_DUMPS

@@ -1,5 +1,5 @@
-from lightning_gpumem._summary import RunMemory, advice, format_summary
-from lightning_gpumem._units import GIB
+from lightning_gpumem._core.summary import RunMemory, advice, format_summary
+from lightning_gpumem._core.units import GIB
 
 
 def test_fragmentation_advice_needs_a_large_inactive_share():
@@ -84,7 +84,7 @@ def test_large_headroom_points_at_the_tuner_unless_it_already_chose():
 
 
 def test_the_tuners_planned_ooms_and_retries_are_not_the_runs():
-    from lightning_gpumem._summary import RunMemory, advice
+    from lightning_gpumem._core.summary import RunMemory, advice
 
     run = RunMemory("GPU", total_bytes=80 * GIB, alloc_retries=19, num_ooms=7, planned_retries=19, planned_ooms=7)
     assert not [line for line in advice(run) if "retries" in line or "out-of-memory" in line]

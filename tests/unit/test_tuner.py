@@ -11,7 +11,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from torch.utils.data import DataLoader
 
 from lightning_gpumem import BatchSizeTuner
-from lightning_gpumem._units import GIB, MIB
+from lightning_gpumem._core.units import GIB, MIB
 from tests._fakes import FakeProbe, kept
 
 pytestmark = [
@@ -362,7 +362,7 @@ def test_flags_must_be_bool(name):
 def test_snapshot_restores_weights_optimizer_and_scheduler_mid_training(monkeypatch, tmp_path, in_memory):
     from copy import deepcopy
 
-    from lightning_gpumem.tuning import _state
+    from lightning_gpumem.tuning import model_state as _state
 
     if not in_memory:
         monkeypatch.setattr(_state, "_host_has_room", lambda nbytes: False)
@@ -521,11 +521,11 @@ def test_the_tuner_tells_the_summary_the_allocator_counts_its_trials_left():
     model = MemoryModel(probe, per_sample=300 * MIB, n=100_000)
     tuner = FakeTuner(probe, budget="24GiB", headroom=0.1, include_validation=False)
     _trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
-    assert tuner._summary_context() == {"planned_ooms": 0, "planned_retries": 3, "tuned": True}
+    assert tuner.gpumem_summary_context() == {"planned_ooms": 0, "planned_retries": 3, "tuned": True}
 
 
 def test_each_trial_and_the_fit_start_without_cache_or_cublas_workspaces(monkeypatch):
-    from lightning_gpumem.tuning import tuner as tuner_module
+    from lightning_gpumem.tuning import callback as tuner_module
 
     calls: list[str] = []
 
@@ -579,7 +579,7 @@ def test_the_walk_keeps_a_size_the_search_ran_without_running_it_again():
 def test_release_collects_young_cycles_first_and_the_full_heap_only_if_needed(
     monkeypatch, excess, freed_by, collected, floor
 ):
-    from lightning_gpumem.tuning import tuner as tuner_module
+    from lightning_gpumem.tuning import callback as tuner_module
 
     probe = FakeProbe(base=GIB)
     probe.allocate(excess)
@@ -598,7 +598,7 @@ def test_release_collects_young_cycles_first_and_the_full_heap_only_if_needed(
 
 @pytest.mark.parametrize(("blind", "collected"), [(True, [1, 2]), (False, [])])
 def test_release_without_allocated_bytes_collects_only_when_blind(monkeypatch, blind, collected):
-    from lightning_gpumem.tuning import tuner as tuner_module
+    from lightning_gpumem.tuning import callback as tuner_module
 
     probe = FakeProbe()
     monkeypatch.setattr(probe, "allocated_bytes", lambda: None)

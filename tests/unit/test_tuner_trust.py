@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_gpumem import BatchSizeTuner
-from lightning_gpumem._units import GIB, MIB
+from lightning_gpumem._core.units import GIB, MIB
 from tests._fakes import kept
 from tests.unit.test_tuner import CappedFakeProbe, FakeTuner, FragileModel, OOMModel, _trainer
 

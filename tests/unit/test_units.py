@@ -1,6 +1,6 @@
 import pytest
 
-from lightning_gpumem._units import GIB, check_budget, format_gib, parse_budget, to_gib
+from lightning_gpumem._core.units import GIB, check_budget, format_gib, parse_budget, to_gib
 
 
 def test_conversions():

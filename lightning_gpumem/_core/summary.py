@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lightning_gpumem._units import GIB, format_gib
+from lightning_gpumem._core.units import GIB, format_gib
 
 NEAR_LIMIT_FRACTION = 0.90  # peak reserved above this share of the device: close to an OOM
 LARGE_HEADROOM_FRACTION = 0.50  # peak reserved below this share of the device: much memory left unused

@@ -1,15 +1,15 @@
-"""The fit's :class:`~lightning_gpumem._summary.RunMemory` from the monitor's running maxima, gathered over ranks."""
+"""The fit's :class:`~lightning_gpumem._core.summary.RunMemory` from the running maxima, gathered over ranks."""
 
 from __future__ import annotations
 
 import lightning.pytorch as pl
 
-from lightning_gpumem._distributed import gather_named
-from lightning_gpumem._peak_window import RunningMaxima
-from lightning_gpumem._registry import summary_context
-from lightning_gpumem._summary import RunMemory
+from lightning_gpumem._core.summary import RunMemory
+from lightning_gpumem._hw.probe import MemorySample, Probe
+from lightning_gpumem._pl.distributed import gather_named
+from lightning_gpumem._pl.peers import summary_context
 from lightning_gpumem.keys import STAGES
-from lightning_gpumem.probe import MemorySample, Probe
+from lightning_gpumem.monitor.peak_window import RunningMaxima
 
 
 def gather_run(
@@ -22,7 +22,7 @@ def gather_run(
 ) -> RunMemory:
     """The run as the fit-end summary shows it: every value the highest over ranks (gathered by name).
 
-    With the context the Trainer and the other callbacks give (:func:`~lightning_gpumem._registry.summary_context`).
+    With the context the Trainer and the other callbacks give (:func:`~lightning_gpumem._pl.peers.summary_context`).
 
     ``collective=False`` uses this rank's values alone (after an exception, when the other ranks may not get here).
     """

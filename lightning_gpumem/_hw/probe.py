@@ -25,9 +25,9 @@ from typing import Any, Protocol
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
-from lightning_gpumem._checks import require_flags
-from lightning_gpumem._nvml import NvmlDevice, NvmlReading
-from lightning_gpumem._sample import MemorySample
+from lightning_gpumem._core.checks import require_flags
+from lightning_gpumem._core.sample import MemorySample
+from lightning_gpumem._hw.nvml import NvmlDevice, NvmlReading
 
 try:
     import psutil

@@ -19,7 +19,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
-from lightning_gpumem._files import write_atomic
+from lightning_gpumem._core.files import write_atomic
 
 
 def batches_that_stepped(trainer: pl.Trainer) -> int:

@@ -15,11 +15,16 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_gpumem import _logging, keys
-from lightning_gpumem._checks import is_int_at_least, require_int, require_trainer
-from lightning_gpumem._compat import Callback, either
-from lightning_gpumem._distributed import all_reduce_max, side_group
-from lightning_gpumem._microbatch import (
+from lightning_gpumem import keys
+from lightning_gpumem._core.checks import is_int_at_least, require_int, require_trainer
+from lightning_gpumem._hw.oom import NotOutOfMemoryError, is_oom_error, oom_expected
+from lightning_gpumem._hw.probe import Probe, make_probe
+from lightning_gpumem._pl import logging as _logging
+from lightning_gpumem._pl.compat import Callback, either
+from lightning_gpumem._pl.distributed import all_reduce_max, side_group
+from lightning_gpumem._pl.patching import Patches, log_arguments
+from lightning_gpumem._pl.peers import budget_bytes, tell_oom_recovered, tell_peak_reset
+from lightning_gpumem.microbatch.split import (
     LogCall,
     MicrobatchPolicy,
     UpdateWatch,
@@ -27,10 +32,6 @@ from lightning_gpumem._microbatch import (
     combine_logs,
     split_batch,
 )
-from lightning_gpumem._oom import NotOutOfMemoryError, is_oom_error, oom_expected
-from lightning_gpumem._patching import Patches
-from lightning_gpumem._registry import budget_bytes, tell_oom_recovered, tell_peak_reset
-from lightning_gpumem.probe import Probe, make_probe
 
 AGREE_TIMEOUT_S = 600.0  # a rank still not at the agreement after this is stuck elsewhere: fail, do not hang
 
@@ -136,7 +137,8 @@ class AutoMicrobatch(Callback):
             if name in state_dict:
                 setattr(self.policy, name, int(state_dict[name]))
 
-    def _summary_context(self) -> dict[str, Any]:
+    def gpumem_summary_context(self) -> dict[str, Any]:
+        """What the fit-end advice adds from this callback: the OOMs it recovered, the micro-batches it uses."""
         return {"oom_recoveries": self.policy.oom_recoveries, "microbatches": self.policy.k}
 
     # ------------------------------------------------------------------ install
@@ -485,7 +487,8 @@ class AutoMicrobatch(Callback):
         if not self._buffering:
             return self._original(module, "log")(name, value, *args, **kwargs)
         if args:
-            kwargs = {**dict(zip(_LOG_ARGS, args, strict=False)), **kwargs}
+            kwargs = {**log_arguments(self._original(module, "log"), (name, value, *args), kwargs)}
+            del kwargs["name"], kwargs["value"]
         if isinstance(value, torch.Tensor):  # the value now, not after the optimizer step (a parameter, a view)
             value = value.clone() if kwargs.get("enable_graph") else value.detach().clone()
         self._calls.append(LogCall(name, value, kwargs, self._size))
@@ -521,20 +524,6 @@ class AutoMicrobatch(Callback):
             rank_zero_warn(message)
 
 
-_LOG_ARGS = (
-    "prog_bar",
-    "logger",
-    "on_step",
-    "on_epoch",
-    "reduce_fx",
-    "enable_graph",
-    "sync_dist",
-    "sync_dist_group",
-    "add_dataloader_idx",
-    "batch_size",
-    "metric_attribute",
-    "rank_zero_only",
-)
 
 
 def _reset_scaler(trainer: pl.Trainer) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_gpumem.probe import host_available_bytes
+from lightning_gpumem._hw.probe import host_available_bytes
 
 
 class ModelState:
@@ -98,7 +98,7 @@ class ModelState:
 
 def keeps_whole_model(strategy: Any) -> bool:
     """Whether each rank's ``state_dict`` is the whole model (so a host copy per rank restores it exactly)."""
-    from lightning_gpumem._compat import either
+    from lightning_gpumem._pl.compat import either
 
     return type(strategy) in (*either("strategies", "SingleDeviceStrategy"), *either("strategies", "DDPStrategy"))
 

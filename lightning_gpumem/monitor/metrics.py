@@ -1,4 +1,4 @@
-"""A :class:`~lightning_gpumem.probe.MemorySample` as the ``gpumem/*`` metrics the monitor logs.
+"""A :class:`~lightning_gpumem._hw.probe.MemorySample` as the ``gpumem/*`` metrics the monitor logs.
 
 Keys from :mod:`lightning_gpumem.keys`; values in the keys' units.
 """
@@ -10,8 +10,8 @@ import time
 from collections.abc import Mapping
 
 from lightning_gpumem import keys
-from lightning_gpumem._sample import MemorySample
-from lightning_gpumem._units import GIB, MIB
+from lightning_gpumem._core.sample import MemorySample
+from lightning_gpumem._core.units import GIB, MIB
 
 # The sample's fields logged per rank as `<key>_max` / `<key>_min` under DDP/FSDP, with their keys.
 REDUCED = {

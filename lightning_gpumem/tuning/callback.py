@@ -21,18 +21,18 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_gpumem import keys
-from lightning_gpumem._checks import require_flags, require_int, require_trainer
-from lightning_gpumem._compat import Callback, either
-from lightning_gpumem._distributed import gather_named
-from lightning_gpumem._files import unique_path, write_atomic
-from lightning_gpumem._logging import log_table, log_to_loggers, run_dir
-from lightning_gpumem._oom import expecting_oom
-from lightning_gpumem._registry import budget_bytes
-from lightning_gpumem._units import GIB, check_budget, format_gib, parse_budget
-from lightning_gpumem.probe import Probe, make_probe
-from lightning_gpumem.tuning import _session
-from lightning_gpumem.tuning._session import TrialSession
+from lightning_gpumem._core.checks import require_flags, require_int, require_trainer
+from lightning_gpumem._core.files import unique_path, write_atomic
+from lightning_gpumem._core.units import GIB, check_budget, format_gib, parse_budget
+from lightning_gpumem._hw.oom import expecting_oom
+from lightning_gpumem._hw.probe import Probe, make_probe
+from lightning_gpumem._pl.compat import Callback, either
+from lightning_gpumem._pl.distributed import gather_named
+from lightning_gpumem._pl.logging import log_table, log_to_loggers, run_dir
+from lightning_gpumem._pl.peers import budget_bytes
+from lightning_gpumem.tuning import trials as _session
 from lightning_gpumem.tuning.search import SearchResult, Trial, accepted, largest_held, search_batch_size
+from lightning_gpumem.tuning.trials import TrialSession
 
 MAX_TRIALS = 25
 LEFTOVER_BYTES = 2**20  # allocated above the start that is not worth a garbage collection (see `_release`)
@@ -210,7 +210,7 @@ class BatchSizeTuner(Callback):
             return
         self.scale(trainer, pl_module)
 
-    def _summary_context(self) -> dict[str, Any]:
+    def gpumem_summary_context(self) -> dict[str, Any]:
         """What this callback adds to ``MemoryMonitor``'s fit-end advice.
 
         Whether a batch size was tuned, and the allocator's OOM and retry counts when the trials ended (planned, so

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Iterable, Mapping, Sized
 from typing import TypeGuard
 
-from lightning_gpumem._units import MAX_BYTES
+from lightning_gpumem._core.units import MAX_BYTES
 
 
 def require_flags(owner: str, **flags: object) -> None:

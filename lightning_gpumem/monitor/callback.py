@@ -14,20 +14,22 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_gpumem import _checks, _logging, keys
-from lightning_gpumem._checks import require_flags, require_int, require_int_or_none, require_number
-from lightning_gpumem._compat import Callback
-from lightning_gpumem._distributed import gather_named
-from lightning_gpumem._fit_run import gather_run
-from lightning_gpumem._layout import write_layout
-from lightning_gpumem._leak_watch import LeakWatch
-from lightning_gpumem._leaks import LeakVerdict
-from lightning_gpumem._peak_window import PeakWindow, RunningMaxima
-from lightning_gpumem._registry import budget_bytes
-from lightning_gpumem._sample_metrics import REDUCED, SlowReads, cross_rank_metrics, logged_metrics, progress_text
-from lightning_gpumem._summary import RunMemory, print_summary
-from lightning_gpumem._units import MIB
-from lightning_gpumem.probe import MemorySample, Probe, make_probe
+from lightning_gpumem import keys
+from lightning_gpumem._core import checks as _checks
+from lightning_gpumem._core.checks import require_flags, require_int, require_int_or_none, require_number
+from lightning_gpumem._core.leaks import LeakVerdict
+from lightning_gpumem._core.summary import RunMemory, print_summary
+from lightning_gpumem._core.units import MIB
+from lightning_gpumem._hw.probe import MemorySample, Probe, make_probe
+from lightning_gpumem._pl import logging as _logging
+from lightning_gpumem._pl.compat import Callback
+from lightning_gpumem._pl.distributed import gather_named
+from lightning_gpumem._pl.peers import budget_bytes
+from lightning_gpumem.monitor.fit_run import gather_run
+from lightning_gpumem.monitor.layout import write_layout
+from lightning_gpumem.monitor.leak_watch import LeakWatch
+from lightning_gpumem.monitor.metrics import REDUCED, SlowReads, cross_rank_metrics, logged_metrics, progress_text
+from lightning_gpumem.monitor.peak_window import PeakWindow, RunningMaxima
 
 
 @keys.document
@@ -255,7 +257,8 @@ class MemoryMonitor(Callback):
             raise RuntimeError("MemoryMonitor was used before `setup`; add it to `Trainer(callbacks=[...])`.")
         return self._probe
 
-    def _gpumem_before_peak_reset(self) -> None:  # another callback resets the counters: keep what they hold
+    def gpumem_before_peak_reset(self) -> None:
+        """Another callback is about to reset the allocator's peak counters: fold what they hold first."""
         if self._probe is not None and self._window.training and not self._window.open:
             self._fold("train", None)
 

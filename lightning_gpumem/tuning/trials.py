@@ -26,9 +26,10 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_has
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_gpumem._compat import Callback
-from lightning_gpumem._oom import is_oom_error
-from lightning_gpumem.tuning._state import ModelState, keeps_whole_model
+from lightning_gpumem._hw.oom import is_oom_error
+from lightning_gpumem._pl.compat import Callback
+from lightning_gpumem._pl.patching import Patches, with_log_argument
+from lightning_gpumem.tuning.model_state import ModelState, keeps_whole_model
 
 try:
     import numpy as np
@@ -50,8 +51,6 @@ _SKIPPED_HOOKS = (  # the module's once-per-loop hooks, and the scheduler step (
     "on_validation_epoch_start",
     "on_validation_epoch_end",
 )
-_LOG_SYNC_DIST_POSITION = 8  # `LightningModule.log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx,
-# enable_graph, sync_dist, ...)`
 
 
 class TrialStop(Exception):
@@ -97,7 +96,7 @@ class TrialSession:
         self.callback: _TrialCallback | None = None
         self._saved: dict[str, Any] = {}
         self._state: ModelState | None = None
-        self._patches: dict[str, Any] = {}
+        self._patches = Patches()  # the module's silenced hooks and `log`, put back after the trials
         self._stopping: list[Any] = []  # dataloader iterators whose workers were told to exit
 
     # ------------------------------------------------------------------ life cycle
@@ -133,7 +132,7 @@ class TrialSession:
         trainer = self.trainer
         saved = self._saved
         try:
-            self._unpatch_module(trainer.lightning_module)
+            self._unpatch_module()
             unload_dataloaders(trainer)
             join_workers(self._stopping)  # no trial's worker outlives the session
             trainer.loggers = saved["loggers"]
@@ -255,31 +254,20 @@ class TrialSession:
         def skip(*args: Any, **kwargs: Any) -> None:
             return None
 
-        for name in (*_SKIPPED_HOOKS, "log"):
-            if name in vars(module):
-                self._patches[name] = vars(module)[name]
         for name in _SKIPPED_HOOKS:
-            setattr(module, name, skip)
+            self._patches.install(module, name, skip)
         bound_log = module.log
 
         def log(*args: Any, **kwargs: Any) -> None:
             # A trial's logged values are discarded; synchronising them would pair a peer's logging all-reduce with
             # the OOM agreement of a rank that ran out of memory.
-            if len(args) > _LOG_SYNC_DIST_POSITION:
-                args = (*args[:_LOG_SYNC_DIST_POSITION], False, *args[_LOG_SYNC_DIST_POSITION + 1 :])
-            else:
-                kwargs["sync_dist"] = False
+            args, kwargs = with_log_argument(bound_log, args, kwargs, "sync_dist", False)
             bound_log(*args, **kwargs)
 
-        module.log = log  # type: ignore[method-assign]
+        self._patches.install(module, "log", log)
 
-    def _unpatch_module(self, module: pl.LightningModule) -> None:
-        for name in (*_SKIPPED_HOOKS, "log"):
-            if name in self._patches:
-                setattr(module, name, self._patches[name])
-            else:
-                vars(module).pop(name, None)
-        self._patches = {}
+    def _unpatch_module(self) -> None:
+        self._patches.undo()
 
 
 class _TrialCallback(Callback):

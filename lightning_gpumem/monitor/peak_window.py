@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_gpumem._sample import MemorySample
+from lightning_gpumem._core.sample import MemorySample
 from lightning_gpumem.keys import STAGE_OF_LOOP
 
 
@@ -38,6 +38,7 @@ class PeakWindow:
         self.training = False
 
     def train_start(self) -> None:
+        """Training starts: evaluation loops from now on fold the training peaks first."""
         self.training = True
 
     def batch_start(self, logging_step: bool) -> tuple[bool, bool]:
@@ -63,6 +64,7 @@ class PeakWindow:
         return self.training
 
     def train_end(self) -> None:
+        """Training ends: no window is open."""
         self.training = self.open = self.just_closed = False
 
 
@@ -74,6 +76,7 @@ class RunningMaxima:
         self.values: dict[str, int | None] = {"non_torch_bytes": None, "host_rss_bytes": None}
 
     def peak(self, stage: str, allocated: int | None, reserved: int | None) -> None:
+        """Raise the stage's peaks to ``allocated`` and ``reserved`` where they are higher."""
         old_allocated, old_reserved = self.peaks.get(stage, (None, None))
         self.peaks[stage] = (larger(old_allocated, allocated), larger(old_reserved, reserved))
 
@@ -85,9 +88,11 @@ class RunningMaxima:
         self.value("host_rss_bytes", sample.host_rss_bytes)
 
     def value(self, name: str, value: int | None) -> None:
+        """Raise the named maximum to ``value`` where it is higher."""
         self.values[name] = larger(self.values.get(name), value)
 
     def state_dict(self) -> dict[str, Any]:
+        """The maxima as a checkpoint holds them."""
         return {"peaks": {stage: list(pair) for stage, pair in self.peaks.items()}, "maxima": dict(self.values)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

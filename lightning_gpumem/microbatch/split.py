@@ -1,6 +1,6 @@
 """AutoMicrobatch's pure parts: splitting a batch, combining what micro-batches log, and when to split or grow back.
 
-No Trainer here: :mod:`lightning_gpumem.microbatch` wires these to Lightning.
+No Trainer here: :mod:`lightning_gpumem.microbatch.callback` wires these to Lightning.
 """
 
 from __future__ import annotations
@@ -239,6 +239,7 @@ class UpdateWatch:
         self._seen: list[tuple[torch.optim.Optimizer, int, list[tuple[torch.Tensor, int, dict[Any, int]]]]] = []
 
     def clear(self) -> None:
+        """Forget every optimizer and sentinel (the step is over)."""
         self._sentinels, self._seen = {}, []
 
     def start(self) -> None:

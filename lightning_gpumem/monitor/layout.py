@@ -14,7 +14,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_gpumem._compat import either
+from lightning_gpumem._pl.compat import either
 
 CATEGORY = "gpumem"
 _STAGE_CHARTS = {

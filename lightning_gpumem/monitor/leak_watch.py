@@ -1,6 +1,6 @@
 """The monitor's leak detection wired to the run: samples from the allocator, the census of live tensors, the warning.
 
-The verdicts are :class:`~lightning_gpumem._leaks.LeakDetector`'s (pure); this adds what needs the hardware and the
+The verdicts are :class:`~lightning_gpumem._core.leaks.LeakDetector`'s (pure); this adds what needs the hardware and the
 Trainer, so the monitor calls two methods.
 """
 
@@ -12,11 +12,11 @@ import lightning.pytorch as pl
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from lightning_gpumem import keys
-from lightning_gpumem._leaks import LeakDetector, LeakVerdict, grown_tensors
-from lightning_gpumem._logging import batches_that_stepped, log_to_loggers, steps_to_next_log
-from lightning_gpumem._registry import budget_bytes
-from lightning_gpumem._units import MIB, format_gib
-from lightning_gpumem.probe import Probe, tensor_census
+from lightning_gpumem._core.leaks import LeakDetector, LeakVerdict, grown_tensors
+from lightning_gpumem._core.units import MIB, format_gib
+from lightning_gpumem._hw.probe import Probe, tensor_census
+from lightning_gpumem._pl.logging import batches_that_stepped, log_to_loggers, steps_to_next_log
+from lightning_gpumem._pl.peers import budget_bytes
 
 
 class LeakWatch:
