@@ -28,8 +28,8 @@ from typing_extensions import override
 from lightning_gpumem._core.checks import require_int, require_trainer
 from lightning_gpumem._core.files import check_dirpath, prepare_dir, unique_path, write_atomic
 from lightning_gpumem._core.snapshot_report import format_report, render_html
+from lightning_gpumem._hw.allocator import attach_oom_observer, start_history, stop_history, take_snapshot
 from lightning_gpumem._hw.oom import is_oom_error, oom_expected
-from lightning_gpumem._hw.probe import attach_oom_observer, start_history, stop_history, take_snapshot
 from lightning_gpumem._pl.compat import Callback
 from lightning_gpumem._pl.logging import run_dir
 

@@ -316,34 +316,6 @@ def _flatten(prefix: str, node: Any, out: dict[str, int]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- rarer reads
-def start_history(max_entries: int) -> None:
-    """Make the CUDA allocator record its history (Python stacks of allocations) for :func:`take_snapshot`."""
-    # Python stacks only: C++ stacks would need symbolising (slow), and frees need no stack.
-    torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=max_entries)
-
-
-def stop_history() -> None:
-    """Stop recording the allocator's history."""
-    torch.cuda.memory._record_memory_history(enabled=None)
-
-
-def take_snapshot() -> dict[str, Any]:
-    """The allocator's snapshot: segments, blocks and the recorded history (what PyTorch's memory viewer reads)."""
-    return torch.cuda.memory._snapshot()
-
-
-def attach_oom_observer(observer: Callable[[int, int, int, int], None]) -> bool:
-    """Have the CUDA allocator call ``observer(device, alloc, device_total, device_free)`` as it raises an OOM.
-
-    Returns whether this torch can (an observer stays attached for the life of the process).
-    """
-    attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
-    if attach is None:
-        return False
-    attach(observer)
-    return True
-
-
 def tensor_census(device: torch.device) -> Counter[tuple[tuple[int, ...], str]]:
     """Bytes of live tensors on ``device`` by (shape, dtype): a ``gc`` scan, milliseconds, for rare use only."""
     census: Counter[tuple[tuple[int, ...], str]] = Counter()

@@ -23,9 +23,7 @@ from typing import Any
 
 _MISSING = object()
 # wrapper installed by this module: (what the instance had of its own before it, the callable it wraps)
-_WRAPPED: weakref.WeakKeyDictionary[Callable[..., Any], tuple[object, Callable[..., Any]]] = (
-    weakref.WeakKeyDictionary()
-)
+_WRAPPED: weakref.WeakKeyDictionary[Callable[..., Any], tuple[object, Callable[..., Any]]] = weakref.WeakKeyDictionary()
 
 
 def _install(

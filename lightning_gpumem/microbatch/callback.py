@@ -524,8 +524,6 @@ class AutoMicrobatch(Callback):
             rank_zero_warn(message)
 
 
-
-
 def _reset_scaler(trainer: pl.Trainer) -> None:
     """Forget a failed attempt's ``unscale_`` (AMP's ``GradScaler`` refuses a second one before ``update``)."""
     scaler = getattr(trainer.precision_plugin, "scaler", None)

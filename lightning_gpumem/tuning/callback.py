@@ -9,14 +9,12 @@ sizes to try from the measured peaks.
 
 from __future__ import annotations
 
-import gc
 import math
 import time
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -24,6 +22,7 @@ from lightning_gpumem import keys
 from lightning_gpumem._core.checks import require_flags, require_int, require_trainer
 from lightning_gpumem._core.files import unique_path, write_atomic
 from lightning_gpumem._core.units import GIB, check_budget, format_gib, parse_budget
+from lightning_gpumem._hw.allocator import release_to
 from lightning_gpumem._hw.oom import expecting_oom
 from lightning_gpumem._hw.probe import Probe, make_probe
 from lightning_gpumem._pl.compat import Callback, either
@@ -35,7 +34,7 @@ from lightning_gpumem.tuning.search import SearchResult, Trial, accepted, larges
 from lightning_gpumem.tuning.trials import TrialSession
 
 MAX_TRIALS = 25
-LEFTOVER_BYTES = 2**20  # allocated above the start that is not worth a garbage collection (see `_release`)
+LEFTOVER_BYTES = 2**20  # allocated above the start that is not worth a garbage collection (see `release_to`)
 
 
 @keys.document
@@ -287,7 +286,7 @@ class BatchSizeTuner(Callback):
                     session.choose(result.batch_size, self._accumulation_for(result.batch_size))
         finally:
             self._tuning = False
-            _release(probe, baseline)
+            release_to(probe, baseline, LEFTOVER_BYTES)
             counters = probe.read(nvml=False, host=False)  # the trials' planned OOMs are not the run's
             self._counted = {
                 keys.TRIAL_OOMS.format(): counters.num_ooms,
@@ -398,7 +397,8 @@ class BatchSizeTuner(Callback):
 
         accumulation = self._accumulation_for(size)
         session.prepare(size, accumulation, self.steps_per_trial, self.include_validation, between_stages)
-        floor = _release(probe, self._baseline, blind=False)  # a fresh process's layout: no cache, no trial's tensors
+        # a fresh process's layout: no cache, no trial's tensors
+        floor = release_to(probe, self._baseline, LEFTOVER_BYTES, blind=False)
         if floor is not None:  # what a full collection could not free is the run's (a lazily built buffer): kept
             self._baseline = max(floor, self._baseline or 0)
         probe.reset_peaks()
@@ -638,45 +638,3 @@ def _int_or_none(value: float | None) -> int | None:
 
 def _max(a: int | None, b: int | None) -> int | None:
     return a if b is None else b if a is None else max(a, b)
-
-
-def _release(probe: Probe, baseline: int | None, blind: bool = True) -> int | None:
-    """Return the cache to the driver, and collect garbage only where more than ``baseline`` is still allocated.
-
-    A trial that ran out of memory can leave its tensors in reference cycles (measured on the GPT of
-    ``benchmarks/profile_tuner.py``: 68 MB). The young generations are collected first (the cycles are new); the full
-    collection (about 0.25 s in a Lightning process) runs only if that did not free them. A leftover of at most
-    :data:`LEFTOVER_BYTES` (a few logged scalars) is left to Python's own collector: it cannot move a trial's peak.
-    Where allocated bytes are not measurable (CPU), it collects fully if ``blind``, else not at all.
-
-    Returns:
-        What is still allocated after a full collection (``None`` when none ran or bytes are not measurable): the
-        floor that further collections cannot go below.
-    """
-    _start_clean(probe)
-    for generation in (1, 2):
-        allocated = probe.allocated_bytes()
-        if allocated is None and not blind:
-            return None
-        if allocated is not None and baseline is not None and allocated <= baseline + LEFTOVER_BYTES:
-            return None
-        gc.collect(generation)
-        probe.release_cache()
-    return probe.allocated_bytes()
-
-
-def _start_clean(probe: Probe) -> None:
-    """Give every cached block back to the driver, the cuBLAS workspaces included.
-
-    Then what runs next starts from the allocator layout of a fresh process, so a trial at a size predicts the fit at
-    that size block for block. cuBLAS keeps one workspace (32 MiB on Hopper) per stream and thread, made by the
-    first matrix product there and never freed. Made during a trial (the backward pass runs on its own thread, when
-    large blocks are free), it sits inside a large segment, which ``empty_cache`` can then no longer release, and
-    the next trial and the fit start from another layout. Measured on an H200 (GPT of 235M parameters, 24 GiB cap):
-    a trial at 38 ran, and the fit at 38 after it ran out of memory with 4.3 GiB reserved but split.
-    """
-    if probe.device.type == "cuda":
-        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # private; what torch's own tests call
-        if clear is not None:
-            clear()
-    probe.release_cache()

@@ -524,26 +524,6 @@ def test_the_tuner_tells_the_summary_the_allocator_counts_its_trials_left():
     assert tuner.gpumem_summary_context() == {"planned_ooms": 0, "planned_retries": 3, "tuned": True}
 
 
-def test_each_trial_and_the_fit_start_without_cache_or_cublas_workspaces(monkeypatch):
-    from lightning_gpumem.tuning import callback as tuner_module
-
-    calls: list[str] = []
-
-    class Probe:
-        device = torch.device("cuda", 0)
-
-        def release_cache(self) -> None:
-            calls.append("empty_cache")
-
-    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append("workspaces"), raising=False)
-    tuner_module._start_clean(Probe())
-    assert calls == ["workspaces", "empty_cache"]  # the workspaces first, so that their segments can be released
-    calls.clear()
-    Probe.device = torch.device("cpu")
-    tuner_module._start_clean(Probe())
-    assert calls == ["empty_cache"]
-
-
 def test_below_a_kept_size_that_does_not_run_the_walk_doubles_its_step():
     probe = CappedFakeProbe(holes=(68, 67, 65), base=2 * GIB, total=80 * GIB)
     model = FragileModel(probe, per_sample=300 * MIB, n=100_000)
@@ -564,48 +544,6 @@ def test_the_walk_keeps_a_size_the_search_ran_without_running_it_again():
     assert sizes[0] == 63  # ran by the search, between 65 (failed) and 61 (the walk's next size)
     assert sizes[sizes.index(68) :] == [68, 67, 65]
     assert tuner.optimal_batch_size == model.batch_size == 63
-
-
-@pytest.mark.parametrize(
-    ("excess", "freed_by", "collected", "floor"),
-    [
-        (MIB, None, [], None),  # a few logged scalars: left to Python's collector
-        (68 * MIB, 1, [1], None),  # a failed trial's young cycles
-        (68 * MIB, 2, [1, 2], 0),  # older cycles: the full collection
-        (68 * MIB, None, [1, 2], 68 * MIB),  # nothing to collect: the floor for the next trials
-    ],
-    ids=["leftover", "young", "old", "uncollectable"],
-)
-def test_release_collects_young_cycles_first_and_the_full_heap_only_if_needed(
-    monkeypatch, excess, freed_by, collected, floor
-):
-    from lightning_gpumem.tuning import callback as tuner_module
-
-    probe = FakeProbe(base=GIB)
-    probe.allocate(excess)
-    generations = []
-
-    def collect(generation=2):
-        generations.append(generation)
-        if generation == freed_by:
-            probe.free(excess)
-
-    monkeypatch.setattr(tuner_module.gc, "collect", collect)
-    result = tuner_module._release(probe, GIB, blind=False)
-    assert generations == collected
-    assert result == (None if floor is None else GIB + floor)
-
-
-@pytest.mark.parametrize(("blind", "collected"), [(True, [1, 2]), (False, [])])
-def test_release_without_allocated_bytes_collects_only_when_blind(monkeypatch, blind, collected):
-    from lightning_gpumem.tuning import callback as tuner_module
-
-    probe = FakeProbe()
-    monkeypatch.setattr(probe, "allocated_bytes", lambda: None)
-    generations = []
-    monkeypatch.setattr(tuner_module.gc, "collect", lambda generation=2: generations.append(generation))
-    assert tuner_module._release(probe, None, blind=blind) is None
-    assert generations == collected
 
 
 def test_the_report_leaves_the_trials_planned_retries_out_of_its_advice_as_the_fit_end_summary_does(tmp_path):
