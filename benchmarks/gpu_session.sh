@@ -18,7 +18,7 @@ parts=("$@")
 for part in "${parts[@]}"; do
   start=$(date +%s)
   case "$part" in
-    tests) timeout ${TESTS_S:-330} python3 -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1 ;;
+    tests) timeout ${TESTS_S:-330} python3 -m pytest -m gpu tests -q -rA -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1 ;;
     monitor) timeout ${MONITOR_S:-200} python3 benchmarks/monitor_overhead.py --rounds 5 --steps 200 --json "$OUT/monitor-overhead.json" \
       > "$OUT/monitor-overhead.log" 2>&1 ;;
     microbatch) timeout ${MICROBATCH_S:-200} python3 benchmarks/microbatch_overhead.py --rounds 7 --json "$OUT/microbatch-overhead.json" \

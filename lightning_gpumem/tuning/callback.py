@@ -29,6 +29,7 @@ from lightning_gpumem._pl.compat import Callback, either
 from lightning_gpumem._pl.distributed import gather_named
 from lightning_gpumem._pl.logging import log_table, log_to_loggers, run_dir
 from lightning_gpumem._pl.peers import budget_bytes
+from lightning_gpumem.tuning import loaders
 from lightning_gpumem.tuning import trials as _session
 from lightning_gpumem.tuning.search import SearchResult, Trial, accepted, largest_held, search_batch_size
 from lightning_gpumem.tuning.trials import TrialSession
@@ -249,7 +250,7 @@ class BatchSizeTuner(Callback):
             rank_zero_warn("BatchSizeTuner: skipped because `limit_train_batches=0` runs no training step.")
             return None
         self._check_setup(trainer)
-        length = _session.train_dataset_length(trainer)
+        length = loaders.train_dataset_length(trainer)
         if length is None and self.max_val is None:
             raise ValueError(
                 "`BatchSizeTuner(max_val=None)`: the training dataset has no length (an `IterableDataset`), so no"
@@ -327,7 +328,7 @@ class BatchSizeTuner(Callback):
                 f" the datamodule nor its hparams has an attribute `{self.batch_arg_name}`. Add it (and use it in your"
                 " dataloaders), or pass the name your code uses."
             )
-        if not _session.train_source_is_module(trainer):
+        if not loaders.train_source_is_module(trainer):
             raise ValueError(
                 "BatchSizeTuner cannot change the batch size of dataloaders passed straight to `trainer.fit(...)`:"
                 " they are built already. Build them in `train_dataloader()` / `val_dataloader()` of your"

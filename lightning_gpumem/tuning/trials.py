@@ -10,16 +10,14 @@ upgrade breaks one.
 
 from __future__ import annotations
 
-import random
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from copy import deepcopy
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
@@ -29,7 +27,16 @@ from typing_extensions import override
 from lightning_gpumem._hw.oom import is_oom_error
 from lightning_gpumem._pl.compat import Callback
 from lightning_gpumem._pl.patching import Patches, with_log_argument
+from lightning_gpumem.tuning.loaders import (
+    dataloaders_loaded,
+    dataset_length,
+    join_workers,
+    reload_dataloaders,
+    set_sampler_epochs,
+    unload_dataloaders,
+)
 from lightning_gpumem.tuning.model_state import ModelState, keeps_whole_model
+from lightning_gpumem.tuning.saved_run import SavedRun, capture_rng, restore_rng, set_loop_flags
 
 try:
     import numpy as np
@@ -94,7 +101,7 @@ class TrialSession:
         self.chosen: tuple[int, int] | None = None
         self.validates = trainer.enable_validation
         self.callback: _TrialCallback | None = None
-        self._saved: dict[str, Any] = {}
+        self._saved: SavedRun | None = None
         self._state: ModelState | None = None
         self._patches = Patches()  # the module's silenced hooks and `log`, put back after the trials
         self._stopping: list[Any] = []  # dataloader iterators whose workers were told to exit
@@ -103,57 +110,19 @@ class TrialSession:
     def __enter__(self) -> TrialSession:
         trainer = self.trainer
         module = trainer.lightning_module
-        fit_loop = trainer.fit_loop
-        connector = trainer._checkpoint_connector  # private: holds the pending checkpoint of `fit(ckpt_path=...)`
-        self._saved = {
-            "hook": module._current_fx_name,  # private attribute of LightningModule, set by Lightning's hook calls
-            "rng": _capture_rng(trainer),
-            "loaded": dataloaders_loaded(trainer),
-            "loaded_checkpoint": connector._loaded_checkpoint,  # private
-            "loggers": trainer.loggers,
-            "callbacks": trainer.callbacks,  # type: ignore[attr-defined]
-            "limits": (trainer.limit_train_batches, trainer.limit_val_batches),
-            "should_stop": trainer.should_stop,
-            "max": (fit_loop.epoch_loop.max_steps, fit_loop.max_epochs),
-            "loop_state": deepcopy(fit_loop.state_dict()),
-            "loop_flags": _loop_flags(fit_loop),
-            # private: ModelCheckpoint raises on a missing monitor key once validation has run
-            "val_has_run": getattr(fit_loop.epoch_loop.val_loop, "_has_run", False),
-            "modes": {m: m.training for m in module.modules()},
-            "requires_grad": {p: p.requires_grad for p in module.parameters()},
-            "metrics": _logged_metrics(trainer),
-            "torchmetrics": _torchmetrics_states(module),
-        }
+        self._saved = SavedRun.capture(trainer)
         self._state = ModelState(trainer)
         self._patch_module(module)
         return self
 
     def __exit__(self, *exc: object) -> None:
         trainer = self.trainer
-        saved = self._saved
+        saved = self._require_saved()
         try:
             self._unpatch_module()
             unload_dataloaders(trainer)
             join_workers(self._stopping)  # no trial's worker outlives the session
-            trainer.loggers = saved["loggers"]
-            trainer.callbacks = saved["callbacks"]  # type: ignore[attr-defined]
-            trainer.limit_train_batches, trainer.limit_val_batches = saved["limits"]
-            fit_loop = trainer.fit_loop
-            fit_loop.epoch_loop.max_steps, fit_loop.max_epochs = saved["max"]
-            if self._state is not None:
-                self._state.restore()
-            fit_loop.load_state_dict(deepcopy(saved["loop_state"]))
-            _set_loop_flags(saved["loop_flags"])  # `load_state_dict` marked the loops as restarting
-            fit_loop.epoch_loop.val_loop._has_run = saved["val_has_run"]  # private, see `__enter__`
-            trainer.should_stop = saved["should_stop"]
-            for module, training in saved["modes"].items():
-                module.training = training
-            for param, flag in saved["requires_grad"].items():
-                param.requires_grad_(flag)
-            _restore_logged_metrics(trainer, saved["metrics"])
-            _restore_torchmetrics_states(saved["torchmetrics"])
-            trainer._checkpoint_connector._loaded_checkpoint = saved["loaded_checkpoint"]  # private
-            trainer.lightning_module._current_fx_name = saved["hook"]  # private, see `__enter__`
+            saved.restore(trainer, self._state)
         finally:
             size, accumulation = self.chosen if self.chosen is not None and exc[0] is None else self.original
             apply_batch_size(
@@ -162,9 +131,14 @@ class TrialSession:
                 size,
                 accumulation,
                 rebuild_optimizers=self.chosen is not None and self.chosen != self.original,
-                rng=saved["rng"],
-                was_loaded=saved["loaded"],
+                rng=saved.rng,
+                was_loaded=saved.loaded,
             )
+
+    def _require_saved(self) -> SavedRun:
+        if self._saved is None:
+            raise RuntimeError("TrialSession: trials run only inside `with TrialSession(...)`.")
+        return self._saved
 
     def choose(self, size: int, accumulation: int) -> None:
         """The size (and accumulation) the fit continues with once the session is left."""
@@ -188,23 +162,24 @@ class TrialSession:
         trainer.accumulate_grad_batches = accumulation
         validate = validate and self.validates
         self.callback = _TrialCallback(steps * accumulation, validate, before_validation)
-        trainer.loggers = [DummyLogger()] if self._saved["loggers"] else []
+        saved = self._require_saved()
+        trainer.loggers = [DummyLogger()] if saved.loggers else []
         trainer.callbacks = [self.callback]  # type: ignore[attr-defined]
         trainer.limit_train_batches = 1.0
         trainer.limit_val_batches = 1 if validate else 0
         trainer.should_stop = False
         fit_loop = trainer.fit_loop
-        fit_loop.load_state_dict(deepcopy(self._saved["loop_state"]))
+        fit_loop.load_state_dict(deepcopy(saved.loop_state))
         fit_loop.epoch_loop.max_steps = -1  # the trial stops itself; user limits are absolute (Lightning #21903)
-        fresh = {loop: dict.fromkeys(names, False) for loop, names in self._saved["loop_flags"].items()}
-        _set_loop_flags(fresh)  # run as a fresh run
+        fresh = {loop: dict.fromkeys(names, False) for loop, names in saved.loop_flags.items()}
+        set_loop_flags(fresh)  # run as a fresh run
         fit_loop.max_epochs = max(fit_loop.max_epochs or 0, trainer.current_epoch + 2)
-        for module, training in self._saved["modes"].items():
+        for module, training in saved.modes.items():
             module.training = training  # a validation OOM in the trial before left them in eval mode
-        for param, flag in self._saved["requires_grad"].items():
+        for param, flag in saved.requires_grad.items():
             param.requires_grad_(flag)  # an OOM between toggle_optimizer and untoggle_optimizer left them off
         trainer.lightning_module._param_requires_grad_state = {}  # private: what untoggle_optimizer restores from
-        _reload_dataloaders(trainer, validate)
+        reload_dataloaders(trainer, validate)
         if self._state is not None:
             self._state.reset_for_trial()
 
@@ -329,7 +304,7 @@ def _batch_size(batch: Any) -> int:
         return -1
 
 
-# ---------------------------------------------------------------------- batch size and dataloaders
+# ---------------------------------------------------------------------- batch size
 def has_batch_arg(trainer: pl.Trainer, name: str) -> bool:
     """Whether the model, its hparams, the datamodule or its hparams has ``name`` (Lightning's own lookup)."""
     return bool(lightning_hasattr(trainer.lightning_module, name))
@@ -359,106 +334,6 @@ def current_hook(trainer: pl.Trainer) -> str | None:
     return trainer.lightning_module._current_fx_name  # private attribute, set by Lightning's hook calls
 
 
-def train_source_is_module(trainer: pl.Trainer) -> bool:
-    """Whether the training dataloader comes from a LightningModule or DataModule method (so it can be rebuilt)."""
-    return bool(trainer.fit_loop._data_source.is_module())  # private: the fit loop's `_DataLoaderSource`
-
-
-def train_dataset_length(trainer: pl.Trainer) -> int | None:
-    """Samples in the first training dataset, asked from the user's ``train_dataloader`` (``None``: no length)."""
-    return dataset_length(trainer.fit_loop._data_source.dataloader())  # private, see `train_source_is_module`
-
-
-def dataset_length(loaders: Any) -> int | None:
-    """Samples in the dataset of the first of ``loaders`` (``None``: no length)."""
-    dataset = getattr(_first_loader(loaders), "dataset", None)
-    if isinstance(dataset, torch.utils.data.IterableDataset):
-        return None
-    try:
-        return len(dataset)  # type: ignore[arg-type]
-    except TypeError:
-        return None
-
-
-def _first_loader(loaders: Any) -> Any:
-    if isinstance(loaders, dict):
-        return _first_loader(next(iter(loaders.values()), None))
-    if isinstance(loaders, (list, tuple)):
-        return _first_loader(loaders[0]) if loaders else None
-    if hasattr(loaders, "iterables"):  # a CombinedLoader
-        return _first_loader(loaders.iterables)
-    return loaders
-
-
-def dataloaders_loaded(trainer: pl.Trainer) -> bool:
-    """Whether the fit loop has built its training dataloader yet (not before the loop starts running)."""
-    return trainer.fit_loop._combined_loader is not None  # private attribute of the fit loop
-
-
-def unload_dataloaders(trainer: pl.Trainer, stopping: list[Any] | None = None) -> None:
-    """Stop the loaders' iterators and workers (an OOM skips the loops' own teardown) and drop the loaders.
-
-    The fit loop then builds them itself when it starts, as it would have without tuning. With ``stopping``, worker
-    processes are told to exit but not waited for (a worker finishes the batch it is collating first, 0.4 s for
-    ResNet-50's 531 images): their iterators go to ``stopping`` for :func:`join_workers` to reap later.
-    """
-    for loop in (trainer.fit_loop, trainer.fit_loop.epoch_loop.val_loop):
-        if stopping is not None:
-            stopping.extend(_signal_workers_to_exit(loop._combined_loader))  # private, see below
-        fetcher = getattr(loop, "_data_fetcher", None)  # private: the loop's `_DataFetcher`
-        if fetcher is not None:
-            fetcher.teardown()
-            loop._data_fetcher = None  # private: `setup_data` makes a new one with the new loader
-        combined = loop._combined_loader  # private
-        if combined is not None:
-            combined.reset()
-        loop._combined_loader = None  # private: force a reload (Lightning's `_reset_dataloaders` does the same)
-
-
-def _signal_workers_to_exit(combined: Any) -> list[Any]:
-    """Tell the worker processes of ``combined``'s iterators to exit, without joining them; return the iterators.
-
-    The first half of torch's ``_MultiProcessingDataLoaderIter._shutdown_workers`` (private; the second half, in
-    :func:`join_workers`, is that method itself). On any surprise in those internals nothing is signalled and the
-    loop's own teardown stops the workers, waiting for them.
-    """
-    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
-
-    if combined is None:
-        return []
-    mode_iterator = getattr(combined, "_iterator", None)  # private: Lightning's `_ModeIterator` of the running loop
-    candidates = list(getattr(mode_iterator, "iterators", None) or [])
-    for loader in combined.flattened:
-        if isinstance(getattr(loader, "_iterator", None), _MultiProcessingDataLoaderIter):  # persistent workers
-            candidates.append(loader._iterator)
-            loader._iterator = None
-    signalled = []
-    for iterator in {id(it): it for it in candidates}.values():
-        if not isinstance(iterator, _MultiProcessingDataLoaderIter) or iterator._shutdown:
-            continue
-        with suppress(Exception):  # torch internals: `join_workers` (or `__del__`) shuts the workers down in full
-            iterator._workers_done_event.set()
-            for worker_id in range(len(iterator._workers)):
-                if iterator._persistent_workers or iterator._workers_status[worker_id]:
-                    iterator._mark_worker_as_unavailable(worker_id, shutdown=True)
-        signalled.append(iterator)
-    return signalled
-
-
-def join_workers(stopping: list[Any]) -> None:
-    """Reap the worker processes :func:`unload_dataloaders` told to exit (by now, they have)."""
-    while stopping:
-        stopping.pop()._shutdown_workers()
-
-
-def _reload_dataloaders(trainer: pl.Trainer, validation: bool) -> None:
-    """Rebuild the train (and val) dataloaders so they use the batch size just written."""
-    unload_dataloaders(trainer)
-    trainer.fit_loop.setup_data()  # Lightning's `_reset_dataloaders` does the same
-    if validation:
-        trainer.fit_loop.epoch_loop.val_loop.setup_data()
-
-
 def apply_batch_size(
     trainer: pl.Trainer,
     name: str,
@@ -474,7 +349,7 @@ def apply_batch_size(
     The dataloaders end as they were (built or not) but at the new size; at fit start ``configure_optimizers`` runs
     again when ``rebuild_optimizers`` (schedulers built from ``estimated_stepping_batches``).
     """
-    rng = _capture_rng(trainer) if rng is None else rng
+    rng = capture_rng(trainer) if rng is None else rng
     was_loaded = dataloaders_loaded(trainer) if was_loaded is None else was_loaded
     set_batch_size(trainer, name, size)
     trainer.accumulate_grad_batches = accumulation
@@ -482,11 +357,10 @@ def apply_batch_size(
     if rebuild_optimizers and current_hook(trainer) == "on_fit_start":
         _rebuild_optimizers(trainer)
     if was_loaded and not dataloaders_loaded(trainer):
-        _reload_dataloaders(trainer, validation=False)
+        reload_dataloaders(trainer, validation=False)
         epoch = trainer.fit_loop.epoch_progress.current.processed  # type: ignore[attr-defined]
-        for loader in trainer.fit_loop._combined_loader.flattened:  # type: ignore[union-attr]  # private
-            _set_sampler_epoch(loader, epoch)  # the loop set it on the loaders it built before
-    _restore_rng(rng)
+        set_sampler_epochs(trainer, epoch)  # the loop set it on the loaders it built before
+    restore_rng(rng)
 
 
 def _rebuild_optimizers(trainer: pl.Trainer) -> None:
@@ -502,141 +376,6 @@ def _rebuild_optimizers(trainer: pl.Trainer) -> None:
         return
     strategy.setup_optimizers(trainer)
     _optimizers_to_device(strategy.optimizers, strategy.root_device)
-
-
-# ---------------------------------------------------------------------- RNG
-def _capture_rng(trainer: pl.Trainer) -> dict[str, Any]:
-    """RNG states of Python, NumPy, torch, every CUDA device and every generator the dataloaders hold."""
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if np is not None:
-        state["numpy"] = np.random.get_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    state["generators"] = [(g, g.get_state()) for g in _loader_generators(trainer)]
-    return state
-
-
-def _restore_rng(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if np is not None and "numpy" in state:
-        np.random.set_state(state["numpy"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-    for generator, generator_state in state["generators"]:
-        generator.set_state(generator_state)
-
-
-def _loader_generators(trainer: pl.Trainer) -> list[torch.Generator]:
-    """The ``torch.Generator`` objects of the user's train and val dataloaders (and their samplers)."""
-    sources = [trainer.fit_loop._data_source]  # private, see `train_source_is_module`
-    if trainer.enable_validation:
-        sources.append(trainer.fit_loop.epoch_loop.val_loop._data_source)  # private
-    found: dict[int, torch.Generator] = {}
-    for source in sources:
-        if not source.is_module():
-            continue
-        try:
-            loaders = source.dataloader()
-        except Exception:  # noqa: S112 - a loader that cannot be built now holds no generator to keep
-            continue
-        for loader in _flatten_loaders(loaders):
-            for owner in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
-                for candidate in (
-                    getattr(owner, "generator", None),
-                    getattr(getattr(owner, "sampler", None), "generator", None),
-                ):
-                    if isinstance(candidate, torch.Generator):
-                        found[id(candidate)] = candidate
-    return list(found.values())
-
-
-def _flatten_loaders(loaders: Any) -> Iterator[Any]:
-    if isinstance(loaders, dict):
-        for value in loaders.values():
-            yield from _flatten_loaders(value)
-    elif isinstance(loaders, (list, tuple)):
-        for value in loaders:
-            yield from _flatten_loaders(value)
-    elif hasattr(loaders, "flattened"):
-        yield from loaders.flattened
-    elif loaders is not None:
-        yield loaders
-
-
-# ---------------------------------------------------------------------- metrics
-def _result_collections(trainer: pl.Trainer) -> list[dict[str, Any]]:
-    """The training and validation loops' `_ResultCollection`s (private): dicts of key -> logged metric."""
-    loops = (trainer.fit_loop.epoch_loop, trainer.fit_loop.epoch_loop.val_loop)
-    return [results for loop in loops if (results := getattr(loop, "_results", None)) is not None]
-
-
-def _logged_metrics(trainer: pl.Trainer) -> dict[str, Any]:
-    """Save the metrics the fit logged so far and empty the result collections for the trials.
-
-    A result collection remembers the arguments a key was first logged with; trials log without ``sync_dist``, so a
-    key the fit logged with it, or a trial key the fit then logs with it, would make Lightning raise.
-    """
-    connector = trainer._logger_connector  # private: the dicts behind `trainer.callback_metrics` and friends
-    collections = _result_collections(trainer)
-    saved = {
-        "dicts": (
-            dict(connector._callback_metrics),
-            dict(connector._logged_metrics),
-            dict(connector._progress_bar_metrics),
-        ),
-        "results": [(results, dict(results)) for results in collections],
-    }
-    for results in collections:
-        results.clear()
-    return saved
-
-
-def _restore_logged_metrics(trainer: pl.Trainer, saved: dict[str, Any]) -> None:
-    connector = trainer._logger_connector  # private, see `_logged_metrics`
-    connector._callback_metrics, connector._logged_metrics, connector._progress_bar_metrics = (
-        dict(d) for d in saved["dicts"]
-    )
-    for results, entries in saved["results"]:
-        results.clear()  # no trial key, value or epoch aggregate reaches the fit
-        results.update(entries)
-
-
-def _torchmetrics_states(module: torch.nn.Module) -> list[tuple[Any, dict[str, Any]]]:
-    """The accumulated state of every torchmetrics ``Metric`` in ``module`` (duck-typed: ``_defaults``)."""
-    states = []
-    for child in module.modules():
-        defaults = getattr(child, "_defaults", None)
-        if isinstance(defaults, dict) and hasattr(child, "reset"):
-            names = [*defaults, "_update_count", "_computed", "_forward_cache"]
-            states.append((child, {n: deepcopy(getattr(child, n)) for n in names if hasattr(child, n)}))
-    return states
-
-
-def _restore_torchmetrics_states(states: list[tuple[Any, dict[str, Any]]]) -> None:
-    for metric, state in states:
-        for name, value in state.items():
-            setattr(metric, name, value)
-
-
-# ---------------------------------------------------------------------- loops
-LOOP_FLAGS = ("_restarting", "_loaded_from_state_dict", "_resuming_from_checkpoint")  # the last two: Lightning 2.5+
-
-
-def _loop_flags(loop: Any) -> dict[Any, dict[str, bool]]:
-    """The restart flags of ``loop`` and every loop inside it (private attributes of Lightning's `_Loop`)."""
-    flags = {loop: {name: getattr(loop, name) for name in LOOP_FLAGS if hasattr(loop, name)}}
-    for child in vars(loop).values():
-        if isinstance(child, pl.loops.loop._Loop):
-            flags.update(_loop_flags(child))
-    return flags
-
-
-def _set_loop_flags(flags: dict[Any, dict[str, bool]]) -> None:
-    # Set the attributes directly: `_FitLoop.restarting`'s setter forces True for step-based runs (`max_steps`).
-    for loop, values in flags.items():
-        for name, value in values.items():
-            setattr(loop, name, value)
 
 
 def _drop_trial_references(trainer: pl.Trainer) -> None:

@@ -77,6 +77,7 @@ def test_private_loop_attributes_the_tuner_uses_exist():
     """`lightning_gpumem/tuning/_session.py` relies on these; a Lightning upgrade that renames one fails here."""
     import lightning.pytorch as pl
 
+    from lightning_gpumem.tuning import loaders, saved_run
     from lightning_gpumem.tuning import trials as _session
 
     trainer = Trainer(
@@ -88,12 +89,12 @@ def test_private_loop_attributes_the_tuner_uses_exist():
     assert hasattr(fit_loop.epoch_loop.val_loop, "_combined_loader")
     assert callable(trainer._checkpoint_connector.restore)
     assert isinstance(fit_loop, pl.loops.loop._Loop)
-    flags = _session._loop_flags(fit_loop)
+    flags = saved_run.loop_flags(fit_loop)
     assert {fit_loop, fit_loop.epoch_loop, fit_loop.epoch_loop.val_loop} <= set(flags)
     for values in flags.values():  # `_restarting` everywhere; the other two arrived during Lightning 2.5
         assert "_restarting" in values
-        assert set(values) <= set(_session.LOOP_FLAGS)
-        assert set(values) == set(_session.LOOP_FLAGS) or not _LIGHTNING_2_6
+        assert set(values) <= set(saved_run.LOOP_FLAGS)
+        assert set(values) == set(saved_run.LOOP_FLAGS) or not _LIGHTNING_2_6
         assert all(isinstance(b, bool) for b in values.values())
     assert hasattr(fit_loop.epoch_loop._results, "batch")
     assert hasattr(fit_loop.epoch_loop.val_loop._results, "batch")
@@ -103,12 +104,12 @@ def test_private_loop_attributes_the_tuner_uses_exist():
     assert hasattr(trainer._checkpoint_connector, "_loaded_checkpoint")
     connector = trainer._logger_connector
     assert all(isinstance(getattr(connector, n), dict) for n in _METRIC_DICTS)
-    assert _session.train_source_is_module(trainer)
+    assert loaders.train_source_is_module(trainer)
     assert hasattr(fit_loop, "_data_fetcher")
     assert hasattr(fit_loop.epoch_loop.val_loop, "_data_fetcher")
-    assert _session.dataloaders_loaded(trainer)
-    _session.unload_dataloaders(trainer)
-    assert not _session.dataloaders_loaded(trainer)
+    assert loaders.dataloaders_loaded(trainer)
+    loaders.unload_dataloaders(trainer)
+    assert not loaders.dataloaders_loaded(trainer)
 
 
 def test_ddp_strategy_keeps_its_ddp_kwargs():
@@ -147,14 +148,14 @@ def test_current_fx_name_names_the_running_hook():
 
 
 def test_dataloader_workers_told_to_exit_are_gone_without_a_join():
-    """`_session._signal_workers_to_exit` relies on torch's and Lightning's private iterator attributes."""
+    """`loaders._signal_workers_to_exit` relies on torch's and Lightning's private iterator attributes."""
     import time
 
     import torch
     from lightning.pytorch.utilities.combined_loader import CombinedLoader
     from torch.utils.data import DataLoader
 
-    from lightning_gpumem.tuning import trials as _session
+    from lightning_gpumem.tuning import loaders
 
     loader = DataLoader(torch.arange(64.0), batch_size=4, num_workers=2)
     combined = CombinedLoader(loader, "max_size_cycle")
@@ -163,14 +164,14 @@ def test_dataloader_workers_told_to_exit_are_gone_without_a_join():
     iterator = combined._iterator.iterators[0]  # private: the `_ModeIterator`'s DataLoader iterators
     workers = list(iterator._workers)
     assert all(w.is_alive() for w in workers)
-    stopping = _session._signal_workers_to_exit(combined)
+    stopping = loaders._signal_workers_to_exit(combined)
     assert stopping == [iterator]
     deadline = time.monotonic() + 10
     while any(w.is_alive() for w in workers) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(w.is_alive() for w in workers), "the workers did not exit on the signal alone"
     combined.reset()
-    _session.join_workers(stopping)
+    loaders.join_workers(stopping)
     assert stopping == []
     assert iterator._shutdown
 

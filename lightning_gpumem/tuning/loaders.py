@@ -1,0 +1,161 @@
+"""The fit's dataloaders as the trials need them: built, dropped, rebuilt at a new size, their workers stopped.
+
+Lightning has no public API to drop a fit loop's loaders and build them again at another batch size, and torch none
+to stop a ``DataLoader``'s workers without waiting for them: this module reaches into the fit loop's
+``_data_source``, ``_combined_loader`` and ``_data_fetcher``, Lightning's ``_ModeIterator`` and torch's
+``_MultiProcessingDataLoaderIter``. Each access carries a ``# private:`` comment;
+``tests/unit/test_lightning_internals.py`` fails loudly when an upgrade breaks one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import suppress
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.data import _set_sampler_epoch
+
+
+def train_source_is_module(trainer: pl.Trainer) -> bool:
+    """Whether the training dataloader comes from a LightningModule or DataModule method (so it can be rebuilt)."""
+    return bool(trainer.fit_loop._data_source.is_module())  # private: the fit loop's `_DataLoaderSource`
+
+
+def train_dataset_length(trainer: pl.Trainer) -> int | None:
+    """Samples in the first training dataset, asked from the user's ``train_dataloader`` (``None``: no length)."""
+    return dataset_length(trainer.fit_loop._data_source.dataloader())  # private, see `train_source_is_module`
+
+
+def dataset_length(loaders: Any) -> int | None:
+    """Samples in the dataset of the first of ``loaders`` (``None``: no length)."""
+    dataset = getattr(_first_loader(loaders), "dataset", None)
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return None
+    try:
+        return len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _first_loader(loaders: Any) -> Any:
+    if isinstance(loaders, dict):
+        return _first_loader(next(iter(loaders.values()), None))
+    if isinstance(loaders, (list, tuple)):
+        return _first_loader(loaders[0]) if loaders else None
+    if hasattr(loaders, "iterables"):  # a CombinedLoader
+        return _first_loader(loaders.iterables)
+    return loaders
+
+
+def dataloaders_loaded(trainer: pl.Trainer) -> bool:
+    """Whether the fit loop has built its training dataloader yet (not before the loop starts running)."""
+    return trainer.fit_loop._combined_loader is not None  # private attribute of the fit loop
+
+
+def unload_dataloaders(trainer: pl.Trainer, stopping: list[Any] | None = None) -> None:
+    """Stop the loaders' iterators and workers (an OOM skips the loops' own teardown) and drop the loaders.
+
+    The fit loop then builds them itself when it starts, as it would have without tuning. With ``stopping``, worker
+    processes are told to exit but not waited for (a worker finishes the batch it is collating first, 0.4 s for
+    ResNet-50's 531 images): their iterators go to ``stopping`` for :func:`join_workers` to reap later.
+    """
+    for loop in (trainer.fit_loop, trainer.fit_loop.epoch_loop.val_loop):
+        if stopping is not None:
+            stopping.extend(_signal_workers_to_exit(loop._combined_loader))  # private, see below
+        fetcher = getattr(loop, "_data_fetcher", None)  # private: the loop's `_DataFetcher`
+        if fetcher is not None:
+            fetcher.teardown()
+            loop._data_fetcher = None  # private: `setup_data` makes a new one with the new loader
+        combined = loop._combined_loader  # private
+        if combined is not None:
+            combined.reset()
+        loop._combined_loader = None  # private: force a reload (Lightning's `_reset_dataloaders` does the same)
+
+
+def _signal_workers_to_exit(combined: Any) -> list[Any]:
+    """Tell the worker processes of ``combined``'s iterators to exit, without joining them; return the iterators.
+
+    The first half of torch's ``_MultiProcessingDataLoaderIter._shutdown_workers`` (private; the second half, in
+    :func:`join_workers`, is that method itself). On any surprise in those internals nothing is signalled and the
+    loop's own teardown stops the workers, waiting for them.
+    """
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    if combined is None:
+        return []
+    mode_iterator = getattr(combined, "_iterator", None)  # private: Lightning's `_ModeIterator` of the running loop
+    candidates = list(getattr(mode_iterator, "iterators", None) or [])
+    for loader in combined.flattened:
+        if isinstance(getattr(loader, "_iterator", None), _MultiProcessingDataLoaderIter):  # persistent workers
+            candidates.append(loader._iterator)
+            loader._iterator = None
+    signalled = []
+    for iterator in {id(it): it for it in candidates}.values():
+        if not isinstance(iterator, _MultiProcessingDataLoaderIter) or iterator._shutdown:
+            continue
+        with suppress(Exception):  # torch internals: `join_workers` (or `__del__`) shuts the workers down in full
+            iterator._workers_done_event.set()
+            for worker_id in range(len(iterator._workers)):
+                if iterator._persistent_workers or iterator._workers_status[worker_id]:
+                    iterator._mark_worker_as_unavailable(worker_id, shutdown=True)
+        signalled.append(iterator)
+    return signalled
+
+
+def join_workers(stopping: list[Any]) -> None:
+    """Reap the worker processes :func:`unload_dataloaders` told to exit (by now, they have)."""
+    while stopping:
+        stopping.pop()._shutdown_workers()
+
+
+def reload_dataloaders(trainer: pl.Trainer, validation: bool) -> None:
+    """Rebuild the train (and val) dataloaders so they use the batch size just written."""
+    unload_dataloaders(trainer)
+    trainer.fit_loop.setup_data()  # Lightning's `_reset_dataloaders` does the same
+    if validation:
+        trainer.fit_loop.epoch_loop.val_loop.setup_data()
+
+
+def set_sampler_epochs(trainer: pl.Trainer, epoch: int) -> None:
+    """Set ``epoch`` on the samplers of the fit loop's training loaders, as the loop does on those it builds."""
+    for loader in trainer.fit_loop._combined_loader.flattened:  # type: ignore[union-attr]  # private
+        _set_sampler_epoch(loader, epoch)
+
+
+def loader_generators(trainer: pl.Trainer) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects of the user's train and val dataloaders (and their samplers)."""
+    sources = [trainer.fit_loop._data_source]  # private, see `train_source_is_module`
+    if trainer.enable_validation:
+        sources.append(trainer.fit_loop.epoch_loop.val_loop._data_source)  # private
+    found: dict[int, torch.Generator] = {}
+    for source in sources:
+        if not source.is_module():
+            continue
+        try:
+            loaders = source.dataloader()
+        except Exception:  # noqa: S112 - a loader that cannot be built now holds no generator to keep
+            continue
+        for loader in _flatten_loaders(loaders):
+            for owner in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
+                for candidate in (
+                    getattr(owner, "generator", None),
+                    getattr(getattr(owner, "sampler", None), "generator", None),
+                ):
+                    if isinstance(candidate, torch.Generator):
+                        found[id(candidate)] = candidate
+    return list(found.values())
+
+
+def _flatten_loaders(loaders: Any) -> Iterator[Any]:
+    if isinstance(loaders, dict):
+        for value in loaders.values():
+            yield from _flatten_loaders(value)
+    elif isinstance(loaders, (list, tuple)):
+        for value in loaders:
+            yield from _flatten_loaders(value)
+    elif hasattr(loaders, "flattened"):
+        yield from loaders.flattened
+    elif loaders is not None:
+        yield loaders
