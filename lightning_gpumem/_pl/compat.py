@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import warnings
+import weakref
 from collections.abc import Callable
 from functools import cache
 from typing import TYPE_CHECKING
@@ -39,8 +40,11 @@ else:
         def __init_subclass__(cls, **kwargs: object) -> None:
             super().__init_subclass__(**kwargs)
             hook = cls.__dict__.get("on_exception")
-            if callable(hook) and not getattr(hook, "_gpumem_never_raises", False):
+            if callable(hook) and hook not in _NEVER_RAISE:
                 cls.on_exception = never_raises(hook)
+
+
+_NEVER_RAISE: weakref.WeakSet[Callable[..., None]] = weakref.WeakSet()  # hooks wrapped already: not twice
 
 
 def never_raises(hook: Callable[..., None]) -> Callable[..., None]:
@@ -57,7 +61,7 @@ def never_raises(hook: Callable[..., None]) -> Callable[..., None]:
                 stacklevel=2,
             )
 
-    on_exception._gpumem_never_raises = True  # type: ignore[attr-defined]
+    _NEVER_RAISE.add(on_exception)
     return on_exception
 
 

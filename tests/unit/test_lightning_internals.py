@@ -1,6 +1,7 @@
 """Breaks loudly when a Lightning upgrade changes the internals `_logging.py` relies on."""
 
 import lightning
+import pytest
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 from packaging.version import Version
@@ -163,6 +164,8 @@ def test_dataloader_workers_told_to_exit_are_gone_without_a_join():
     next(combined)
     iterator = combined._iterator.iterators[0]  # private: the `_ModeIterator`'s DataLoader iterators
     workers = list(iterator._workers)
+    for name in ("_workers_done_event", "_persistent_workers", "_workers_status", "_shutdown"):  # tuning/loaders.py
+        assert hasattr(iterator, name)
     assert all(w.is_alive() for w in workers)
     stopping = loaders._signal_workers_to_exit(combined)
     assert stopping == [iterator]
@@ -212,3 +215,80 @@ def test_automatic_optimization_internals_that_auto_microbatch_wraps():
     assert seen["progress"] == 0
     assert seen["fields"] == ["completed", "ready", "started"]
     assert seen["fx"] == "on_train_batch_start"
+
+
+def test_log_binds_the_arguments_the_package_sets_by_name():
+    """`_pl/patching.log_arguments` binds `LightningModule.log` through its signature; the names it sets must exist."""
+    import inspect
+
+    from lightning.pytorch import LightningModule
+
+    from lightning_gpumem._pl.patching import log_arguments, with_log_argument
+
+    parameters = inspect.signature(LightningModule.log).parameters
+    assert {"name", "value", "enable_graph", "sync_dist"} <= set(parameters)
+    module = BoringModel()
+    assert log_arguments(module.log, ("loss", 1.0, True), {"sync_dist": True}) == {
+        "name": "loss",
+        "value": 1.0,
+        "prog_bar": True,
+        "sync_dist": True,
+    }
+    args, kwargs = with_log_argument(
+        module.log, ("loss", 1.0, False, True, None, None, "mean", False, True), {}, "sync_dist", False
+    )
+    assert args == ()
+    assert kwargs["sync_dist"] is False
+    assert kwargs["logger"] is True
+
+
+def test_torch_and_torchmetrics_privates_the_package_uses_exist():
+    """Private torch and torchmetrics names read on any build (the CUDA-only ones: the GPU test below)."""
+    import torch
+    import torch.cuda.memory
+    from torch.utils.data import dataloader
+
+    assert callable(torch.cuda.memory._record_memory_history)  # _hw/allocator.py: OOMSnapshot's history
+    assert callable(torch.cuda.memory._snapshot)
+    assert isinstance(dataloader._MultiProcessingDataLoaderIter, type)  # tuning/loaders.py
+    assert callable(dataloader._MultiProcessingDataLoaderIter._mark_worker_as_unavailable)
+    assert callable(dataloader._MultiProcessingDataLoaderIter._shutdown_workers)
+    assert isinstance(torch.zeros(1)._version, int)  # microbatch/split.py: an in-place write since the attempt began
+    assert hasattr(torch.nn.Linear(1, 1).state_dict(), "_metadata")  # tuning/model_state.py: module versions
+    scaler = torch.amp.GradScaler("cpu")
+    assert isinstance(scaler._per_optimizer_states, dict)  # microbatch/callback.py: a failed attempt's unscale_
+
+    torchmetrics = pytest.importorskip("torchmetrics")
+    metric = torchmetrics.MeanMetric()
+    from lightning_gpumem.tuning.saved_run import TORCHMETRICS_COUNTERS
+
+    assert TORCHMETRICS_COUNTERS == ("_update_count", "_computed", "_forward_cache")
+    assert all(hasattr(metric, name) for name in TORCHMETRICS_COUNTERS)
+    assert set(metric.metric_state) == {"mean_value", "weight"}
+
+
+def test_lightning_private_helpers_the_package_imports_exist():
+    from lightning.fabric.utilities.data import _set_sampler_epoch  # tuning/loaders.py
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device  # tuning/trials.py
+
+    assert callable(_set_sampler_epoch)
+    assert callable(_optimizers_to_device)
+    trainer = Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False
+    )
+    trainer.fit(BoringModel())
+    loop = trainer.fit_loop
+    assert loop._data_source.is_module()
+    assert loop.epoch_loop.val_loop._data_source.is_module()
+    assert isinstance(loop.epoch_loop.val_loop._has_run, bool)  # tuning/saved_run.py
+    for flag in ("_restarting", "_loaded_from_state_dict", "_resuming_from_checkpoint"):  # saved_run.LOOP_FLAGS
+        assert isinstance(getattr(loop, flag, False), bool)
+
+
+@pytest.mark.gpu
+def test_cuda_allocator_privates_exist():
+    """`_hw/allocator.py`: the OOM observer and the cuBLAS workspace release exist on CUDA builds."""
+    import torch
+
+    assert callable(torch._C._cuda_attach_out_of_memory_observer)
+    assert callable(torch._C._cuda_clearCublasWorkspaces)

@@ -1,0 +1,106 @@
+"""`_pl/patching.py`: an attribute replaced for a while is put back exactly, and nothing else is written."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from lightning.pytorch import Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from lightning_gpumem import AutoMicrobatch
+from lightning_gpumem._pl.patching import Patches, log_arguments, patched, with_log_argument
+
+
+class Owner:
+    def method(self, x: int) -> int:
+        return x
+
+
+def test_patched_replaces_for_the_block_and_leaves_no_instance_attribute():
+    owner = Owner()
+    before = dict(vars(owner))
+    with patched(owner, "method", lambda x: x + 1) as original:
+        assert owner.method(1) == 2
+        assert original(1) == 1
+        assert set(vars(owner)) == {*before, "method"}
+    assert vars(owner) == before  # the class's method shows through again
+    assert owner.method(1) == 1
+
+
+def test_patched_puts_back_an_instance_attribute_that_was_there_and_restores_on_error():
+    owner = Owner()
+    own = owner.method = lambda x: -x  # type: ignore[method-assign]
+    with pytest.raises(KeyError), patched(owner, "method", lambda x: 0):
+        raise KeyError("the user's error")
+    assert owner.method is own
+
+
+def test_a_wrapper_keeps_the_original_signature_when_asked():
+    owner = Owner()
+    with patched(owner, "method", lambda *a, **k: None, keep_signature=True):
+        assert list(inspect.signature(owner.method).parameters) == ["x"]
+
+
+def test_patching_over_a_leftover_patch_wraps_the_original_not_the_leftover():
+    owner = Owner()
+    calls = []
+    leftover = Patches()
+    leftover.install(owner, "method", lambda x: calls.append("leftover"))  # never undone: a crash before clean-up
+    patches = Patches()
+    patches.install(owner, "method", lambda x: calls.append("new") or patches.original(owner, "method")(x))
+    assert owner.method(3) == 3
+    assert calls == ["new"]  # the leftover is replaced, not called: no loop of wrappers
+    patches.undo()
+    assert "method" not in vars(owner)
+    assert owner.method(4) == 4
+
+
+def test_patches_undo_in_reverse_order_and_a_second_install_is_ignored():
+    owner = Owner()
+    patches = Patches()
+    patches.install(owner, "method", lambda x: 1)
+    patches.install(owner, "method", lambda x: 2)
+    assert owner.method(0) == 1
+    assert bool(patches)
+    patches.undo()
+    assert not patches
+    assert vars(owner) == {}
+
+
+def test_log_arguments_are_bound_by_the_signature_of_log():
+    module = BoringModel()
+    assert log_arguments(module.log, ("loss", 1.0), {"on_step": True}) == {
+        "name": "loss",
+        "value": 1.0,
+        "on_step": True,
+    }
+    params = list(inspect.signature(module.log).parameters)
+    position = params.index("sync_dist")
+    args = ("loss", 1.0, *[inspect.signature(module.log).parameters[p].default for p in params[2:position]], True)
+    assert log_arguments(module.log, args, {})["sync_dist"] is True
+    _, kwargs = with_log_argument(module.log, args, {}, "sync_dist", False)
+    assert kwargs["sync_dist"] is False
+    assert with_log_argument(module.log, (), {"bogus": 1}, "sync_dist", False) == ((), {"bogus": 1})  # log raises
+
+
+def _fit_attributes(tmp_path, callbacks):
+    model = BoringModel()
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        limit_val_batches=0,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model)
+    loop = trainer.fit_loop.epoch_loop.automatic_optimization
+    return set(vars(model)), set(vars(loop)), set(vars(trainer))
+
+
+def test_a_fit_with_auto_microbatch_leaves_no_attribute_on_the_module_the_loop_or_the_trainer(tmp_path):
+    assert _fit_attributes(tmp_path, [AutoMicrobatch()]) == _fit_attributes(tmp_path, [])
