@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gc
 import time
-import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -131,13 +130,11 @@ class EmptyCacheOnThreshold(Callback):
         hooks: the hooks after which to check (a name, or any sequence or set of names), any of
             ``"train_batch_end"``, ``"train_epoch_end"``, ``"validation_batch_end"``, ``"validation_end"``,
             ``"test_batch_end"``, ``"test_end"``, ``"predict_batch_end"``, ``"predict_end"``.
-        on: deprecated name of ``hooks`` (YAML 1.1 reads an unquoted key ``on`` as ``True``, which breaks
-            ``LightningCLI`` configs); it still works, with a ``DeprecationWarning``.
 
     Raises:
         ValueError: if ``threshold`` is not in (0, 1], ``relative_to``/``measure``/``hooks`` name something else
             (``hooks``: also an iterator without a length, such as a generator), ``min_steps_between`` is not an
-            integer >= 0, or both ``hooks`` and ``on`` are given.
+            integer >= 0.
         TypeError: if ``collect_garbage`` is not a ``bool``.
 
     Example::
@@ -157,7 +154,6 @@ class EmptyCacheOnThreshold(Callback):
         collect_garbage: bool = False,
         min_steps_between: int = 50,
         hooks: Sequence[str] = DEFAULT_HOOKS,
-        on: Sequence[str] | None = None,
     ) -> None:
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 < threshold <= 1.0:
             raise ValueError(
@@ -172,20 +168,7 @@ class EmptyCacheOnThreshold(Callback):
                 f"`EmptyCacheOnThreshold(measure={measure!r})` is not valid. Expected 'reserved' or 'nvml'."
             )
         require_int("EmptyCacheOnThreshold", "min_steps_between", min_steps_between, 0)
-        name = "hooks"
-        if on is not None:
-            if hooks is not DEFAULT_HOOKS and (hooks is None or _hook_names(hooks, "hooks") != DEFAULT_HOOKS):
-                raise ValueError(
-                    f"`EmptyCacheOnThreshold(hooks={hooks!r}, on={on!r})`: `on` is the deprecated name of `hooks`."
-                    " Expected only `hooks`."
-                )
-            warnings.warn(
-                "`EmptyCacheOnThreshold(on=...)` is deprecated: use `hooks=...` (YAML 1.1 reads a key `on` as True).",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            hooks, name = on, "on"
-        chosen = _hook_names(hooks, name)
+        chosen = _hook_names(hooks, "hooks")
         require_flags("EmptyCacheOnThreshold", collect_garbage=collect_garbage)
         self.threshold = float(threshold)
         self.relative_to = relative_to
@@ -314,18 +297,6 @@ class EmptyCacheOnThreshold(Callback):
             )
 
     @property
-    def on(self) -> frozenset[str]:
-        """Deprecated name of :attr:`hooks`."""
-        warnings.warn("`EmptyCacheOnThreshold.on` is deprecated: use `.hooks`.", DeprecationWarning, stacklevel=2)
-        return self.hooks
-
-    @property
-    @override
-    def _legacy_state_key(self) -> str:  # type: ignore[override]
-        # The key checkpoints written before `state_key` was per configuration hold this callback's state under.
-        return type(self).__qualname__
-
-    @property
     @override
     def state_key(self) -> str:
         """Unique per configuration, so two instances (say one per hook set) can both be in a Trainer."""
@@ -389,7 +360,7 @@ class EmptyCacheOnThreshold(Callback):
         if not now and ((batches_that_stepped(trainer) + 1) % self._every_n or is_accumulating(trainer)):
             return  # the cheap test first: this runs after every training batch
         values = [float(self.releases), self.released_bytes / GIB, self.release_seconds]
-        names = ("gpumem/cache_releases", "gpumem/released_gib", "gpumem/release_seconds")
+        names = tuple(key.format() for key in (keys.CACHE_RELEASES, keys.RELEASED, keys.RELEASE_SECONDS))
         if trainer.world_size > 1:  # collective on logging steps, which every rank reaches alike
             rows = gather_values(trainer, values)
             metrics = {

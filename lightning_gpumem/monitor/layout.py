@@ -2,18 +2,21 @@
 
 TensorBoard draws every scalar key in its own chart. The custom-scalars dashboard instead draws the charts a layout
 names, each with all the keys its regular expressions match (TensorBoard joins a chart's expressions and applies
-them with ``re.match``, so ``gpumem/train_.*_gib.*`` also matches the cross-rank ``..._max``/``..._min`` keys).
+them with ``re.match``); each expression is one key of :mod:`lightning_gpumem.keys`, followed by ``.*`` where the key
+has cross-rank ``_max``/``_min``/``_rank<r>`` variants.
 :class:`~lightning_gpumem.MemoryMonitor` writes this layout to every TensorBoard logger; other loggers have no such
 dashboard and are left alone.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_gpumem import keys
 from lightning_gpumem._pl.compat import either
 
 CATEGORY = "gpumem"
@@ -26,6 +29,11 @@ _STAGE_CHARTS = {
 _FN_STAGES = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
 
 
+def _tags(*found: keys.Key, stage: str | None = None) -> list[str]:
+    """Expressions that match ``found`` as logged for ``stage``, with their cross-rank suffixes where they have any."""
+    return [re.escape(key.format(stage)) + (".*" if key.ranks else "") for key in found]
+
+
 def memory_layout(
     stages: tuple[str, ...] = ("train", "val"), device_memory: bool = True
 ) -> dict[str, dict[str, list[Any]]]:
@@ -33,20 +41,19 @@ def memory_layout(
 
     Without ``device_memory`` (no accelerator: only host memory is logged) only the host chart, so no chart is empty.
     """
+    host = ["Multiline", _tags(keys.HOST_RSS, keys.HOST_AVAILABLE)]
     if not device_memory:
-        return {CATEGORY: {"host: RSS, available (GiB)": ["Multiline", [r"gpumem/host_.*_gib.*"]]}}
+        return {CATEGORY: {"host: RSS, available (GiB)": host}}
     charts: dict[str, list[Any]] = {}
     for stage in stages:
-        tags = [rf"gpumem/{stage}_.*_gib.*", r"gpumem/nvml_process_gib.*", r"gpumem/budget_gib"]
-        charts[_STAGE_CHARTS[stage]] = ["Multiline", tags]
-    charts["device: NVML used, total, this process, non-PyTorch (GiB)"] = [
-        "Multiline",
-        [r"gpumem/nvml_.*_gib.*", r"gpumem/non_torch_gib.*"],
-    ]
-    charts["host: RSS, available (GiB)"] = ["Multiline", [r"gpumem/host_.*_gib.*"]]
+        tags = _tags(keys.PEAK_ALLOCATED, keys.PEAK_RESERVED, keys.ALLOCATED, keys.RESERVED, stage=stage)
+        charts[_STAGE_CHARTS[stage]] = ["Multiline", [*tags, *_tags(keys.NVML_PROCESS, keys.BUDGET)]]
+    device = _tags(keys.NVML_USED, keys.NVML_TOTAL, keys.NVML_PROCESS, keys.NON_TORCH)
+    charts["device: NVML used, total, this process, non-PyTorch (GiB)"] = ["Multiline", device]
+    charts["host: RSS, available (GiB)"] = host
     charts["allocator events: retries, OOMs, cache releases (count)"] = [
         "Multiline",
-        [r"gpumem/alloc_retries", r"gpumem/ooms", r"gpumem/cache_releases.*"],
+        _tags(keys.ALLOC_RETRIES, keys.OOMS, keys.CACHE_RELEASES),
     ]
     return {CATEGORY: charts}
 

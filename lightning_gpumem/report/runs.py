@@ -15,12 +15,13 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lightning_gpumem import keys
 from lightning_gpumem.report import _reading
 from lightning_gpumem.report._events import CorruptEventFile, read_scalars
 from lightning_gpumem.report._reading import read_log_file
 from lightning_gpumem.report._text import printable
 
-PREFIX = "gpumem/"
+PREFIX = keys.PREFIX
 EVENT_FILE_MARK = "tfevents"
 CSV_NAME = "metrics.csv"
 MAX_MAGNITUDE = 1e100  # no GiB figure or count comes near; beyond ~1.7e299 GiB the bytes overflow a float

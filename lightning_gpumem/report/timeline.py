@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_gpumem import keys
 from lightning_gpumem.report.runs import Run, Series
 
 
@@ -19,30 +20,31 @@ class Line:
 
 
 LINES = (
-    Line("gpumem/train_peak_allocated_gib", "per-batch peak allocated", "#d62728"),
-    Line("gpumem/train_allocated_gib", "allocated (batch end)", "#1f77b4"),
-    Line("gpumem/train_reserved_gib", "reserved (batch end)", "#2ca02c"),
-    Line("gpumem/nvml_process_gib", "NVML, this process", "#9467bd"),
-    Line("gpumem/budget_gib", "budget", "#000000", dashed=True),
-    Line("gpumem/val_peak_allocated_gib", "validation peak allocated", "#ff7f0e", points_only=True),
+    Line(keys.PEAK_ALLOCATED.format("train"), "per-batch peak allocated", "#d62728"),
+    Line(keys.ALLOCATED.format("train"), "allocated (batch end)", "#1f77b4"),
+    Line(keys.RESERVED.format("train"), "reserved (batch end)", "#2ca02c"),
+    Line(keys.NVML_PROCESS.format(), "NVML, this process", "#9467bd"),
+    Line(keys.BUDGET.format(), "budget", "#000000", dashed=True),
+    Line(keys.PEAK_ALLOCATED.format("val"), "validation peak allocated", "#ff7f0e", points_only=True),
 )
-HOST_LINE = Line("gpumem/host_rss_gib", "host RSS (no device memory logged)", "#8c564b")
+HOST_LINE = Line(keys.HOST_RSS.format(), "host RSS (no device memory logged)", "#8c564b")
 RELEASE_COLOR = "#7f7f7f"
 
 
 def lines(run: Run) -> list[tuple[Line, Series]]:
     """The curves this run has data for; host memory only where no device memory was logged (a CPU run)."""
     found = [(line, run.series[line.key]) for line in LINES if run.series.get(line.key)]
-    if not any(line.key != "gpumem/budget_gib" for line, _ in found) and run.series.get(HOST_LINE.key):
+    if not any(line.key != keys.BUDGET.format() for line, _ in found) and run.series.get(HOST_LINE.key):
         found.append((HOST_LINE, run.series[HOST_LINE.key]))
     return found
 
 
 def release_steps(run: Run) -> list[int]:
     """Steps at which ``EmptyCacheOnThreshold``'s release count went up (on any rank)."""
-    keys = [key for key in run.series if key == "gpumem/cache_releases" or key.startswith("gpumem/cache_releases_rank")]
+    releases = keys.CACHE_RELEASES.format()
+    logged = [key for key in run.series if key == releases or key.startswith(releases + "_rank")]
     steps: set[int] = set()
-    for key in keys:
+    for key in logged:
         previous = 0.0
         for step, value in run.series[key]:
             if value > previous:
@@ -53,5 +55,5 @@ def release_steps(run: Run) -> list[int]:
 
 def title(run: Run) -> str:
     """The run's name, with the tuned batch size where a ``BatchSizeTuner`` logged one."""
-    batch_size = run.last("gpumem/batch_size")
+    batch_size = run.last(keys.BATCH_SIZE.format())
     return run.name if batch_size is None else f"{run.name}  (tuned batch size {round(batch_size)})"
