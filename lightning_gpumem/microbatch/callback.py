@@ -8,6 +8,7 @@ import inspect
 import time
 import traceback
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
@@ -100,18 +101,15 @@ class AutoMicrobatch(Callback):
         self._trainer: pl.Trainer | None = None
         self._patches = Patches()  # what the patches replaced, to put back
         self._probe: Probe | None = None
-        self._calls: list[LogCall] = []
-        self._buffering = False
-        self._size = 0
-        self._zeroed = False
-        self._after_backward = False
+        self._attempt = Attempt()  # what the current attempt at the step did so far
+        self._buffering = False  # inside the user's `training_step`: its `self.log` calls are buffered
+        self._size = 0  # samples in the micro-batch running now (the weight of what it logs)
         self._distributed = False
         self._window: list[tuple[Any, int]] = []  # the accumulation window's batches that ran so far
         self._measure: dict[str, int] = {}  # the last split step's memory: base, new gradients, activations, split
         self._in_run = False  # inside the loop's `run`: `training_step` calls are the step's
         self._group: object | None = None  # under DDP: the ranks' agreement group
         self._batch_idx = 0
-        self._agreed = False  # under DDP: this attempt's ranks have agreed (after its backward)
         self._warned: set[str] = set()
         self._updates = UpdateWatch()  # whether a failed optimizer step had begun its update
 
@@ -205,7 +203,7 @@ class AutoMicrobatch(Callback):
         self._patches.undo()
         self._updates.clear()
         self._trainer = self._probe = None
-        self._window, self._calls, self._measure = [], [], {}
+        self._window, self._attempt, self._measure = [], Attempt(), {}
 
     def _original(self, owner: object, name: str) -> Any:
         return self._patches.original(owner, name)
@@ -223,7 +221,7 @@ class AutoMicrobatch(Callback):
             self._window = []  # a new accumulation window
         self._batch_idx = batch_idx
         while True:
-            self._calls, self._zeroed, self._after_backward, self._agreed = [], False, False, False
+            self._attempt = Attempt()
             self._in_run = True
             self._updates.start()
             try:
@@ -253,10 +251,10 @@ class AutoMicrobatch(Callback):
 
     def _recover(self, trainer: pl.Trainer, error: Exception, batch: Any, batch_idx: int) -> None:
         """Undo what the failed attempt did and choose the split to re-run it with; raise when there is none."""
-        step, failed_k, after_backward = trainer.global_step, self.policy.k, self._after_backward
+        step, failed_k, after_backward = trainer.global_step, self.policy.k, self._attempt.after_backward
         traceback.clear_frames(error.__traceback__)  # the frames hold the attempt's activations
-        self._calls = []
-        if self._distributed and self._agreed:
+        self._attempt.calls = []
+        if self._distributed and self._attempt.agreed:
             raise NotOutOfMemoryError(
                 f"AutoMicrobatch: out of memory at step {step} after the ranks had agreed on the step (in the"
                 " optimizer step or after it): under DDP the other ranks have moved on, so it cannot be re-run"
@@ -331,7 +329,7 @@ class AutoMicrobatch(Callback):
 
     def _clean_up(self, trainer: pl.Trainer) -> None:
         """Undo a failed attempt: its gradients, its ``GradScaler`` stage, its logs; give its memory back."""
-        self._calls = []
+        self._attempt.calls = []
         for optimizer in trainer.optimizers:
             optimizer.zero_grad(set_to_none=True)
         _reset_scaler(trainer)
@@ -362,7 +360,7 @@ class AutoMicrobatch(Callback):
                             weight = size / length / trainer.accumulate_grad_batches
                             self._micro_backward(trainer, loss * weight, optimizer)
                 finally:
-                    self._buffering, self._calls = False, []
+                    self._buffering, self._attempt.calls = False, []
 
     @contextlib.contextmanager
     def _local_backward(self, trainer: pl.Trainer) -> Iterator[None]:
@@ -383,7 +381,7 @@ class AutoMicrobatch(Callback):
             raise NotOutOfMemoryError(
                 _agreement_failed(trainer.global_step, time.monotonic() - start, error)
             ) from error
-        self._agreed = True
+        self._attempt.agreed = True
         return dict(zip(("failed", "k", "wait", "give_up"), reduced, strict=True))
 
     @override
@@ -456,7 +454,7 @@ class AutoMicrobatch(Callback):
                 # Lightning zeroes the gradients after `training_step` returns: do it now, before these backwards.
                 self._original(loop, "_on_before_zero_grad")(optimizer)
                 self._original(loop, "_optimizer_zero_grad")(batch_idx, optimizer)
-                self._zeroed = True
+                self._attempt.zeroed = True
             self._micro_backward(trainer, weighted / trainer.accumulate_grad_batches, optimizer)
             carried = weighted.detach() if carried is None else carried + weighted.detach()
         return None  # pragma: no cover - the loop returns at the last micro-batch
@@ -470,11 +468,11 @@ class AutoMicrobatch(Callback):
     def _backward_hook(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         module = self._require_trainer().lightning_module
         self._original(module, "backward")(loss, *args, **kwargs)
-        self._after_backward = True
+        self._attempt.after_backward = True
 
     def _skip_if_zeroed(self, name: str) -> Any:
         def zero_grad_step(*args: Any) -> None:
-            if self._zeroed:
+            if self._attempt.zeroed:
                 return  # done before the micro-batches' backwards
             loop = self._require_trainer().fit_loop.epoch_loop.automatic_optimization
             self._original(loop, name)(*args)
@@ -491,12 +489,12 @@ class AutoMicrobatch(Callback):
             del kwargs["name"], kwargs["value"]
         if isinstance(value, torch.Tensor):  # the value now, not after the optimizer step (a parameter, a view)
             value = value.clone() if kwargs.get("enable_graph") else value.detach().clone()
-        self._calls.append(LogCall(name, value, kwargs, self._size))
+        self._attempt.calls.append(LogCall(name, value, kwargs, self._size))
         return None
 
     def _flush_logs(self, module: pl.LightningModule) -> None:
         """Log what the step's ``training_step`` logged, as one unsplit step would have."""
-        calls, self._calls = self._calls, []
+        calls, self._attempt.calls = self._attempt.calls, []
         if not calls:
             return
         log = self._original(module, "log")
@@ -530,6 +528,16 @@ def _reset_scaler(trainer: pl.Trainer) -> None:
     states = getattr(scaler, "_per_optimizer_states", None)  # private: GradScaler's per-optimizer stage
     if isinstance(states, dict):
         states.clear()
+
+
+@dataclass
+class Attempt:
+    """What one attempt at a step did so far; each attempt (the first, a re-run after an OOM) starts a fresh one."""
+
+    calls: list[LogCall] = field(default_factory=list)  # the `self.log` calls of its `training_step`s, buffered
+    zeroed: bool = False  # the gradients were zeroed before the micro-batches' backwards (Lightning must not again)
+    after_backward: bool = False  # its backward has run: an OOM now is in the optimizer step
+    agreed: bool = False  # under DDP: the ranks agreed on it (after its backward)
 
 
 class _Retry(Exception):
