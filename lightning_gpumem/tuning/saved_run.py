@@ -75,15 +75,20 @@ class SavedRun:
             torchmetrics=_torchmetrics_states(module),
         )
 
-    def restore(self, trainer: pl.Trainer, model_state: ModelState | None) -> None:
-        """Put the fit back as it was, ``model_state`` (weights, optimizers...) in between, in dependency order."""
+    def restore(self, trainer: pl.Trainer, model_state: ModelState | None, owner: object | None = None) -> None:
+        """Put the fit back as it was, ``model_state`` (weights, optimizers...) in between, in dependency order.
+
+        A model state kept in a checkpoint file is restored through Lightning, which hands every callback its saved
+        state: ``owner`` (the callback that runs the trials) is left out of those callbacks, as the state is its own.
+        """
         trainer.loggers = self.loggers
-        trainer.callbacks = self.callbacks  # type: ignore[attr-defined]
+        trainer.callbacks = [c for c in self.callbacks if c is not owner]  # type: ignore[attr-defined]
         trainer.limit_train_batches, trainer.limit_val_batches = self.limits
         fit_loop = trainer.fit_loop
         fit_loop.epoch_loop.max_steps, fit_loop.max_epochs = self.max
         if model_state is not None:
             model_state.restore()
+        trainer.callbacks = self.callbacks  # type: ignore[attr-defined]
         fit_loop.load_state_dict(deepcopy(self.loop_state))
         set_loop_flags(self.loop_flags)  # `load_state_dict` marked the loops as restarting
         fit_loop.epoch_loop.val_loop._has_run = self.val_has_run  # private, see `capture`

@@ -94,8 +94,9 @@ class TrialSession:
     ``configure_optimizers`` runs again (``estimated_stepping_batches``, schedulers built from it).
     """
 
-    def __init__(self, trainer: pl.Trainer, batch_arg_name: str) -> None:
+    def __init__(self, trainer: pl.Trainer, batch_arg_name: str, owner: object | None = None) -> None:
         self.trainer = trainer
+        self.owner = owner  # the callback running the trials: a restore of the fit's state is not news to it
         self.batch_arg_name = batch_arg_name
         self.original = (get_batch_size(trainer, batch_arg_name), trainer.accumulate_grad_batches)
         self.chosen: tuple[int, int] | None = None
@@ -122,7 +123,7 @@ class TrialSession:
             self._unpatch_module()
             unload_dataloaders(trainer)
             join_workers(self._stopping)  # no trial's worker outlives the session
-            saved.restore(trainer, self._state)
+            saved.restore(trainer, self._state, self.owner)
         finally:
             size, accumulation = self.chosen if self.chosen is not None and exc[0] is None else self.original
             apply_batch_size(
