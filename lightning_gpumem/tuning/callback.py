@@ -31,7 +31,7 @@ from lightning_gpumem._pl.logging import log_table, log_to_loggers, run_dir
 from lightning_gpumem._pl.peers import budget_bytes
 from lightning_gpumem.tuning import loaders
 from lightning_gpumem.tuning import trials as _session
-from lightning_gpumem.tuning.search import SearchResult, Trial, accepted, largest_held, search_batch_size
+from lightning_gpumem.tuning.search import SearchResult, Trial, largest_held, search_batch_size, walk_down
 from lightning_gpumem.tuning.trials import TrialSession
 
 MAX_TRIALS = 25
@@ -183,7 +183,6 @@ class BatchSizeTuner(Callback):
         self._size_due = False  # a size was chosen or restored and is not logged yet
         self._accumulation: int | None = None
         self._restored: dict[str, Any] | None = None
-        self._tuning = False
         self._baseline: int | None = None  # bytes allocated when the search started
 
     @property
@@ -227,7 +226,7 @@ class BatchSizeTuner(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if not self._tuning and state_dict.get("batch_size") is not None:
+        if state_dict.get("batch_size") is not None:
             self._restored = dict(state_dict)
 
     def scale(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int | None:
@@ -263,9 +262,8 @@ class BatchSizeTuner(Callback):
         start = time.perf_counter()
         total = probe.total_bytes() if limit is not None and probe.device.type == "cuda" else None
         previous_fraction = None
-        self._tuning = True
         try:
-            with TrialSession(trainer, self.batch_arg_name) as session:
+            with TrialSession(trainer, self.batch_arg_name, owner=self) as session:
                 self._original = session.original
                 self._seen: dict[int, tuple[int, int | None]] = {}  # size: (largest batch, dataset length)
                 if total:  # trials run with the allocator capped at the budget, as the fit will be
@@ -286,7 +284,6 @@ class BatchSizeTuner(Callback):
                 if result.batch_size is not None:  # apply (when the session is left)
                     session.choose(result.batch_size, self._accumulation_for(result.batch_size))
         finally:
-            self._tuning = False
             release_to(probe, baseline, LEFTOVER_BYTES)
             counters = probe.read(nvml=False, host=False)  # the trials' planned OOMs are not the run's
             self._counted = {
@@ -481,28 +478,20 @@ class BatchSizeTuner(Callback):
         The size kept runs from the fit's own starting state under the fit's cap, unless a trial of the search ran
         it (every trial starts from that state); where it does not run (the allocator's layout differs from size to
         size: large single allocations near a tight cap), the sizes 1%, 2%, 4%... of it below it run until one does (or
-        one that a trial of the search ran is kept).
+        one that a trial of the search ran is kept): :func:`~lightning_gpumem.tuning.search.walk_down` decides, under
+        the search's trial budget.
         """
         largest = result.batch_size
         if largest is None or result.reason == "upper_bound":
             return result
         size = min(largest, self._headroom_size(largest_held(result, limit) or largest))
-        if size == largest:
-            return SearchResult(size, result.trials, result.reason)
-        trials = [*result.trials]
-        step, failed = math.ceil(0.01 * size), size + 1
-        while len(trials) < MAX_TRIALS:  # walk down 1%, 2%, 4%... of it until a size runs
-            ran = [t.batch_size for t in trials if accepted(t, limit) and size <= t.batch_size < failed]
-            if ran:  # a trial ran one of these (the first time: the size kept) from the fit's own starting state
-                return SearchResult(max(ran), tuple(trials), result.reason)
-            trial = self._run_trial(session, probe, size)
-            trials.append(trial)
-            if accepted(trial, limit):
-                return SearchResult(size, tuple(trials), result.reason)
-            if size == 1:
-                break
-            failed, size, step = size, max(1, size - step), 2 * step
-        return SearchResult(None, tuple(trials), result.reason)
+        return walk_down(
+            lambda batch_size: self._run_trial(session, probe, batch_size),
+            result,
+            start=size,
+            limit_bytes=limit,
+            max_trials=MAX_TRIALS,
+        )
 
     def _report(self, trainer: pl.Trainer, result: SearchResult, seconds: float, upper: int) -> None:
         chosen = next(t for t in reversed(result.trials) if t.batch_size == result.batch_size)

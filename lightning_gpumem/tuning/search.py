@@ -6,8 +6,9 @@ a line, the line gives the largest size under the limit. Bisection (what Lightni
 needs about ``2 * log2(B)`` trials, several of them out-of-memory errors; this needs three to six.
 
 The search is a *bracket*, ``lo`` (the largest size accepted so far) and ``hi`` (the smallest rejected), and a
-*model* of memory (:class:`Model`) built from the trials. Each step takes the first move that applies
-(:func:`next_move`), and each move is a small function with a one-line reason:
+*model* of memory (:class:`MemoryModel`) built from the trials. Each step takes the first move (:class:`Move`) that
+applies (:func:`next_move`); each move is a small function that proposes a size with a one-line reason
+(:class:`Proposal`):
 
 - ``step_back``: the model's last size was just too large; 1% below it usually ends the search (and where that
   fails too, twice as far below, and so on).
@@ -31,10 +32,15 @@ a line through the reserved peaks. Slopes are exact fractions, so a cap exactly 
 
 A size is *accepted* when its trial ran without OOM and, if a limit is given, its measured peak is at most the
 limit. The result is always a size that was actually run and accepted.
+
+After the search, :func:`walk_down` keeps a smaller size (the tuner's headroom), or where it is not accepted the first
+accepted one going down from it in steps of 1%, 2%, 4%... of it; a size a trial of the search accepted is kept without
+running it again, and the search's trials count toward the walk's trial budget.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -48,6 +54,7 @@ SQUEEZED_WASTE = 0.01  # reserved but not live once the cap squeezed the cache: 
 SQUEEZES = 2  # retries in a trial that show the cap squeezing step after step, not one flush the steps then live with
 MAX_GROWTH = Fraction(3, 2)  # reserved grows at most this much faster than live tensors in the safe model
 FAR = Fraction(95, 100)  # a line's second point is at most this fraction of its first, where one exists
+WALK_STEP = 0.01  # the walk down's first step, a fraction of the size it starts from; it doubles after each failure
 
 
 @dataclass(frozen=True)
@@ -158,7 +165,7 @@ def _largest_where(lines: list[Line], limit: Fraction | int) -> int | None:
 
 
 @dataclass
-class Model:
+class MemoryModel:
     """Memory as a function of the batch size, from the accepted trials (see the module docstring)."""
 
     trials: list[Trial]
@@ -235,6 +242,32 @@ class Model:
 
 
 # ---------------------------------------------------------------------- the moves
+class Move(enum.Enum):
+    """The moves of the search (see the module docstring); each value is the name the documentation uses."""
+
+    STEP_BACK = "step_back"
+    SQUEEZED = "squeezed"
+    HALVE = "halve"
+    NEAR_CAP = "near_cap"
+    EDGE = "edge"
+    OPTIMISTIC = "optimistic"
+    SAFE = "safe"
+    DOUBLE = "double"
+    BISECT = "bisect"
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """The size a move tries next, and why (``str``: ``"<move> <size>: <reason>"``)."""
+
+    move: Move
+    size: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.move.value} {self.size}: {self.reason}"
+
+
 @dataclass
 class Bracket:
     """``lo`` ran and was accepted, ``hi`` failed or was rejected (``None``: nothing yet); sizes up to ``upper``."""
@@ -242,11 +275,11 @@ class Bracket:
     lo: int
     hi: int | None
     upper: int
-    last_move: str = ""
+    last_move: Move | None = None  # None: no move yet
     last_accepted: bool = False
     last_size: int = 0
     edge_at: int | None = None  # the lo whose lo + 1 was tried
-    lo_move: str = "start"  # the move that found lo
+    lo_move: Move | None = None  # the move that found lo; None: the first size accepted, from init_val down
     refuted: bool = False  # an edge ran where a fitted safe model said it would not: no more edges
     back: int = 0  # how far the last move stepped back
 
@@ -256,19 +289,16 @@ class Bracket:
         return self.upper if self.hi is None else self.hi - 1
 
 
-Move = tuple[str, int, str]  # name, size, reason
-
-
-def _step_back(b: Bracket, model: Model, tolerance: float) -> Move | None:
+def _step_back(b: Bracket, model: MemoryModel, tolerance: float) -> Proposal | None:
     # After the optimistic model failed, or the safe one ran but peaked over the limit (it was close); a safe guess
     # that ran out of memory may have been far off: bisection then. A step back that failed too steps twice as far.
     if b.last_accepted:
         return None
     last = next((t for t in model.trials if t.batch_size == b.last_size), None)
-    if b.last_move == "step_back":
+    if b.last_move is Move.STEP_BACK:
         step, reason = 2 * b.back, f"{b.last_size} was too large as well: step back twice as far"
-    elif b.last_move in ("optimistic", "near_cap", "squeezed") or (
-        b.last_move == "safe" and last is not None and last.fits
+    elif b.last_move in (Move.OPTIMISTIC, Move.NEAR_CAP, Move.SQUEEZED) or (
+        b.last_move is Move.SAFE and last is not None and last.fits
     ):
         step, reason = (
             max(1, math.ceil(tolerance * b.last_size)),
@@ -279,10 +309,10 @@ def _step_back(b: Bracket, model: Model, tolerance: float) -> Move | None:
     size = b.last_size - step
     if not b.lo < size <= b.top:
         return None
-    return "step_back", size, reason
+    return Proposal(Move.STEP_BACK, size, reason)
 
 
-def _edge(b: Bracket, model: Model, tolerance: float) -> Move | None:
+def _edge(b: Bracket, model: MemoryModel) -> Proposal | None:
     lo = _lo_trial(model, b)
     if b.refuted or b.edge_at == b.lo or b.lo + 1 > b.top:
         return None  # the safe model's "nothing above" was wrong once: no crawling one size per trial
@@ -291,10 +321,10 @@ def _edge(b: Bracket, model: Model, tolerance: float) -> Move | None:
         return None
     if safe is None and model.reserved is None and model.need is None:
         return None  # no model at all: doubling and bisection decide
-    return "edge", b.lo + 1, f"the safe model has nothing above it: if {b.lo + 1} fails the search is over"
+    return Proposal(Move.EDGE, b.lo + 1, f"the safe model has nothing above it: if {b.lo + 1} fails the search is over")
 
 
-def _squeezed(b: Bracket, model: Model, tolerance: float) -> Move | None:
+def _squeezed(b: Bracket, model: MemoryModel) -> Proposal | None:
     # The allocator retried again and again at the cap to run lo: near the cap it gives its cache back, so the memory
     # reserved but not live at lo overstates what a larger size needs (ResNet-50: 3 retries and 3.1 GiB at 477, 5 and
     # 0.46 GiB at 554, on a 24 GiB cap). One retry is a flush the steps then live with: a GPT had 1 retry and 3.0 GiB
@@ -305,22 +335,24 @@ def _squeezed(b: Bracket, model: Model, tolerance: float) -> Move | None:
     largest = model.optimistic_size()  # live tensors alone: no larger size can run
     if largest is None or largest <= b.lo + 1:
         return None
-    if b.lo_move in ("squeezed", "halve"):
+    if b.lo_move in (Move.SQUEEZED, Move.HALVE):
         half = (b.lo + min(largest, b.top) + 1) // 2
-        return "halve", half, f"{b.lo} ran: halve the sizes left up to {largest}, where live tensors fill the limit"
-    if b.lo_move != "edge" and (model.optimistic_size(model.waste_at(lo)) or 0) <= b.lo + 1:
+        return Proposal(
+            Move.HALVE, half, f"{b.lo} ran: halve the sizes left up to {largest}, where live tensors fill the limit"
+        )
+    if b.lo_move is not Move.EDGE and (model.optimistic_size(model.waste_at(lo)) or 0) <= b.lo + 1:
         return None  # the waste at lo leaves no room above lo + 1 (unless lo + 1 just ran): the edge decides it
     size = model.optimistic_size(math.ceil(SQUEEZED_WASTE * model.limit)) or 0
     if size <= b.lo + 1 or size > b.top:
         return None
-    return (
-        "squeezed",
+    return Proposal(
+        Move.SQUEEZED,
         size,
         f"the cap squeezed the cache at {b.lo}: live tensors plus 1% of the limit reach it at {size}",
     )
 
 
-def _near_cap(b: Bracket, model: Model, tolerance: float) -> Move | None:
+def _near_cap(b: Bracket, model: MemoryModel) -> Proposal | None:
     # Near the cap the reserved peak is squeezed (the allocator gives cache back before it fails), so reserved lines
     # say little there; what a larger size needs is its live tensors plus the fragmentation seen at lo.
     lo = _lo_trial(model, b)
@@ -330,30 +362,32 @@ def _near_cap(b: Bracket, model: Model, tolerance: float) -> Move | None:
     size = model.optimistic_size(waste)
     if size is None or (b.hi is not None and size >= b.hi):
         return None
-    if size > b.lo + 1 and b.lo_move in ("start", "safe"):  # once: from its own result it would step by the slack
-        return (
-            "near_cap",
+    if size > b.lo + 1 and b.lo_move in (None, Move.SAFE):  # once: from its own result it would step by the slack
+        return Proposal(
+            Move.NEAR_CAP,
             size,
             (
                 f"near the cap: live tensors plus the {waste / 2**30:.2f} GiB reserved but not live at {b.lo} reach the"
                 f" limit at {size}"
             ),
         )
-    if b.edge_at == b.lo or b.lo + 1 > b.top or b.lo_move not in ("start", "safe", "near_cap"):
+    if b.edge_at == b.lo or b.lo + 1 > b.top or b.lo_move not in (None, Move.SAFE, Move.NEAR_CAP):
         return None  # only from a size a model chose: no crawling one size per trial
-    return "edge", b.lo + 1, f"near the cap, no room above {b.lo + 1}: if it fails the search is over"
+    return Proposal(Move.EDGE, b.lo + 1, f"near the cap, no room above {b.lo + 1}: if it fails the search is over")
 
 
-def _optimistic(b: Bracket, model: Model, tolerance: float) -> Move | None:
+def _optimistic(b: Bracket, model: MemoryModel) -> Proposal | None:
     if not b.refuted:  # only once an edge has shown that the safe model overstates the need
         return None
     size = model.optimistic_size()
     if size is None or size <= b.lo or (b.hi is not None and size >= b.hi):
         return None
-    return "optimistic", size, f"the safe model overstated the need: live tensors alone reach the limit at {size}"
+    return Proposal(
+        Move.OPTIMISTIC, size, f"the safe model overstated the need: live tensors alone reach the limit at {size}"
+    )
 
 
-def _safe(b: Bracket, model: Model, tolerance: float) -> Move | None:
+def _safe(b: Bracket, model: MemoryModel) -> Proposal | None:
     lo = _lo_trial(model, b)
     if b.refuted and _near_limit(lo, model.limit):
         return None  # near the cap the reserved peaks are squeezed, and an edge showed they overstate the need
@@ -362,29 +396,42 @@ def _safe(b: Bracket, model: Model, tolerance: float) -> Move | None:
         return None
     if b.hi is not None and size >= b.hi:
         return None  # contradicted: the model says a size that failed fits
-    return "safe", min(size, b.top), f"the safe model's largest size under the limit is {size}"
+    return Proposal(Move.SAFE, min(size, b.top), f"the safe model's largest size under the limit is {size}")
 
 
-def _fallback(b: Bracket, model: Model, tolerance: float) -> Move:
+def _fallback(b: Bracket) -> Proposal:
     if b.hi is None:
-        return "double", min(2 * b.lo, b.top), "no usable model: double"
-    return "bisect", (b.lo + b.hi) // 2, "no usable model: bisect"
+        return Proposal(Move.DOUBLE, min(2 * b.lo, b.top), "no usable model: double")
+    return Proposal(Move.BISECT, (b.lo + b.hi) // 2, "no usable model: bisect")
 
 
-MOVES = (_step_back, _squeezed, _near_cap, _edge, _safe, _optimistic)  # the first that applies
+# After the step back (the one move that takes the tolerance), the first of these that applies.
+MOVES: tuple[Callable[[Bracket, MemoryModel], Proposal | None], ...] = (
+    _squeezed,
+    _near_cap,
+    _edge,
+    _safe,
+    _optimistic,
+)
 
 
-def _lo_trial(model: Model, b: Bracket) -> Trial:
+def _lo_trial(model: MemoryModel, b: Bracket) -> Trial:
     return next(t for t in model.trials if t.batch_size == b.lo)
 
 
-def next_move(b: Bracket, model: Model, tolerance: float) -> Move:
-    """The first move that applies, in the order of :data:`MOVES`; else double or bisect."""
+def next_move(b: Bracket, model: MemoryModel, tolerance: float) -> Proposal:
+    """The step back (by ``tolerance`` of the last size) if it applies, else the first of :data:`MOVES` that does.
+
+    Else double (nothing rejected yet) or bisect.
+    """
+    found = _step_back(b, model, tolerance)
+    if found is not None:
+        return found
     for move in MOVES:
-        found = move(b, model, tolerance)
+        found = move(b, model)
         if found is not None:
             return found
-    return _fallback(b, model, tolerance)
+    return _fallback(b)
 
 
 def _near_limit(trial: Trial, limit: int | None) -> bool:
@@ -402,7 +449,7 @@ def search_batch_size(
     limit_bytes: int | None = None,
     max_trials: int = 25,
     tolerance: float = 0.01,
-    on_move: Callable[[Move], None] | None = None,
+    on_move: Callable[[Proposal], None] | None = None,
 ) -> SearchResult:
     """Find the largest accepted batch size in ``[1, upper]``.
 
@@ -414,7 +461,9 @@ def search_batch_size(
         max_trials: stop after this many trials with the best size found.
         tolerance: stop once the sizes between the largest accepted and the smallest rejected one are at most this
             fraction of the accepted one (0: always to the exact boundary). Below 100 the boundary is always exact.
-        on_move: called with each move (name, size, reason) before its trial runs.
+            A step back steps this fraction of the size that was just too large (at least 1).
+        on_move: called with each move's :class:`Proposal` (its size clamped to the open sizes) before its trial
+            runs; not called for the sizes tried on the way down to the first accepted one.
 
     Returns:
         The largest accepted size and the trials.
@@ -448,7 +497,7 @@ def search_batch_size(
             return result(None, "nothing_fits")
         if len(trials) >= max_trials:
             return result(None, "max_trials")
-        guess = Model(list(trials.values()), limit_bytes).safe_size(trials[size])  # the line through the origin
+        guess = MemoryModel(list(trials.values()), limit_bytes).safe_size(trials[size])  # the line through the origin
         size = guess if guess is not None and 1 <= guess < size else max(1, size // 2)
 
     # 2. Move up the bracket, one move per trial.
@@ -461,21 +510,88 @@ def search_batch_size(
             return result(lo, "bracketed")
         if len(trials) >= max_trials:
             return result(lo, "max_trials")
-        model = Model(list(trials.values()), limit_bytes)
+        model = MemoryModel(list(trials.values()), limit_bytes)
         if bracket.hi is None and model.next_one_crosses(trials[lo]):
             return result(lo, "predicted")
-        name, size, reason = next_move(bracket, model, tolerance)
-        size = min(max(size, lo + 1), bracket.top)
+        proposal = next_move(bracket, model, tolerance)
+        move, size = proposal.move, min(max(proposal.size, lo + 1), bracket.top)
         if on_move is not None:
-            on_move((name, size, reason))
-        if name == "edge":
+            on_move(Proposal(move, size, proposal.reason))
+        if move is Move.EDGE:
             bracket.edge_at = lo
         ok = accepted(run(size), limit_bytes)
-        if name == "edge" and ok and (model.need is not None or model.reserved is not None):
+        if move is Move.EDGE and ok and (model.need is not None or model.reserved is not None):
             bracket.refuted = True
         if ok:
-            bracket.lo, bracket.lo_move = size, name
+            bracket.lo, bracket.lo_move = size, move
         else:
             bracket.hi = size
-        bracket.back = bracket.last_size - size if name == "step_back" else 0
-        bracket.last_move, bracket.last_accepted, bracket.last_size = name, ok, size
+        bracket.back = bracket.last_size - size if move is Move.STEP_BACK else 0
+        bracket.last_move, bracket.last_accepted, bracket.last_size = move, ok, size
+
+
+# ---------------------------------------------------------------------- the walk down
+def walk_down(
+    run_trial: Callable[[int], Trial],
+    result: SearchResult,
+    *,
+    start: int,
+    limit_bytes: int | None = None,
+    max_trials: int = 25,
+) -> SearchResult:
+    """Keep ``start`` (at most the search's result) where it is accepted, else the largest accepted size below it.
+
+    With ``start`` the result, that is the result, with no trial. Else, from ``size = start`` and ``step`` 1% of
+    ``start`` (rounded up), in turn: where a trial of the search accepted a size from ``size`` up to, not including,
+    the last size the walk tried (``start`` included, the first time), the largest such size is kept without running
+    again; else ``size`` runs, and is kept if accepted; else ``size`` goes ``step`` lower (not below 1) and ``step``
+    doubles: 1%, 2%, 4%... of ``start``.
+
+    Args:
+        run_trial: runs a trial at a batch size and reports it, as in :func:`search_batch_size`; called at most once
+            per size, never for a size the result's trials accepted.
+        result: the search's result; the walk's trials are added to its trials.
+        start: the size to keep where it is accepted, in ``[1, result.batch_size]``.
+        limit_bytes: peaks above this are rejected like OOMs, as in the search.
+        max_trials: the trials of the search and of the walk together: once there are this many and no size is
+            kept, the walk stops at the largest size below that a trial accepted.
+
+    Returns:
+        The size kept, every trial in order (the search's, then the walk's) and the search's stop reason.
+        ``batch_size`` is ``None`` where none is kept: the result's is ``None``, the walk reached 1 and it was
+        rejected, or ``max_trials`` trials ran first (also where the search ran them all and ``start`` is below its
+        result: then not even a size the search accepted is kept).
+
+    Raises:
+        ValueError: if ``start`` is not in ``[1, result.batch_size]``.
+
+    Example:
+        >>> trials = (Trial(2, True), Trial(100, True), Trial(101, False))
+        >>> searched = SearchResult(100, trials, "bracketed")
+        >>> kept = walk_down(lambda bs: Trial(bs, fits=bs <= 93), searched, start=95)  # 95 fails, then 94 and 92
+        >>> kept.batch_size, [t.batch_size for t in kept.trials[3:]]
+        (92, [95, 94, 92])
+    """
+    best = result.batch_size
+    if best is None:
+        return result
+    if not 1 <= start <= best:
+        raise ValueError(f"`start={start}` must be in [1, {best}], the search's result.")
+    if start == best:
+        return SearchResult(best, result.trials, result.reason)
+    trials = [*result.trials]
+    size, step, failed = start, math.ceil(WALK_STEP * start), start + 1
+    while True:
+        ran = [t.batch_size for t in trials if accepted(t, limit_bytes) and size <= t.batch_size < failed]
+        if ran:  # a trial ran one of these (the first time: ``start``)
+            return SearchResult(max(ran), tuple(trials), result.reason)
+        if len(trials) >= max_trials:  # no trial left: the largest size below that a trial accepted, if any
+            below = [t.batch_size for t in trials if accepted(t, limit_bytes) and t.batch_size < size]
+            return SearchResult(max(below) if below else None, tuple(trials), result.reason)
+        trial = run_trial(size)
+        trials.append(trial)
+        if accepted(trial, limit_bytes):
+            return SearchResult(size, tuple(trials), result.reason)
+        if size == 1:
+            return SearchResult(None, tuple(trials), result.reason)
+        failed, size, step = size, max(1, size - step), 2 * step

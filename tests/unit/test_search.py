@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_gpumem.tuning.search import Trial, search_batch_size
+from lightning_gpumem.tuning.search import Move, Proposal, SearchResult, Trial, search_batch_size, walk_down
 
 GIB = 2**30
 CARD = 24 * GIB
@@ -491,9 +491,9 @@ def test_one_retry_at_the_cap_is_not_a_squeeze_the_gpt_lives_with_its_waste():
         40: (25591545856, 22317322240, 22317322240, 8264809984, 1),
         **dict.fromkeys(range(41, 48)),
     }
-    moves: list = []
+    moves: list[Proposal] = []
     result = search_batch_size(_replay(measured), init_val=2, upper=16384, limit_bytes=24 * GIB, on_move=moves.append)
-    assert "squeezed" not in [name for name, _, _ in moves]
+    assert Move.SQUEEZED not in [m.move for m in moves]
     assert [t.batch_size for t in result.trials] == [2, 9, 33, 38, 40, 41]
     assert result.batch_size == 40
     assert result.num_ooms == 1
@@ -564,10 +564,10 @@ def test_a_cache_the_cap_squeezes_is_jumped_past_with_one_oom(card_gib, cache_gi
     cap = card_gib * GIB
     run = squeezing_allocator(int(42.67 * MIB), int(cache_gib * GIB), floor_mib * MIB, cap)
     best = max(bs for bs in range(1, 2000) if run(bs).fits)
-    moves: list = []
+    moves: list[Proposal] = []
     result = search_batch_size(run, init_val=2, upper=65536, limit_bytes=cap, on_move=moves.append)
     assert 0.99 * best <= result.batch_size <= best
-    assert "squeezed" in [name for name, _, _ in moves]
+    assert Move.SQUEEZED in [m.move for m in moves]
     assert len(result.trials) <= 7
     assert result.num_ooms == 1
 
@@ -576,11 +576,10 @@ def test_a_step_back_that_fails_steps_back_twice_as_far():
     cap = 24 * GIB
     run = squeezing_allocator(int(42.67 * MIB), int(2.8 * GIB), 600 * MIB, cap)  # 2.4% left over at the cap
     best = max(bs for bs in range(1, 2000) if run(bs).fits)
-    moves: list = []
+    moves: list[Proposal] = []
     result = search_batch_size(run, init_val=2, upper=65536, limit_bytes=cap, on_move=moves.append)
-    named = [(name, size) for name, size, _ in moves]
-    squeezed = next(size for name, size in named if name == "squeezed")
-    first, second = (size for name, size in named if name == "step_back")
+    squeezed = next(m.size for m in moves if m.move is Move.SQUEEZED)
+    first, second = (m.size for m in moves if m.move is Move.STEP_BACK)
     assert squeezed - first == 6  # 1% of 560
     assert first - second == 12  # then twice that
     assert 0.99 * best <= result.batch_size <= best
@@ -628,3 +627,107 @@ def test_the_benchmark_trials_replay_exactly():
                 assert len(result.trials) >= len(search) - 1, path.name
                 replayed += 1
     assert replayed >= 9
+
+
+def test_each_move_is_named_in_the_docs_by_its_value_and_printed_with_its_reason():
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "batch_size_tuner.md").read_text()
+    assert [move for move in Move if f"`{move.value}`" not in docs] == []
+    moves: list[Proposal] = []
+    search_batch_size(lambda bs: Trial(bs, fits=bs <= 53), init_val=2, upper=100, on_move=moves.append)
+    assert str(moves[0]) == "double 4: no usable model: double"
+    assert [m.move for m in moves] == [Move.DOUBLE] * 5 + [Move.BISECT] * 5
+
+
+# ---------------------------------------------------------------------- the walk down
+OK = (20 * GIB, 18 * GIB, 18 * GIB, None)  # accepted under 24 GiB
+OVER = (25 * GIB, 22 * GIB, 22 * GIB, None)  # ran, but peaked over 24 GiB: rejected
+
+
+def _searched(measured: dict[int, tuple[int | None, ...] | None], sizes: list[int], reason="bracketed"):
+    """A search's result from its trials (sizes in the order tried, replayed from `measured`)."""
+    run = _replay(measured)
+    trials = tuple(run(bs) for bs in sizes)
+    best = max((t.batch_size for t in trials if t.fits and t.peak_bytes <= 24 * GIB), default=None)
+    return SearchResult(best, trials, reason)
+
+
+def _walked(result: SearchResult, searched: SearchResult) -> list[tuple[int, bool]]:
+    assert result.trials[: len(searched.trials)] == searched.trials  # the search's trials come first, unchanged
+    assert result.reason == searched.reason
+    return [(t.batch_size, t.fits) for t in result.trials[len(searched.trials) :]]
+
+
+@pytest.mark.parametrize(
+    ("start", "walk"),
+    [
+        (68, [(68, None), (67, None), (65, OVER), (61, OK)]),  # steps 1, 2, then 4
+        (531, [(531, None), (525, None), (513, None), (489, OK)]),  # 1% of 531 is 6: 6, 12, then 24
+    ],
+)
+def test_below_a_kept_size_that_fails_the_walk_doubles_its_step(start, walk):
+    searched = _searched({2: OK, 600: OK, 601: None}, [2, 600, 601])
+    result = walk_down(_replay(dict(walk)), searched, start=start, limit_bytes=24 * GIB)
+    assert _walked(result, searched) == [(size, peaks is not None) for size, peaks in walk]
+    assert result.batch_size == walk[-1][0]
+
+
+def test_a_size_the_search_ran_is_kept_without_running_it_again():
+    searched = _searched({62: OK, 63: OK, 75: OK, 76: None}, [62, 63, 75, 76])
+    result = walk_down(_replay({68: None, 67: None, 65: None}), searched, start=68, limit_bytes=24 * GIB)
+    assert _walked(result, searched) == [(68, False), (67, False), (65, False)]  # 61 is next: 62 and 63 ran
+    assert result.batch_size == 63
+
+
+def test_a_start_the_search_ran_is_kept_with_no_trial():
+    searched = _searched({68: OK, 75: OK, 76: None}, [68, 75, 76])
+    result = walk_down(_replay({}), searched, start=68, limit_bytes=24 * GIB)
+    assert _walked(result, searched) == []
+    assert result.batch_size == 68
+
+
+def test_a_start_that_is_the_result_is_the_result():
+    searched = _searched({2: OK, 75: OK, 76: None}, [2, 75, 76])
+    assert walk_down(_replay({}), searched, start=75, limit_bytes=24 * GIB) == searched
+    nothing = _searched({1: None}, [1], "nothing_fits")
+    assert walk_down(_replay({}), nothing, start=1) == nothing
+
+
+def test_the_trial_budget_ends_the_walk_at_the_largest_size_below_that_ran():
+    sizes = [2, *range(90, 110), 600, 601]  # 23 trials: two are left to the walk
+    searched = _searched({**dict.fromkeys(sizes, OK), 601: None}, sizes)
+    result = walk_down(_replay({570: None, 564: None}), searched, start=570, limit_bytes=24 * GIB, max_trials=25)
+    assert _walked(result, searched) == [(570, False), (564, False)]  # 552 would be next
+    assert result.batch_size == 109  # no trial left: the largest size below that a trial accepted
+    assert len(result.trials) == 25
+
+
+def test_the_trial_budget_ends_the_walk_with_nothing_kept_where_nothing_below_ran():
+    sizes = [*range(580, 601), 601]  # 22 trials, none below the walk's sizes
+    searched = _searched({**dict.fromkeys(sizes, OK), 601: None}, sizes)
+    walk = {570: None, 564: None, 552: None}
+    result = walk_down(_replay(walk), searched, start=570, limit_bytes=24 * GIB, max_trials=25)
+    assert _walked(result, searched) == [(570, False), (564, False), (552, False)]
+    assert result.batch_size is None
+
+
+def test_a_search_that_used_every_trial_still_keeps_a_size_it_ran_at_or_below_the_start():
+    sizes = [2, *range(60, 82), 82, 83]  # 25 trials: none left for the walk
+    searched = _searched({**dict.fromkeys(sizes, OK), 83: None}, sizes)
+    result = walk_down(_replay({}), searched, start=75, limit_bytes=24 * GIB, max_trials=25)
+    assert _walked(result, searched) == []
+    assert result.batch_size == 75  # the search ran 75: kept, not "ran out of memory when run again"
+
+
+def test_where_nothing_down_to_one_runs_the_walk_keeps_nothing():
+    searched = _searched({11: OK, 12: None}, [11, 12])  # from init_val 11: no smaller size ran
+    walk = {10: None, 9: None, 7: None, 3: None, 1: None}  # steps 1, 2, 4, then 8 (not below 1)
+    result = walk_down(_replay(walk), searched, start=10, limit_bytes=24 * GIB)
+    assert _walked(result, searched) == [(10, False), (9, False), (7, False), (3, False), (1, False)]
+    assert result.batch_size is None
+
+
+@pytest.mark.parametrize("start", [0, 76])
+def test_the_walk_starts_from_a_size_up_to_the_result(start):
+    searched = _searched({2: OK, 75: OK, 76: None}, [2, 75, 76])
+    with pytest.raises(ValueError, match=f"start={start}"):
+        walk_down(_replay({}), searched, start=start)
