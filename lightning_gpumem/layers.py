@@ -20,8 +20,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
+from lightning_gpumem import keys
 from lightning_gpumem._core.checks import require_int, require_trainer
 from lightning_gpumem._core.files import check_dirpath, prepare_dir, unique_path, write_atomic
 from lightning_gpumem._hw.probe import Probe, make_probe
@@ -124,6 +126,161 @@ def to_csv(records: list[LayerRecord]) -> str:
     return buffer.getvalue()
 
 
+class _StepRecorder:
+    """The recording of one training step: hooks on every leaf module, a saved-tensors hook, and what they measured.
+
+    :meth:`start` registers forward hooks on every leaf module and enters a ``saved_tensors_hooks`` context whose pack
+    hook attributes each tensor saved for backward to the leaf module running; :meth:`end_forward` leaves that
+    context when backward begins (only the forward's saved tensors count); :meth:`end_backward` closes the last
+    backward window and reads the gradients; :meth:`end_step` reads the step's last peak and stops. :meth:`stop`
+    leaves the context if it is still entered and removes the hooks; it is idempotent, and the callback calls it on
+    every way out of the step (its end, an exception or Ctrl-C, a step skipped, teardown), so the context is entered
+    once and left exactly once. A stopped recorder's hooks that outlive it (``grad_fn`` pre-hooks on a graph kept
+    past the step) do nothing.
+
+    Attributes:
+        step: the ``global_step`` recorded.
+        records: every leaf module's record, in forward order.
+        step_peak_bytes: peak allocated memory over the step so far, in bytes.
+        saved_outside: bytes saved for backward outside any leaf module (the loss, for one).
+    """
+
+    def __init__(self, probe: Probe, step: int) -> None:
+        self.step = step
+        self.records: list[LayerRecord] = []
+        self.step_peak_bytes = 0
+        self.saved_outside = 0
+        self._probe = probe
+        self._recording = False
+        self._handles: list[RemovableHandle] = []
+        self._saved_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._by_module: dict[torch.nn.Module, LayerRecord] = {}
+        self._before: dict[torch.nn.Module, int] = {}
+        self._backward_open: LayerRecord | None = None
+        self._before_backward = 0
+        self._param_storages: set[int] = set()
+        self._seen_storages: set[int] = set()
+        self._running: list[LayerRecord] = []
+
+    def start(self, module: torch.nn.Module) -> None:
+        """Hook every leaf module of ``module`` and enter the saved-tensors context; on an error, undo both."""
+        self._recording = True
+        try:
+            self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
+            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+            hooks.__enter__()  # left in `end_forward`, else in `stop`
+            self._saved_hooks = hooks
+            for name, leaf in module.named_modules():
+                if next(leaf.children(), None) is not None:
+                    continue  # leaves only: a parent's window would contain its children's
+                record = LayerRecord(name or type(leaf).__name__, type(leaf).__name__)
+                record.param_bytes = sum(p.numel() * p.element_size() for p in leaf.parameters(recurse=False))
+                self.records.append(record)
+                self._by_module[leaf] = record
+                self._handles.append(leaf.register_forward_pre_hook(self._forward_pre))
+                self._handles.append(leaf.register_forward_hook(self._forward_post))
+            self._reset()
+        except BaseException:
+            self.stop()
+            raise
+
+    def end_forward(self) -> None:
+        """Backward begins: leave the saved-tensors context (a no-op once left)."""
+        self._leave_saved_hooks()
+
+    def end_backward(self) -> None:
+        """Backward ended: close the last module's backward window and read every leaf's gradient bytes."""
+        if not self._recording:
+            return
+        self._close_backward()
+        for module, record in self._by_module.items():
+            record.grad_bytes = sum(
+                p.grad.numel() * p.grad.element_size() for p in module.parameters(recurse=False) if p.grad is not None
+            )
+
+    def end_step(self) -> None:
+        """The step ended: read its last peak, then :meth:`stop` (also where the reading fails)."""
+        try:
+            if self._recording:
+                self._read_peak()
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        """Leave the saved-tensors context if it is still entered and remove the hooks; idempotent."""
+        self._recording = False
+        self._leave_saved_hooks()
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+        self._by_module, self._before, self._running, self._backward_open = {}, {}, [], None
+
+    def _leave_saved_hooks(self) -> None:
+        hooks, self._saved_hooks = self._saved_hooks, None  # cleared first: never left twice
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
+
+    # ------------------------------------------------------------------ measuring
+    def _allocated(self) -> int:
+        return self._probe.allocated_bytes() or 0
+
+    def _reset(self) -> None:
+        self._probe.reset_peaks()
+
+    def _read_peak(self) -> int:
+        peak = self._probe.read_peaks()[0] or 0
+        self.step_peak_bytes = max(self.step_peak_bytes, peak)
+        return peak
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        on_device = tensor.device == self._probe.device
+        if on_device and pointer not in self._param_storages and pointer not in self._seen_storages:
+            self._seen_storages.add(pointer)
+            if self._running:
+                self._running[-1].saved_bytes += storage.nbytes()
+            else:
+                self.saved_outside += storage.nbytes()
+        return tensor
+
+    def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
+        self._read_peak()
+        self._reset()
+        self._before[module] = self._allocated()
+        self._running.append(self._by_module[module])
+
+    def _forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        record = self._by_module[module]
+        if self._running and self._running[-1] is record:
+            self._running.pop()
+        record.forward_peak_bytes = max(0, self._read_peak() - self._before.get(module, 0))
+        record.activation_bytes = max(0, self._allocated() - self._before.get(module, 0))
+        self._reset()
+        grad_fn = _first_grad_fn(output)
+        if grad_fn is not None and torch.is_grad_enabled():
+            grad_fn.register_prehook(lambda grad_outputs, record=record: self._open_backward(record))
+
+    def _open_backward(self, record: LayerRecord) -> None:
+        if not self._recording:
+            return  # a graph kept past the step: its backward is not this step's
+        self._close_backward()
+        self._backward_open = record
+        self._before_backward = self._allocated()
+        self._reset()
+
+    def _close_backward(self) -> None:
+        # Read the peak even with no module open: between the last forward and the first backward hook run the
+        # loss and its backward (a large-vocabulary cross-entropy is often the step's real peak).
+        peak = self._read_peak()
+        record = self._backward_open
+        if record is not None:
+            record.backward_peak_bytes = max(record.backward_peak_bytes, peak - self._before_backward)
+        self._reset()
+        self._backward_open = None
+
+
+@keys.document
 class LayerMemoryProfiler(Callback):
     r"""Measure, for one training step, what each layer holds: parameters, gradients, activations, peaks.
 
@@ -138,10 +295,17 @@ class LayerMemoryProfiler(Callback):
     activation memory are the candidates for activation checkpointing. The hooks are removed after that step, so
     other steps run untouched. Without an accelerator it warns once and does nothing.
 
+    The hooks, and the ``saved_tensors_hooks`` context that counts what autograd saves, are removed on every way
+    out of the step: its end, an error or Ctrl-C in it (the error propagates unchanged), teardown. A step skipped
+    before it ran (the module's ``on_train_batch_start`` returned ``-1``) records nothing: the next batch starting
+    at ``at_step`` is profiled.
+
     The peak counters are reset at each hook during that one step, so a :class:`~lightning_gpumem.MemoryMonitor`'s
     ``train_peak_*`` for the profiled step covers only its end; the table's footer has the step's whole peak.
 
-    **Logged metrics**: none as scalars; the text ``gpumem/layer_memory`` (TensorBoard) and the CSV file.
+    **Logged metrics** (a table, no scalars; from :mod:`lightning_gpumem.keys`):
+
+    {logged_metrics}
 
     Args:
         at_step: the training step (``global_step`` when it starts) to profile; after the first one, the optimizer
@@ -179,19 +343,8 @@ class LayerMemoryProfiler(Callback):
         """Peak allocated memory over the whole profiled step, in bytes."""
         self.csv_path: Path | None = None
         """The CSV file written (``None`` before the profiled step, or where it could not be written)."""
-        self._probe: Probe | None = None
-        self._handles: list[Any] = []
-        self._active = False
-        self._by_module: dict[torch.nn.Module, LayerRecord] = {}
-        self._before: dict[torch.nn.Module, int] = {}
-        self._backward_open: LayerRecord | None = None
-        self._before_backward = 0
-        self._profiled_step = at_step
-        self._saved_hooks: Any = None
-        self._param_storages: set[int] = set()
-        self._seen_storages: set[int] = set()
-        self._running: list[LayerRecord] = []
-        self._saved_outside = 0
+        self._probe: Probe | None = None  # set at `setup` where the device has allocator statistics
+        self._recorder: _StepRecorder | None = None  # the step being recorded, from its start to its way out
         self._warned = False
 
     # ------------------------------------------------------------------ hooks
@@ -221,74 +374,55 @@ class LayerMemoryProfiler(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._probe is None or self._active or self.table is not None or trainer.global_step != self.at_step:
+        probe = self._probe
+        if probe is None or self._recorder is not None or self.table is not None or trainer.global_step != self.at_step:
             return
-        self._active = True
-        self._profiled_step = trainer.global_step
-        self.step_peak_bytes = 0
-        self.records, self._by_module = [], {}
-        self._param_storages = {p.untyped_storage().data_ptr() for p in pl_module.parameters()}
-        self._seen_storages = set()
-        self._running = []
-        self._saved_outside = 0
-        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-        self._saved_hooks.__enter__()  # left in `on_before_backward`: only the forward's saved tensors are counted
-        for name, module in pl_module.named_modules():
-            if next(module.children(), None) is not None:
-                continue  # leaves only: a parent's window would contain its children's
-            record = LayerRecord(name or type(module).__name__, type(module).__name__)
-            record.param_bytes = sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
-            self.records.append(record)
-            self._by_module[module] = record
-            self._handles.append(module.register_forward_pre_hook(self._forward_pre))
-            self._handles.append(module.register_forward_hook(self._forward_post))
-        self._reset()
+        recorder = _StepRecorder(probe, trainer.global_step)
+        self.records, self.step_peak_bytes = recorder.records, 0  # filled as the step runs
+        recorder.start(pl_module)
+        self._recorder = recorder
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        self._leave_saved_hooks()
-
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._leave_saved_hooks()
-        for handle in self._handles:
-            handle.remove()
-        self._handles, self._active = [], False
-
-    def _leave_saved_hooks(self) -> None:
-        if self._saved_hooks is not None:
-            self._saved_hooks.__exit__(None, None, None)
-            self._saved_hooks = None
+        if self._recorder is not None:
+            self._recorder.end_forward()
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self._active:
-            return
-        self._close_backward()
-        for module, record in self._by_module.items():
-            record.grad_bytes = sum(
-                p.grad.numel() * p.grad.element_size() for p in module.parameters(recurse=False) if p.grad is not None
-            )
+        if self._recorder is not None:
+            self._recorder.end_backward()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        recorder = self._stop()
+        if recorder is not None:
+            self.step_peak_bytes = recorder.step_peak_bytes  # what the step measured before it failed
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._drop_skipped_step()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._drop_skipped_step()
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
     ) -> None:
-        if not self._active:
+        recorder = self._recorder
+        if recorder is None:
             return
-        self._read_peak()
-        self._leave_saved_hooks()
-        for handle in self._handles:
-            handle.remove()
-        self._handles, self._active = [], False
-        other = {"optimizer state": _optimizer_state_bytes(trainer), "saved outside layers": self._saved_outside}
-        self.table = format_table(self.records, self.top_k, self._profiled_step, self.step_peak_bytes, other)
-        self._by_module, self._before = {}, {}
+        recorder.end_step()
+        self._recorder = None
+        self.step_peak_bytes = recorder.step_peak_bytes
+        other = {"optimizer state": _optimizer_state_bytes(trainer), "saved outside layers": recorder.saved_outside}
+        self.table = format_table(self.records, self.top_k, recorder.step, self.step_peak_bytes, other)
         if not trainer.is_global_zero:
             return
         rank_zero_info(self.table)
         directory = run_dir(trainer, self.dirpath)
-        path = unique_path(directory / f"layer_memory_step{self._profiled_step}.csv")  # another run's stays
+        path = unique_path(directory / f"layer_memory_step{recorder.step}.csv")  # another run's stays
         try:
             write_atomic(path, to_csv(self.records))
             self.csv_path = path
@@ -298,66 +432,28 @@ class LayerMemoryProfiler(Callback):
         rows = [[getattr(record, name) for name in names] for record in self.records]
         table = f"```\n{self.table}\n```"
         log_table(
-            trainer, "gpumem/layer_memory", names, rows, trainer.global_step, table, "LayerMemoryProfiler", directory
+            trainer,
+            keys.LAYER_MEMORY.format(),
+            names,
+            rows,
+            trainer.global_step,
+            table,
+            "LayerMemoryProfiler",
+            directory,
         )
 
-    # ------------------------------------------------------------------ measuring
-    def _allocated(self) -> int:
-        return (self._probe.allocated_bytes() if self._probe is not None else None) or 0
+    def _stop(self) -> _StepRecorder | None:
+        """Stop the step's recorder, if one is recording; returns it."""
+        recorder, self._recorder = self._recorder, None
+        if recorder is not None:
+            recorder.stop()
+        return recorder
 
-    def _reset(self) -> None:
-        if self._probe is not None:
-            self._probe.reset_peaks()
-
-    def _read_peak(self) -> int:
-        peak = (self._probe.read_peaks()[0] if self._probe is not None else None) or 0
-        self.step_peak_bytes = max(self.step_peak_bytes or 0, peak)
-        return peak
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        pointer = storage.data_ptr()
-        on_device = tensor.device == getattr(self._probe, "device", None)
-        if on_device and pointer not in self._param_storages and pointer not in self._seen_storages:
-            self._seen_storages.add(pointer)
-            if self._running:
-                self._running[-1].saved_bytes += storage.nbytes()
-            else:
-                self._saved_outside += storage.nbytes()
-        return tensor
-
-    def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
-        self._read_peak()
-        self._reset()
-        self._before[module] = self._allocated()
-        self._running.append(self._by_module[module])
-
-    def _forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        record = self._by_module[module]
-        if self._running and self._running[-1] is record:
-            self._running.pop()
-        record.forward_peak_bytes = max(0, self._read_peak() - self._before.get(module, 0))
-        record.activation_bytes = max(0, self._allocated() - self._before.get(module, 0))
-        self._reset()
-        grad_fn = _first_grad_fn(output)
-        if grad_fn is not None and torch.is_grad_enabled():
-            grad_fn.register_prehook(lambda grad_outputs, record=record: self._open_backward(record))
-
-    def _open_backward(self, record: LayerRecord) -> None:
-        self._close_backward()
-        self._backward_open = record
-        self._before_backward = self._allocated()
-        self._reset()
-
-    def _close_backward(self) -> None:
-        # Read the peak even with no module open: between the last forward and the first backward hook run the
-        # loss and its backward (a large-vocabulary cross-entropy is often the step's real peak).
-        peak = self._read_peak()
-        record = self._backward_open
-        if record is not None:
-            record.backward_peak_bytes = max(record.backward_peak_bytes, peak - self._before_backward)
-        self._reset()
-        self._backward_open = None
+    def _drop_skipped_step(self) -> None:
+        # Still recording when the epoch or the fit ends: the step never ran (`on_train_batch_start` returned -1 in
+        # the module). Nothing was measured; the next batch starting at `at_step` is profiled.
+        if self._stop() is not None:
+            self.records, self.step_peak_bytes = [], None
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
