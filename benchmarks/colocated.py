@@ -27,12 +27,13 @@ reserved memory, writes the signal file, then waits (at most half of ``--timeout
 trains on. So B allocates while A is alive and holds what the callback left, and B has freed its memory before A's
 second validation spikes again.
 
-**Throughput cost.** A callback placed first in A's list times the training steps before the first validation,
-without the first 20 (warm-up): ``torch.cuda.synchronize()`` and ``time.perf_counter()`` at both ends. B is only
-waiting then, so the two scenarios differ by the callback alone: ``cost = 1 - (steps/s with) / (steps/s without)``.
-Two runs differ by noise at the 1% level, so the *with* run also times each call of the callback's
-``on_train_batch_end`` during the fit after the warm-up (a subclass wraps it in ``perf_counter``): µs per batch and
-its fraction of A's mean step time; and 2000 calls of the unwrapped hook in a tight loop after the fit.
+**Throughput cost.** Two callbacks, first and last but one in A's list (``_harness.StepWindow``), time the training
+steps before the first validation, without the first 20 (warm-up): from the start of step 21 to the end of step
+``--steps / 2``, ``torch.cuda.synchronize()`` and ``time.perf_counter()`` at both ends. B is only waiting then, so
+the two scenarios differ by the callback alone: ``cost = 1 - (steps/s with) / (steps/s without)``. Two runs differ by
+noise at the 1% level, so the *with* run also times each call of the callback's ``on_train_batch_end`` during the fit
+after the warm-up (a subclass wraps it in ``perf_counter``): µs per batch and its fraction of A's mean step time; and
+2000 calls of the unwrapped hook in a tight loop after the fit.
 
 **Output.** A Markdown table and the two cost lines on stdout, progress on stderr, every number in ``--json PATH``.
 Every subprocess runs in its own process group under ``--timeout`` (default 120 s), killed on timeout; the holder is
@@ -46,13 +47,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.metadata
 import json
 import os
-import platform
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,10 +59,10 @@ from typing import Any
 
 import torch
 
-GIB = 1024**3
-MIB = 1024**2
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULT_PREFIX = "RESULT "
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `_harness` next to this file
+import _harness as H
+
+GIB, MIB = H.GIB, H.MIB
 SCENARIOS = ("without", "with")
 WARMUP_STEPS = 20  # training steps left out of the steps/s measurement
 LOOP_CALLS = 2000  # calls of the hook in the tight loop after the fit
@@ -73,10 +70,6 @@ MODEL = {"gpu": (4096, 4, 512), "quick": (64, 2, 32)}  # width, hidden layers, b
 
 
 # ---------------------------------------------------------------------------------------------------- workers
-def _describe_error(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"[:600]
-
-
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     """Atomically, so that a process polling for the file never reads half of it."""
     tmp = path.with_name(path.name + ".tmp")
@@ -104,7 +97,7 @@ def holder_worker(args: argparse.Namespace) -> int:
         info = {"device": torch.cuda.get_device_name(), "total_bytes": total, "free_before_bytes": free}
         info.update(held_bytes=block.numel(), free_after_bytes=torch.cuda.mem_get_info()[0])
     except Exception as error:
-        _write_json(ready, {"error": _describe_error(error)})
+        _write_json(ready, {"error": H.describe_error(error)})
         return 1
     _write_json(ready, info)
     while True:  # the orchestrator kills the process group
@@ -136,18 +129,18 @@ def b_worker(args: argparse.Namespace) -> int:
                 _b_work(device, args.b_need_bytes)
                 result["outcome"] = "ok"
             except torch.OutOfMemoryError as error:
-                result.update(outcome="OOM", error=_describe_error(error))
+                result.update(outcome="OOM", error=H.describe_error(error))
             result["seconds"] = time.perf_counter() - start
             torch.cuda.empty_cache()  # a no-op without CUDA
     except Exception as error:
-        result["error"] = _describe_error(error)
+        result["error"] = H.describe_error(error)
     finally:
         _write_json(Path(args.done_file), {"outcome": result["outcome"]})
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    H.emit(result)
     return 0
 
 
-def _a_classes() -> tuple[type, type, type, type]:
+def _a_classes() -> tuple[type, type, type]:
     """A's LightningModule and callbacks; built on demand so that the holder and B never import Lightning."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
@@ -186,24 +179,6 @@ def _a_classes() -> tuple[type, type, type, type]:
         def val_dataloader(self) -> DataLoader:
             return DataLoader(torch.arange(2), batch_size=None)
 
-    class StepTimer(Callback):
-        """First in the callbacks: times the training steps after the warm-up up to the first validation."""
-
-        def __init__(self, val_at: int, cuda: bool) -> None:
-            self.val_at, self.cuda, self.batches, self.times = val_at, cuda, 0, {}
-
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            self.batches += 1
-            if self.batches in (WARMUP_STEPS, self.val_at):
-                if self.cuda:
-                    torch.cuda.synchronize()
-                self.times[self.batches] = time.perf_counter()
-
-        def steps_per_second(self) -> float | None:
-            if len(self.times) < 2:
-                return None
-            return (self.val_at - WARMUP_STEPS) / (self.times[self.val_at] - self.times[WARMUP_STEPS])
-
     class SignalB(Callback):
         """Last in the callbacks: after A's first validation, record A's memory, signal B, wait for B's done file."""
 
@@ -238,7 +213,7 @@ def _a_classes() -> tuple[type, type, type, type]:
             super().on_train_batch_end(*args, **kwargs)
             self.hook_seconds.append(time.perf_counter() - start)
 
-    return SpikyMLP, StepTimer, SignalB, TimedEmptyCache
+    return SpikyMLP, SignalB, TimedEmptyCache
 
 
 def _hook_cost(cache: Any, trainer: Any, module: Any) -> dict[str, Any]:
@@ -254,7 +229,7 @@ def _hook_cost(cache: Any, trainer: Any, module: Any) -> dict[str, Any]:
             hook(trainer, module, None, None, 0)
         cost["loop_us"] = (time.perf_counter() - start) / LOOP_CALLS * 1e6
     except Exception as error:
-        cost["loop_error"] = _describe_error(error)
+        cost["loop_error"] = H.describe_error(error)
     return {**cost, "loop_releases": cache.releases - releases}
 
 
@@ -267,15 +242,16 @@ def a_worker(args: argparse.Namespace) -> int:
 
         from lightning_gpumem import MemoryBudget
 
-        module_cls, timer_cls, signal_cls, cache_cls = _a_classes()
+        module_cls, signal_cls, cache_cls = _a_classes()
         cuda, val_at = not args.quick, args.steps // 2
         pl.seed_everything(0, verbose=False)
         module = module_cls(*MODEL["quick" if args.quick else "gpu"], args.spike_bytes, args.steps)
-        timer = timer_cls(val_at, cuda)
+        # The training steps after the warm-up up to the first validation (batches WARMUP_STEPS to val_at - 1).
+        window = H.StepWindow(WARMUP_STEPS, val_at - 1, cuda=cuda)
+        start, end = window.callbacks()
         cache = cache_cls(threshold=args.threshold) if args.scenario == "with" else None
         signal_cb = signal_cls(args, cuda, cache)
-        callbacks = [timer, MemoryBudget(args.free_bytes), *([cache] if cache is not None else []), signal_cb]
-        quiet = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
+        callbacks = [start, MemoryBudget(args.free_bytes), *([cache] if cache is not None else []), end, signal_cb]
         with tempfile.TemporaryDirectory(prefix="colocated_") as root:
             trainer = pl.Trainer(
                 accelerator="gpu" if cuda else "cpu",
@@ -284,17 +260,16 @@ def a_worker(args: argparse.Namespace) -> int:
                 val_check_interval=val_at,
                 limit_val_batches=2,
                 num_sanity_val_steps=0,
-                enable_model_summary=False,
                 callbacks=callbacks,
                 default_root_dir=root,
-                **quiet,
+                **H.QUIET_TRAINER,
             )
             try:
                 trainer.fit(module)
                 result["finished"] = trainer.global_step >= args.steps
             except Exception as error:
-                result.update(oom=isinstance(error, torch.OutOfMemoryError), error=_describe_error(error))
-        result.update(steps=trainer.global_step, steps_per_second=timer.steps_per_second())
+                result.update(oom=isinstance(error, torch.OutOfMemoryError), error=H.describe_error(error))
+        result.update(steps=trainer.global_step, steps_per_second=window.steps_per_second())
         result["first_validation"] = signal_cb.info
         if cuda:
             result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
@@ -302,56 +277,23 @@ def a_worker(args: argparse.Namespace) -> int:
             result.update(releases=cache.releases, released_bytes=cache.released_bytes)
             result.update(release_seconds=cache.release_seconds, **_hook_cost(cache, trainer, module))
     except Exception as error:
-        result["error"] = _describe_error(error)
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
+        result["error"] = H.describe_error(error)
+    H.emit(result)
     return 0
 
 
 # ---------------------------------------------------------------------------------------------------- orchestration
-_T0 = time.perf_counter()
+def _finish(worker: H.Worker, deadline: float) -> dict[str, Any]:
+    """Waits for ``worker`` until ``deadline`` (then kills it); its RESULT, or a record of why there is none."""
+    worker.wait(deadline)
+    result = worker.result()
+    if result is None:
+        result = {"error": worker.failure()}
+    result.update(timed_out=worker.timed_out, wall_seconds=round(worker.seconds, 2))
+    return result
 
 
-def _log(message: str) -> None:
-    print(f"[{time.perf_counter() - _T0:6.1f}s] {message}", file=sys.stderr, flush=True)
-
-
-class _Worker:
-    """A subprocess in its own process group, stdout and stderr in files (no pipes to drain)."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], workdir: Path) -> None:
-        self.out, self.err = workdir / f"{name}.out", workdir / f"{name}.err"
-        self.started = time.perf_counter()
-        self.timed_out = False
-        with open(self.out, "w", encoding="utf-8") as out, open(self.err, "w", encoding="utf-8") as err:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env, cwd=REPO_ROOT, start_new_session=True)
-
-    def stderr_tail(self) -> str:
-        return self.err.read_text("utf-8", errors="replace")[-800:]
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def finish(self, deadline: float) -> dict[str, Any]:
-        """Waits until ``deadline`` (then kills it) and returns its RESULT, or a record of why there is none."""
-        try:
-            self.proc.wait(timeout=max(0.1, deadline - time.perf_counter()))
-        except subprocess.TimeoutExpired:
-            self.timed_out = True
-            self.kill()
-        lines = [s for s in self.out.read_text("utf-8", errors="replace").splitlines() if s.startswith(RESULT_PREFIX)]
-        if lines:
-            result = json.loads(lines[-1][len(RESULT_PREFIX) :])
-        else:
-            why = "timeout" if self.timed_out else f"exit code {self.proc.returncode}, no result"
-            result = {"error": f"{why}: ...{self.stderr_tail()}"}
-        result.update(timed_out=self.timed_out, wall_seconds=round(time.perf_counter() - self.started, 2))
-        return result
-
-
-def _wait_ready(path: Path, holder: _Worker, seconds: float) -> dict[str, Any]:
+def _wait_ready(path: Path, holder: H.Worker, seconds: float) -> dict[str, Any]:
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         if path.exists():
@@ -369,36 +311,34 @@ def run_scenario(args: argparse.Namespace, scenario: str, sizes: dict[str, int],
     files = {name: workdir / f"{name}.json" for name in ("ready", "signal", "done")}
     for path in files.values():
         path.unlink(missing_ok=True)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-    env["PYTHONIOENCODING"] = "utf-8"  # Lightning prints emoji; a C locale must not break the workers
+    env = H.worker_env()
     base = [sys.executable, str(Path(__file__).resolve()), "--scenario", scenario, "--steps", str(args.steps)]
     base += ["--threshold", str(args.threshold), "--wait", str(args.timeout / 2)]
     base += [f"--{key.replace('_', '-')}={value}" for key, value in sizes.items()]
     base += [f"--{name}-file={path}" for name, path in files.items()] + (["--quick"] if args.quick else [])
     entry: dict[str, Any] = {"scenario": scenario}
-    workers: list[_Worker] = []
+    workers: list[H.Worker] = []
     try:
         if not args.quick:
-            workers.append(_Worker("holder", [*base, "--worker", "holder"], env, workdir))
+            workers.append(H.Worker([*base, "--worker", "holder"], "holder", env, workdir))
             entry["holder"] = _wait_ready(files["ready"], workers[0], args.timeout)
             if "error" in entry["holder"]:
-                _log(f"{scenario}: {entry['holder']['error']}")
+                H.log(f"{scenario}: {entry['holder']['error']}")
                 return entry
-            _log(f"{scenario}: holder holds {entry['holder']['held_bytes'] / GIB:.1f} GiB")
+            H.log(f"{scenario}: holder holds {entry['holder']['held_bytes'] / GIB:.1f} GiB")
         deadline = time.perf_counter() + args.timeout
-        workers += [_Worker(role, [*base, "--worker", role], env, workdir) for role in ("A", "B")]
-        entry["A"] = workers[-2].finish(deadline)
+        workers += [H.Worker([*base, "--worker", role], role, env, workdir) for role in ("A", "B")]
+        entry["A"] = _finish(workers[-2], deadline)
         if not files["signal"].exists():  # A ended without signalling: B would wait in vain
             workers[-1].kill()
-        entry["B"] = workers[-1].finish(deadline)
+        entry["B"] = _finish(workers[-1], deadline)
         if not files["signal"].exists():
             entry["B"]["outcome"] = "not run (no signal from A)"
     finally:
         for worker in workers:
             worker.kill()
     sps = _fmt(entry["A"].get("steps_per_second"))
-    _log(f"{scenario}: A {_finished_cell(entry)} ({sps} steps/s before validation), B {_b_cell(entry)}")
+    H.log(f"{scenario}: A {_finished_cell(entry)} ({sps} steps/s before validation), B {_b_cell(entry)}")
     return entry
 
 
@@ -461,16 +401,6 @@ def _summary(report: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     return summary, lines
 
 
-def _versions() -> dict[str, str]:
-    versions = {"python": platform.python_version(), "torch": torch.__version__}
-    for dist in ("lightning", "lightning-gpumem"):
-        try:
-            versions[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            versions[dist] = "not installed"
-    return versions
-
-
 def orchestrate(args: argparse.Namespace) -> int:
     if args.steps is None:
         args.steps = 60 if args.quick else 400
@@ -482,7 +412,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     spike_gib, b_need_gib = (16, 8) if args.quick else (args.spike_gib, args.b_need_gib)
     sizes = {"free_bytes": int(args.free_gib * GIB), "spike_bytes": int(spike_gib * scale)}
     sizes["b_need_bytes"] = int(b_need_gib * scale)
-    report: dict[str, Any] = {"settings": {**vars(args), **sizes}, "versions": _versions(), "scenarios": {}}
+    report: dict[str, Any] = {"settings": {**vars(args), **sizes}, "versions": H.versions(), "scenarios": {}}
     print("# Two processes on one GPU: `EmptyCacheOnThreshold` releases A's cache for B\n")
     print("versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()))
     width, depth, batch = MODEL["quick" if args.quick else "gpu"]
@@ -496,7 +426,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         root = Path(args.log_dir) if args.log_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         for scenario in SCENARIOS:
-            _log(f"{scenario}: starting")
+            H.log(f"{scenario}: starting")
             report["scenarios"][scenario] = run_scenario(args, scenario, sizes, root)
             report["summary"] = _summary(report)[0]
             if args.json:
@@ -511,7 +441,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     print()
     print(_table(report) + "\n")
     print("\n".join(_summary(report)[1]), flush=True)
-    _log(f"done in {time.perf_counter() - _T0:.1f} s")
+    H.log(f"done in {time.perf_counter() - H.T0:.1f} s")
     return 0
 
 

@@ -3,11 +3,17 @@
 # quote. Run from the repository root (the `run` tool's working directory); results go to $OUT (or ./gpu-out).
 #
 #   bash benchmarks/gpu_session.sh [PART]...   (default: tests monitor microbatch)
-#   PART: tests, monitor, microbatch, profile, tuner, tuner-gpt, tuner-resnet, tuner-resnet-12, tuner-longval
+#   PART: tests, monitor, microbatch, microbatch-gpt, microbatch-gpt-profile, profile, tuner, tuner-gpt, tuner-resnet,
+#         tuner-resnet-12, tuner-longval
+#
+# microbatch-gpt: AutoMicrobatch (never splitting) and MemoryMonitor against no callback on a 253.5M-parameter GPT,
+# 7 interleaved rounds (about 2 min) -> microbatch-gpt-overhead.json, .log; microbatch-gpt-profile: torch.profiler
+# and cProfile tables of a few steps of the same fits -> microbatch-gpt-profile.log.
 #
 # Each part writes its log and JSON under $OUT; a failing part does not stop the others; the exit status is the
-# number of failed parts. Each part has a time limit (seconds, from TESTS_S, MONITOR_S, MICROBATCH_S, PROFILE_S,
-# TUNER_S, TUNER_GPT_S, TUNER_RESNET_S, TUNER_LONGVAL_S) so that one hang cannot use up a 600 s call.
+# number of failed parts. Each part has a time limit (seconds, from TESTS_S, MONITOR_S, MICROBATCH_S,
+# MICROBATCH_GPT_S, MICROBATCH_GPT_PROFILE_S, PROFILE_S, TUNER_S, TUNER_GPT_S, TUNER_RESNET_S, TUNER_LONGVAL_S) so
+# that one hang cannot use up a 600 s call.
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -23,6 +29,10 @@ for part in "${parts[@]}"; do
       > "$OUT/monitor-overhead.log" 2>&1 ;;
     microbatch) timeout ${MICROBATCH_S:-200} python3 benchmarks/microbatch_overhead.py --rounds 7 --json "$OUT/microbatch-overhead.json" \
       > "$OUT/microbatch-overhead.log" 2>&1 ;;
+    microbatch-gpt) timeout ${MICROBATCH_GPT_S:-240} python3 benchmarks/microbatch_gpt_overhead.py --rounds 7 \
+      --json "$OUT/microbatch-gpt-overhead.json" > "$OUT/microbatch-gpt-overhead.log" 2>&1 ;;
+    microbatch-gpt-profile) timeout ${MICROBATCH_GPT_PROFILE_S:-150} python3 benchmarks/microbatch_gpt_overhead.py \
+      --profile > "$OUT/microbatch-gpt-profile.log" 2>&1 ;;
     profile) timeout ${PROFILE_S:-120} python3 benchmarks/profile_monitor.py --default-only > "$OUT/profile-monitor.log" 2>&1 ;;
     tuner) timeout ${TUNER_S:-280} python3 benchmarks/tuner.py --models gpt,gpt-longval --budget-gib 24 --finders ours,binsearch \
       --headroom 0.05,0.02 --time-limit 265 --json "$OUT/tuner-24gib.json" > "$OUT/tuner-24gib.log" 2>&1;

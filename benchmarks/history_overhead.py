@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as H
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -51,18 +52,17 @@ def _run(steps: int, warmup: int, mode: str) -> float:
     model, optimizer = _model()
     x = torch.randn(32, 256, 512, device="cuda")
     history = _start(mode)
+    window = H.StepWindow(warmup, warmup + steps - 1, cuda=True)
     try:
-        for step in range(steps + warmup):
-            if step == warmup:
-                torch.cuda.synchronize()
-                start = time.perf_counter()
+        for _ in range(steps + warmup):
+            window.batch_started()
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model(x).float().pow(2).mean()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-        torch.cuda.synchronize()
-        return steps / (time.perf_counter() - start)
+            window.batch_ended()
+        return window.steps_per_second()
     finally:
         if history:
             torch.cuda.memory._record_memory_history(enabled=None)

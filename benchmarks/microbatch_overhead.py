@@ -8,10 +8,11 @@ Four configurations of one fit each per round, the order rotated every round: ``
 micro-batches: the cost of a split step) and ``grown_back`` (AutoMicrobatch that starts at 2 micro-batches and grows
 back to 1 within the warm-up: the speed of the steps after growing back). A fit whose split at the end is not the
 configuration's stops the benchmark. A fit runs ``--warmup`` untimed steps, then ``--steps`` timed ones; the
-clock is read at the first timed batch's start and the last one's end (``torch.cuda.synchronize()`` at both on a
-GPU). Reported: median steps/s over rounds and the median of the per-round ratios to ``none``. The model is the
-example's small causal transformer (``examples/auto_microbatch.py``) on batches of equal length, AdamW, bf16-mixed on
-a GPU and 32-bit on a CPU, no logger.
+clock is read at the first timed batch's start (a callback first in the list) and the last one's end (a callback
+last in the list), with ``torch.cuda.synchronize()`` at both on a GPU (``_harness.StepWindow``). Reported: median
+steps/s over rounds and the median of the per-round ratios to ``none``. The model is the example's small causal
+transformer (``examples/auto_microbatch.py``) on batches of equal length, AdamW, bf16-mixed on a GPU and 32-bit on a
+CPU, no logger.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import json
 import platform
 import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,9 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `_harness` next to this file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import _harness as H
 import auto_microbatch as example
 
 from lightning_gpumem import AutoMicrobatch
@@ -72,29 +74,11 @@ class Split(pl.Callback):
         self.callback.policy = MicrobatchPolicy(self.grow_after, k=self.k)
 
 
-class Clock(pl.Callback):
-    def __init__(self, first: int, last: int) -> None:
-        self.first, self.last, self.start, self.end = first, last, 0.0, 0.0
-
-    def _sync(self) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if batch_idx == self.first:
-            self._sync()
-            self.start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if batch_idx == self.last:
-            self._sync()
-            self.end = time.perf_counter()
-
-
 def timed_fit(config: str, args: argparse.Namespace, gpu: bool) -> float:
     data = EqualBatches(args.warmup + args.steps, args.batch, args.seq)
-    clock = Clock(args.warmup, args.warmup + args.steps - 1)
-    callbacks: list[pl.Callback] = [clock]
+    window = H.StepWindow(args.warmup, args.warmup + args.steps - 1, cuda=gpu)
+    start, end = window.callbacks()
+    callbacks: list[pl.Callback] = [start]
     callback = None
     if config != "none":
         callback = AutoMicrobatch(grow_after=10**9)
@@ -108,17 +92,17 @@ def timed_fit(config: str, args: argparse.Namespace, gpu: bool) -> float:
         devices=1,
         max_steps=args.warmup + args.steps,
         precision="bf16-mixed" if gpu else "32-true",
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        callbacks=[*callbacks, end],
+        **H.QUIET_TRAINER,
     )
     trainer.fit(Model(data))
     expected = {"split2": 2}.get(config, 1)
     if callback is not None and (callback.microbatches, callback.oom_recoveries) != (expected, 0):
         raise RuntimeError(f"{config}: ended at {callback.microbatches} micro-batches, expected {expected}")
-    return args.steps / (clock.end - clock.start)
+    rate = window.steps_per_second()
+    if rate is None:
+        raise RuntimeError(f"{config}: the fit ran {window.ended} batches, expected {args.warmup + args.steps}")
+    return rate
 
 
 def main() -> None:
@@ -138,10 +122,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     gpu = torch.cuda.is_available()
     timed_fit("none", args, gpu)  # warm the process up
-    rounds = []
-    for index in range(args.rounds):
-        order = CONFIGS[index % len(CONFIGS) :] + CONFIGS[: index % len(CONFIGS)]
-        rounds.append({config: timed_fit(config, args, gpu) for config in order})
+    rounds = H.interleaved_rounds(CONFIGS, args.rounds, lambda config: timed_fit(config, args, gpu))
     results = {
         config: {
             "steps_per_s": statistics.median(r[config] for r in rounds),

@@ -39,14 +39,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import platform
 import statistics
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -60,6 +58,9 @@ from lightning.pytorch.callbacks import Callback, DeviceStatsMonitor
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `_harness` next to this file
+import _harness as H
 
 import lightning_gpumem
 from lightning_gpumem import MemoryMonitor
@@ -126,13 +127,6 @@ def make_settings(args: argparse.Namespace) -> Settings:
         if getattr(args, name) is not None:
             counts[name] = getattr(args, name)
     return Settings(device=device, quick=args.quick, **model, **counts)
-
-
-def quiet_lightning() -> None:
-    """Silence Lightning's info lines and all warnings, so that the output is the tables."""
-    warnings.filterwarnings("ignore")
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_utilities"):
-        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 # ---------------------------------------------------------------------------------------------------- model, data
@@ -222,11 +216,6 @@ def make_callback(name: str) -> Callback | None:
     if name == "MemoryMonitor(detect_leaks=False)":
         return MemoryMonitor(detect_leaks=False)
     raise ValueError(name)
-
-
-def synchronize(s: Settings) -> None:
-    if s.device == "cuda":
-        torch.cuda.synchronize()
 
 
 # ---------------------------------------------------------------------------------------------------- statistics
@@ -455,66 +444,22 @@ def print_hooks(results: dict[str, Any], s: Settings) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- part 3
-@dataclass
-class Window:
-    """Timed window of one fit: from the start of batch ``first`` to the end of batch ``last``."""
-
-    first: int
-    last: int
-    started: int = 0  # batches begun
-    ended: int = 0  # batches finished
-    t_start: float | None = None
-    t_end: float | None = None
-
-
-class WindowStart(Callback):
-    """First in the callback list: starts the clock before any other hook of batch ``first`` runs."""
-
-    def __init__(self, window: Window, s: Settings) -> None:
-        self.window, self.s = window, s
-
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if self.window.started == self.window.first:
-            synchronize(self.s)
-            self.window.t_start = time.perf_counter()
-        self.window.started += 1
-
-
-class WindowEnd(Callback):
-    """Last in the callback list: stops the clock after every other hook of batch ``last`` ran."""
-
-    def __init__(self, window: Window, s: Settings) -> None:
-        self.window, self.s = window, s
-
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if self.window.ended == self.window.last:
-            synchronize(self.s)
-            self.window.t_end = time.perf_counter()
-        self.window.ended += 1
-
-
 def timed_fit(s: Settings, data: TensorDataset, config: str, log_dir: str, steps: int) -> float:
     """Steps per second over ``steps`` steps after ``s.warmup`` untimed ones, with ``log_every_n_steps=1``."""
-    window = Window(first=s.warmup, last=s.warmup + steps - 1)
+    window = H.StepWindow(first=s.warmup, last=s.warmup + steps - 1, cuda=s.device == "cuda")
     monitor = make_callback(config)
-    callbacks = [WindowStart(window, s), *([monitor] if monitor is not None else []), WindowEnd(window, s)]
+    start, end = window.callbacks()  # first and last in the list: every hook of the timed batches is inside
+    callbacks = [start, *([monitor] if monitor is not None else []), end]
     fit(s, data, callbacks, max_steps=s.warmup + steps, log_every=1, log_dir=log_dir)
-    if window.t_start is None or window.t_end is None:
+    rate = window.steps_per_second()
+    if rate is None:
         raise RuntimeError(f"{config}: the fit ran {window.ended} batches, expected {s.warmup + steps}")
-    return steps / (window.t_end - window.t_start)
+    return rate
 
 
 def run_throughput(s: Settings, data: TensorDataset, log_dir: str) -> dict[str, Any]:
     timed_fit(s, data, "none", log_dir, steps=min(s.steps, 20))  # process warm-up, discarded
-    per_round: list[dict[str, float]] = []
-    for round_index in range(s.rounds):
-        shift = round_index % len(CONFIGS)
-        order = CONFIGS[shift:] + CONFIGS[:shift]
-        per_round.append({config: timed_fit(s, data, config, log_dir, s.steps) for config in order})
+    per_round = H.interleaved_rounds(CONFIGS, s.rounds, lambda config: timed_fit(s, data, config, log_dir, s.steps))
 
     results: dict[str, Any] = {"order": "rotated by one configuration per round", "configs": {}}
     for config in CONFIGS:
@@ -597,7 +542,7 @@ def print_header(env: dict[str, Any], s: Settings) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    quiet_lightning()
+    H.quiet_lightning()
     s = make_settings(args)
     if s.device == "cuda":
         torch.set_float32_matmul_precision("high")

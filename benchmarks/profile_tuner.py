@@ -22,8 +22,10 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as H
 import tuner as bench
 
+from lightning_gpumem._hw import allocator as allocator_module
 from lightning_gpumem.tuning import callback as tuner_module
 from lightning_gpumem.tuning import model_state as _state
 from lightning_gpumem.tuning import trials as _session
@@ -35,16 +37,11 @@ STAGES = [  # (owner, attribute, label)
     (_state.ModelState, "restore", "  of which: state restore"),
     (_session.TrialSession, "prepare", "trial prepare"),
     (_state.ModelState, "reset_for_trial", "  of which: optimizer reset"),
-    (tuner_module, "_start_clean", "clean start (workspaces, empty_cache)"),
+    (allocator_module, "start_clean", "clean start (workspaces, empty_cache)"),
     (_session.TrialSession, "run", "trial run (fit loop)"),
-    (tuner_module, "_release", "release"),
+    (tuner_module, "release_to", "release"),
     (tuner_module, "gather_named", "peak agreement"),
 ]
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def instrument(seconds: dict[str, float], calls: dict[str, int]) -> None:
@@ -53,12 +50,12 @@ def instrument(seconds: dict[str, float], calls: dict[str, int]) -> None:
         original = getattr(owner, name)
 
         def timed(*args: Any, _original: Any = original, _label: str = label, **kwargs: Any) -> Any:
-            _sync()
+            H.synchronize(torch.cuda.is_available())
             start = time.perf_counter()
             try:
                 return _original(*args, **kwargs)
             finally:
-                _sync()
+                H.synchronize(torch.cuda.is_available())
                 seconds[_label] += time.perf_counter() - start
                 calls[_label] += 1
 
@@ -66,8 +63,8 @@ def instrument(seconds: dict[str, float], calls: dict[str, int]) -> None:
 
 
 def watch_releases(releases: list[dict[str, Any]]) -> None:
-    """Record, for each ``_release(probe, baseline)``, the bytes allocated above ``baseline`` before and after it."""
-    original = tuner_module._release
+    """Record, for each ``release_to(probe, baseline)``, the bytes allocated above ``baseline`` before and after it."""
+    original = tuner_module.release_to
 
     def release(probe: Any, baseline: int | None, *args: Any, **kwargs: Any) -> Any:
         before = probe.allocated_bytes()
@@ -77,7 +74,7 @@ def watch_releases(releases: list[dict[str, Any]]) -> None:
             releases.append({"excess_before": before - baseline, "excess_after": after - baseline})
         return floor
 
-    tuner_module._release = release
+    tuner_module.release_to = release
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,12 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     watch_releases(releases)
     instrument(seconds, calls)
     results: list[dict[str, Any]] = []
-    emit = bench._emit
-    bench._emit = results.append  # type: ignore[assignment]
+    emit = H.emit  # the worker's RESULT line, taken here instead of printed
+    H.emit = results.append  # type: ignore[assignment]
     try:
         bench.finder_worker(worker_args)
     finally:
-        bench._emit = emit
+        H.emit = emit
     worker = results[0] if results else {}
     out = {
         "model": args.model,

@@ -69,30 +69,23 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
-import importlib.metadata
 import json
 import math
 import os
-import platform
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # `_tuner_models` next to this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `_harness` and `_tuner_models` next to this file
+import _harness as H
 import _tuner_models as M
 
-GIB = 1024**3
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULT_PREFIX = "RESULT "
+GIB = H.GIB
 FINDERS = ("binsearch", "power", "ours")  # table order
 FINDER_LABELS = {
     "binsearch": "Lightning `BatchSizeFinder(mode='binsearch')`",
@@ -118,11 +111,6 @@ def _autocast(device: torch.device) -> torch.autocast:
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _peaks(device: torch.device) -> dict[str, int | None]:
     if device.type != "cuda":
         return {"peak_reserved": None, "peak_allocated": None}
@@ -130,14 +118,6 @@ def _peaks(device: torch.device) -> dict[str, int | None]:
         "peak_reserved": torch.cuda.max_memory_reserved(device),
         "peak_allocated": torch.cuda.max_memory_allocated(device),
     }
-
-
-def _emit(result: dict[str, Any]) -> None:
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
-
-
-def _describe_error(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"[:600]
 
 
 def probe_worker(args: argparse.Namespace) -> int:
@@ -168,7 +148,7 @@ def probe_worker(args: argparse.Namespace) -> int:
                 batch = [t.to(device) for t in cpu_val_batch]
                 float(M.compute_loss(w, model, batch, validation=True))
                 del batch
-            _sync(device)
+            H.synchronize(device)
             result["ok"] = True
         except Exception as error:
             if not M.is_oom(error):
@@ -177,8 +157,8 @@ def probe_worker(args: argparse.Namespace) -> int:
         result["seconds"] = time.perf_counter() - start
         result.update(_peaks(device))
     except Exception as error:
-        result["error"] = _describe_error(error)
-    _emit(result)
+        result["error"] = H.describe_error(error)
+    H.emit(result)
     return 0
 
 
@@ -191,7 +171,7 @@ class _TimedSearch:
         pl_module.phase = "search"
         start = time.perf_counter()
         super().on_fit_start(trainer, pl_module)  # type: ignore[misc]
-        _sync(pl_module.device)
+        H.synchronize(pl_module.device)
         self.search_seconds = time.perf_counter() - start
         pl_module.start_fit()
 
@@ -350,12 +330,9 @@ def finder_worker(args: argparse.Namespace) -> int:
                 check_val_every_n_epoch=None,
                 limit_val_batches=args.fit_val_batches,
                 num_sanity_val_steps=0,
-                logger=False,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
                 callbacks=[callback],
                 default_root_dir=root,
+                **H.QUIET_TRAINER,
             )
             fit_error: BaseException | None = None
             try:
@@ -364,8 +341,8 @@ def finder_worker(args: argparse.Namespace) -> int:
                 fit_error = error
             _collect_finder_result(result, callback, model, device, fit_error)
     except Exception as error:
-        result["error"] = _describe_error(error)
-    _emit(result)
+        result["error"] = H.describe_error(error)
+    H.emit(result)
     return 0
 
 
@@ -411,50 +388,23 @@ def _collect_finder_result(
         result["status"] = "ok"
     elif not searched:
         result["status"] = "search_oom" if M.is_oom(error) else "search_error"
-        result["error"] = _describe_error(error)
+        result["error"] = H.describe_error(error)
     else:
         result["status"] = "ok"
         fit["oom"] = M.is_oom(error)
-        fit["error"] = _describe_error(error)
+        fit["error"] = H.describe_error(error)
     result["fit"] = fit if searched else None
 
 
 # ---------------------------------------------------------------------------------------------------- orchestration
-_T0 = time.perf_counter()
-
-
-def _log(message: str) -> None:
-    print(f"[{time.perf_counter() - _T0:6.1f}s] {message}", file=sys.stderr, flush=True)
-
-
-@dataclass
-class _Proc:
-    rc: int | None
-    stdout: str
-    stderr: str
-    seconds: float
-    timed_out: bool
-
-    def result(self) -> dict[str, Any] | None:
-        lines = [line for line in self.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-        return json.loads(lines[-1][len(RESULT_PREFIX) :]) if lines else None
-
-    def failure(self) -> str:
-        """Why no result came back, with the end of stderr."""
-        why = "timeout" if self.timed_out else f"exit code {self.rc}, no result"
-        return f"{why}: ...{self.stderr[-800:]}"
-
-
 class Runner:
     """Starts the worker subprocesses with the right environment, timeouts and time limit."""
 
     def __init__(self, args: argparse.Namespace, budget_bytes: int) -> None:
         self.args = args
         self.budget_bytes = budget_bytes
-        self.deadline = _T0 + args.time_limit
-        self.env = dict(os.environ)
-        self.env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-        self.env["PYTHONIOENCODING"] = "utf-8"  # Lightning prints emoji; a C locale must not break the workers
+        self.deadline = H.T0 + args.time_limit
+        self.env = H.worker_env()
         self.log_dir = Path(args.log_dir) if args.log_dir else None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -476,31 +426,12 @@ class Runner:
         argv += ["--fit-val-batches", str(self.args.fit_val_batches), "--headroom", str(headroom), *extra]
         return [*argv, "--quick"] if self.args.quick else argv
 
-    def run(self, argv: list[str], name: str) -> _Proc:
+    def run(self, argv: list[str], name: str) -> H.Worker:
+        """Run one worker to its end (killed at ``--timeout`` or the time limit); with ``--log-dir``, log its output."""
         timeout = min(self.args.timeout, max(1.0, self.remaining()))
-        start = time.perf_counter()
-        proc = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            encoding="utf-8",
-            errors="replace",
-            env=self.env,
-            cwd=REPO_ROOT,
-            start_new_session=True,  # its own process group: a timeout kills it and its DataLoader workers
-        )
-        timed_out = False
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-        done = _Proc(proc.returncode, stdout, stderr, time.perf_counter() - start, timed_out)
+        done = H.run_worker(argv, timeout, name, self.env)
         if self.log_dir is not None:
-            text = f"$ {' '.join(argv)}\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
+            text = f"$ {' '.join(argv)}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
             (self.log_dir / f"{name}.log").write_text(text, "utf-8")
         return done
 
@@ -609,7 +540,7 @@ def find_true_max(
                     probe = {"batch_size": size, "ok": False, "oom": False, "error": why, "timed_out": proc.timed_out}
                 probe["wall_seconds"] = round(proc.seconds, 2)
                 probes[size] = probe
-        _log(f"{model}: true max round {rounds}: " + ", ".join(_probe_summary(probes[s]) for s in sizes))
+        H.log(f"{model}: true max round {rounds}: " + ", ".join(_probe_summary(probes[s]) for s in sizes))
     lo, hi, above = _bracket(probes)
     return {
         "true_max": lo if probes and lo > 0 else (0 if hi == 1 else None),
@@ -675,7 +606,7 @@ def run_finder(runner: Runner, model: str, finder: str, headroom: float | None =
     if headroom is not None:
         result["headroom"] = headroom
     label = finder if headroom is None else f"{finder} (headroom {headroom})"
-    _log(f"{model}: {label}: {_finder_summary(result)} [process {proc.seconds:.1f} s]")
+    H.log(f"{model}: {label}: {_finder_summary(result)} [process {proc.seconds:.1f} s]")
     return result
 
 
@@ -779,16 +710,6 @@ def _true_max_line(true: dict[str, Any]) -> str:
     return text
 
 
-def _versions() -> dict[str, str]:
-    versions = {"python": platform.python_version(), "torch": torch.__version__}
-    for dist in ("lightning", "torchvision", "lightning-gpumem"):
-        try:
-            versions[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            versions[dist] = "not installed"
-    return versions
-
-
 def orchestrate(args: argparse.Namespace) -> int:
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     finders = [f.strip() for f in args.finders.split(",") if f.strip()]
@@ -815,7 +736,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     else:
         sys.exit("No CUDA device: the full benchmark needs one. Use --quick for a CPU smoke run.")
 
-    versions = _versions()
+    versions = H.versions(("lightning", "torchvision", "lightning-gpumem"))
     print("# Batch-size finders under a memory budget\n")
     print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     total = f"{device['total_bytes'] / GIB:.1f} GiB" if device["total_bytes"] else "no memory cap"
@@ -839,10 +760,10 @@ def orchestrate(args: argparse.Namespace) -> int:
     if not args.quick:  # the first process on a machine loads the CUDA libraries from disk: not a finder's cost
         warm = runner.run(runner.argv(models[0], "--probe-worker", "--batch-size", "1"), "warm_up")
         report["warm_up_seconds"] = round(warm.seconds, 2)
-        _log(f"warm-up: one plain step of {models[0]} at batch size 1 in a process of its own, {warm.seconds:.1f} s")
+        H.log(f"warm-up: one plain step of {models[0]} at batch size 1 in a process of its own, {warm.seconds:.1f} s")
     for model in models:
         w = M.workload(model, args.quick)
-        _log(f"{model}: {M.describe(w)}")
+        H.log(f"{model}: {M.describe(w)}")
         entry: dict[str, Any] = {"workload": M.describe(w), "finders": {}}
         report["workloads"][model] = entry
         skipped = {"status": "skipped", "error": "--finders"}
@@ -850,7 +771,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         entry["finders"]["ours"] = ours
         if ours.get("status") == "ok" and len(ours.get("module_trials", [])) != ours.get("num_trials"):
             seen = len(ours["module_trials"])
-            _log(f"{model}: note: the module saw {seen} trials, the tuner reports {ours['num_trials']}")
+            H.log(f"{model}: note: the module saw {seen} trials, the tuner reports {ours['num_trials']}")
         guess = ours.get("batch_size") if ours.get("status") == "ok" else None
         hints = [
             (t["batch_size"], t["peak_bytes"]) for t in ours.get("tuner_trials", []) if t["fits"] and t["peak_bytes"]
@@ -861,12 +782,12 @@ def orchestrate(args: argparse.Namespace) -> int:
             entry["finders"][finder] = run_finder(runner, model, finder)
         if args.true_max != "none":  # last: under a time limit, the finders run first
             entry["true_max"] = find_true_max(runner, model, w, parallel, guess, hints)
-            _log(f"{model}: {_true_max_line(entry['true_max'])}")
+            H.log(f"{model}: {_true_max_line(entry['true_max'])}")
         print(_table(model, w, entry, budget_bytes, args.quick) + "\n", flush=True)
         out = Path(args.json or f"benchmarks/results/tuner{'-quick' if args.quick else ''}.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2))
-    _log(f"done in {time.perf_counter() - _T0:.1f} s")
+    H.log(f"done in {time.perf_counter() - H.T0:.1f} s")
     return 0
 
 
