@@ -4,6 +4,10 @@ import warnings
 import pytest
 import torch
 
+from tests.helpers.trainer import make_trainer
+
+__all__ = ["make_trainer"]  # the fixture, for every test under tests/
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():

@@ -2,7 +2,7 @@
 
 A table sits between ``<!-- keys: <Writer> -->`` and ``<!-- /keys -->`` in a page under ``docs/``; its rows are the
 keys that ``<Writer>`` (a callback's class name) logs. ``--check`` writes nothing and exits 1 when a table differs
-(``tests/unit/test_keys.py`` runs the same check).
+(``tests/package/test_keys.py`` runs the same check).
 """
 
 from __future__ import annotations

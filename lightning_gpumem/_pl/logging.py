@@ -5,7 +5,7 @@ Lightning exposes no public way to ask "will this training batch be logged, and 
 the micro-batches that only accumulate gradients (``fit_loop._should_accumulate()``); to make our curves line up
 with the user's loss curves we use the same two. That private access lives here only (``batches_that_stepped``,
 ``is_accumulating``), falls back to public values if Lightning renames them, and
-``tests/unit/test_lightning_internals.py`` fails loudly when that happens.
+``tests/pl/test_lightning_internals.py`` fails loudly when that happens.
 """
 
 from __future__ import annotations

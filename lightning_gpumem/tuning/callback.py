@@ -58,7 +58,7 @@ class BatchSizeTuner(Callback):
     (``on_train_start``, ``on_train_epoch_start``, ...) and ``lr_scheduler_step`` do not run during trials. What the fit
     derived from the batch size is derived again: ``configure_optimizers`` runs once more after tuning, so
     ``estimated_stepping_batches`` and the schedulers built from it use the size chosen.
-    ``tests/integration/test_tuner_conformance.py`` checks this across Lightning set-ups. The size found is written
+    ``tests/tuning/test_conformance.py`` checks this across Lightning set-ups. The size found is written
     where Lightning's ``BatchSizeFinder`` writes it (``model.<batch_arg_name>``, ``model.hparams``, the datamodule or
     its hparams). An error or Ctrl-C in a trial puts the original size back. Under DDP every rank runs every trial and
     the OOM verdicts and peaks are agreed, so all ranks pick the same size; ``self.log(..., sync_dist=True)`` does not

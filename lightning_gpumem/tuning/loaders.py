@@ -4,7 +4,7 @@ Lightning has no public API to drop a fit loop's loaders and build them again at
 to stop a ``DataLoader``'s workers without waiting for them: this module reaches into the fit loop's
 ``_data_source``, ``_combined_loader`` and ``_data_fetcher``, Lightning's ``_ModeIterator`` and torch's
 ``_MultiProcessingDataLoaderIter``. Each access carries a ``# private:`` comment;
-``tests/unit/test_lightning_internals.py`` fails loudly when an upgrade breaks one.
+``tests/pl/test_lightning_internals.py`` fails loudly when an upgrade breaks one.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The trials run the user's own fit loop, so the session saves what a trial change
 limits, loggers and callbacks, module modes and ``requires_grad``, logged metrics and their result collections,
 torchmetrics states, RNG streams, the pending checkpoint, the running hook's name) in one record, and
 :meth:`SavedRun.restore` puts each back. Lightning has no public API for most of these: each private access carries
-a ``# private:`` comment, and ``tests/unit/test_lightning_internals.py`` fails loudly when an upgrade breaks one.
+a ``# private:`` comment, and ``tests/pl/test_lightning_internals.py`` fails loudly when an upgrade breaks one.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Why the real loop: a trial must cost what training costs (precision plugin, stra
 accumulation and clipping, the optimizer step, ``self.log`` in the user's steps), and only Lightning's loop does all
 of that. Lightning has no public API to run a few steps at another batch size and undo them, so, like its own
 ``BatchSizeFinder`` (``lightning/pytorch/tuner/batch_size_scaling.py``), this module reaches into loop attributes.
-Each access carries a ``# private:`` comment, and ``tests/unit/test_lightning_internals.py`` fails loudly when an
+Each access carries a ``# private:`` comment, and ``tests/pl/test_lightning_internals.py`` fails loudly when an
 upgrade breaks one.
 """
 

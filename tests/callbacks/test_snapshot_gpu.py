@@ -6,12 +6,13 @@ import pickle
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpumem import MemoryBudget, OOMSnapshot
 from lightning_gpumem._core.units import GIB
+from tests.helpers.trainer import quiet_trainer
 
 pytestmark = pytest.mark.gpu
 
@@ -45,16 +46,7 @@ class NoOOM(OverBudget):
 
 def test_a_forced_oom_leaves_a_pickle_an_html_page_and_the_original_error(tmp_path):
     snapshot = OOMSnapshot(dirpath=tmp_path)
-    trainer = Trainer(
-        accelerator="gpu",
-        devices=1,
-        max_steps=5,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[MemoryBudget("2GiB"), snapshot],
-    )
+    trainer = quiet_trainer(accelerator="gpu", devices=1, max_steps=5, callbacks=[MemoryBudget("2GiB"), snapshot])
     with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 3\.00 GiB"):
         trainer.fit(OverBudget())
     pickles = sorted(tmp_path.glob("oom_rank0_step2.pickle"))
@@ -76,16 +68,7 @@ def test_a_forced_oom_leaves_a_pickle_an_html_page_and_the_original_error(tmp_pa
 
 def test_at_steps_writes_snapshots_without_an_oom(tmp_path):
     snapshot = OOMSnapshot(dirpath=tmp_path, at_steps=[1, 3])
-    Trainer(
-        accelerator="gpu",
-        devices=1,
-        max_steps=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[snapshot],
-    ).fit(NoOOM())
+    quiet_trainer(accelerator="gpu", devices=1, max_steps=4, callbacks=[snapshot]).fit(NoOOM())
     assert sorted(p.name for p in tmp_path.glob("*.pickle")) == [
         "snapshot_rank0_step1.pickle",
         "snapshot_rank0_step3.pickle",
@@ -95,15 +78,8 @@ def test_at_steps_writes_snapshots_without_an_oom(tmp_path):
 def test_every_live_allocation_listed_points_at_code_outside_the_libraries_or_says_none_exists(tmp_path):
     from lightning_gpumem._core.snapshot_report import _is_library, format_report
 
-    trainer = Trainer(
-        accelerator="gpu",
-        devices=1,
-        max_steps=5,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[MemoryBudget("2GiB"), OOMSnapshot(dirpath=tmp_path)],
+    trainer = quiet_trainer(
+        accelerator="gpu", devices=1, max_steps=5, callbacks=[MemoryBudget("2GiB"), OOMSnapshot(dirpath=tmp_path)]
     )
     with pytest.raises(torch.OutOfMemoryError):
         trainer.fit(OverBudget())
@@ -133,14 +109,12 @@ def test_a_snapshot_that_cannot_be_written_keeps_the_oom_and_the_callbacks_after
             target.write_text("not a directory any more")
 
     snapshot = OOMSnapshot(dirpath=target)
-    trainer = Trainer(
+    trainer = quiet_trainer(
         accelerator="gpu",
         devices=1,
         max_steps=5,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[MemoryBudget("2GiB"), snapshot, FillTheDisk(), OnExceptionCheckpoint(tmp_path / "ckpt")],
+        enable_checkpointing=True,
     )
     with (
         pytest.warns(UserWarning, match="OOMSnapshot: could not write the oom snapshot"),

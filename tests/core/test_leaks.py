@@ -1,20 +1,15 @@
-"""Leak detection: the detector on synthetic histories, and MemoryMonitor's warning with a fake allocator."""
+"""Leak detection: the detector on synthetic histories, and the census of live tensors it names."""
 
 from __future__ import annotations
 
 import random
-import warnings
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
-from lightning.pytorch.loggers import CSVLogger
 
-from lightning_gpumem import MemoryMonitor
 from lightning_gpumem._core.leaks import LeakDetector, grown_tensors
 from lightning_gpumem._core.units import GIB, MIB
 from lightning_gpumem._hw.probe import tensor_census
-from tests._fakes import FakeMonitor, FakeProbe, SpikeModel, column, read_csv_metrics
 
 
 def _first_verdict(values, **kwargs):
@@ -85,77 +80,6 @@ def test_tensor_census_groups_live_tensors_by_shape_and_dtype():
     assert after[((7, 13), "float32")] - before.get(((7, 13), "float32"), 0) == 3 * 7 * 13 * 4
     assert "float32[7, 13] +0.0 MiB" in grown_tensors(before, after)
     del kept
-
-
-# ---------------------------------------------------------------------------------------------------- monitor
-class LeakyModel(SpikeModel):
-    """Keeps 4 MiB more of the fake allocator after every step (a list of losses with their graphs)."""
-
-    def __init__(self, probe: FakeProbe, leak: int) -> None:
-        super().__init__(probe)
-        self.leak = leak
-
-    def training_step(self, batch, batch_idx):
-        self.fake.allocate(self.leak)
-        return super().training_step(batch, batch_idx)
-
-
-def _fit(tmp_path, monitor, model, steps):
-    Trainer(
-        accelerator="cpu",
-        max_steps=steps,
-        limit_val_batches=0,
-        logger=CSVLogger(tmp_path),
-        callbacks=[monitor],
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
-        log_every_n_steps=10,
-    ).fit(model)
-
-
-def test_monitor_warns_once_about_a_leak_and_logs_its_rate(tmp_path):
-    probe = FakeProbe(base=GIB, total=24 * GIB)
-    monitor = FakeMonitor(probe)
-    with pytest.warns(UserWarning, match=r"allocated memory keeps growing, 4.00 MiB per step") as record:
-        _fit(tmp_path, monitor, LeakyModel(probe, 4 * MIB), steps=60)
-    messages = [str(w.message) for w in record if "keeps growing" in str(w.message)]
-    assert len(messages) == 1
-    assert "budget runs out near step" in messages[0]
-    assert monitor.leak is not None
-    assert monitor.leak.last_step <= 50
-    rates = column(read_csv_metrics(tmp_path), "gpumem/leak_mib_per_step")
-    assert rates[59] == pytest.approx(4.0, rel=0.05)
-
-
-def test_monitor_stays_quiet_on_a_healthy_run(tmp_path):
-    probe = FakeProbe(base=GIB, total=24 * GIB)
-    monitor = FakeMonitor(probe)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)
-        warnings.filterwarnings("ignore", message=".*(num_workers|does not have many workers).*")
-        _fit(tmp_path, monitor, SpikeModel(probe, train_spikes={s: (s % 7) * 50 * MIB for s in range(300)}), 300)
-    assert monitor.leak is None
-
-
-def test_leak_detection_can_be_switched_off(tmp_path):
-    probe = FakeProbe(base=GIB, total=24 * GIB)
-    monitor = FakeMonitor(probe, detect_leaks=False)
-    _fit(tmp_path, monitor, LeakyModel(probe, 4 * MIB), steps=60)
-    assert monitor.leak is None
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        ({"leak_threshold_mib": 0}, r"leak_threshold_mib=0"),
-        ({"leak_warmup_steps": -1}, r"leak_warmup_steps=-1"),
-        ({"detect_leaks": "yes"}, r"detect_leaks='yes'"),
-    ],
-)
-def test_leak_arguments_are_validated(kwargs, match):
-    with pytest.raises((ValueError, TypeError), match=r"MemoryMonitor\(" + match):
-        MemoryMonitor(**kwargs)
 
 
 def test_a_leak_that_starts_after_a_long_healthy_run_is_flagged_within_about_a_hundred_steps():

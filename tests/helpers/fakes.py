@@ -1,4 +1,9 @@
-"""A fake memory source and helpers shared by the tests: allocator logic tested on CPU with known numbers."""
+"""A fake memory source and helpers shared by the tests: allocator logic tested on CPU with known numbers.
+
+Importing this module sets the tests' probe factory: a callback with a ``fake`` attribute reads that `FakeProbe`,
+every other one the hardware. Also here: fake callbacks reading a `FakeProbe`, a logger without text or table
+calls, a synthetic allocator snapshot, and readers of the CSV metrics a fit wrote.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +14,9 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.loggers import Logger
 
-from lightning_gpumem import EmptyCacheOnThreshold, MemoryMonitor
+from lightning_gpumem import EmptyCacheOnThreshold, LayerMemoryProfiler, MemoryBudget, MemoryMonitor
 from lightning_gpumem._core.units import GIB, MIB
 from lightning_gpumem._hw.probe import MemorySample, Probe, default_probe_factory, set_probe_factory
 
@@ -96,6 +102,24 @@ def _fake_or_real(device: torch.device, owner: object, nvml: bool, host: bool) -
 set_probe_factory(_fake_or_real)
 
 
+class CudaFakeProbe(FakeProbe):
+    """A fake CUDA allocator with a per-process cap (only the device's type is read)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.device = torch.device("cuda")
+        self.fraction = 1.0
+        self.releases = 0
+
+    def set_memory_fraction(self, fraction: float) -> float:
+        previous, self.fraction = self.fraction, fraction
+        return previous
+
+    def release_cache(self) -> None:
+        self.releases += 1
+        super().release_cache()
+
+
 class FakeMonitor(MemoryMonitor):
     """MemoryMonitor reading a FakeProbe instead of the hardware."""
 
@@ -110,6 +134,22 @@ class FakeRelease(EmptyCacheOnThreshold):
     def __init__(self, probe: FakeProbe, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.fake = probe
+
+
+class FakeBudget(MemoryBudget):
+    """MemoryBudget capping a FakeProbe (a `CudaFakeProbe`: MemoryBudget caps CUDA devices only)."""
+
+    def __init__(self, probe: FakeProbe, budget) -> None:
+        super().__init__(budget)
+        self.fake = probe
+
+
+class FakeProfiler(LayerMemoryProfiler):
+    """LayerMemoryProfiler reading a FakeProbe."""
+
+    def __init__(self, fake: FakeProbe, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.fake = fake
 
 
 class SpikeModel(BoringModel):
@@ -141,6 +181,67 @@ class SpikeModel(BoringModel):
     def test_step(self, batch, batch_idx):
         self.fake.spike(self.val_spike)
         return super().test_step(batch, batch_idx)
+
+
+class PlainLogger(Logger):
+    """A logger with no text or table call (as a custom one may be)."""
+
+    def __init__(self, save_dir: str | None = None, name: str | None = "plain", **attributes) -> None:
+        super().__init__()
+        self._save_dir, self._name = save_dir, name
+        for name, value in attributes.items():
+            setattr(self, name, value)
+
+    @property
+    def name(self):
+        return self._name
+
+    @property
+    def version(self):
+        return 0
+
+    @property
+    def save_dir(self):
+        return self._save_dir
+
+    def log_metrics(self, metrics, step=None):
+        pass
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+def frame(filename: str, line: int, name: str) -> dict:
+    """One frame of a block's stack in a `torch.cuda.memory._snapshot()`."""
+    return {"filename": filename, "line": line, "name": name}
+
+
+USER = frame("/home/me/model.py", 42, "forward")
+NOISE = frame("/site-packages/torch/nn/modules/module.py", 1750, "_call_impl")
+SNAPSHOT = {  # a synthetic `torch.cuda.memory._snapshot()`: two segments, a history that ends in an OOM
+    "segments": [
+        {
+            "total_size": 64 * MIB,
+            "allocated_size": 48 * MIB,
+            "blocks": [
+                {"size": 32 * MIB, "state": "active_allocated", "frames": [NOISE, USER]},
+                {"size": 16 * MIB, "state": "inactive", "frames": []},
+                {"size": 16 * MIB, "state": "active_allocated", "frames": [frame("/home/me/data.py", 7, "load")]},
+            ],
+        },
+        {
+            "total_size": 20 * MIB,
+            "allocated_size": 2 * MIB,
+            "blocks": [{"size": 2 * MIB, "state": "active_allocated", "frames": []}],
+        },
+    ],
+    "device_traces": [
+        [
+            {"action": "alloc", "size": 32 * MIB, "frames": [USER]},
+            {"action": "oom", "size": 3 * 1024 * MIB, "frames": [frame("??", 0, "malloc"), NOISE, USER]},
+        ]
+    ],
+}
 
 
 def kept(largest: int, headroom: float = 0.05) -> int:

@@ -1,4 +1,4 @@
-"""Run by test_microbatch_ddp.py: 2 CPU ranks (gloo); rank 1 alone runs out of memory in some batches.
+"""Run by test_ddp_cpu.py: 2 CPU ranks (gloo); rank 1 alone runs out of memory in some batches.
 
 Usage: python ddp_microbatch_script.py OUT_DIR WHERE ACCUMULATE   (WHERE: forward or backward)
 """
@@ -15,8 +15,9 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 
 from lightning_gpumem import AutoMicrobatch
 from lightning_gpumem.microbatch import callback as microbatch
-from tests._fakes import close_process_group
-from tests.unit.test_microbatch import STEPS, Net
+from tests.helpers.fakes import close_process_group
+from tests.helpers.microbatch import STEPS, Net
+from tests.helpers.trainer import quiet_trainer
 
 
 class RankOneNet(Net):
@@ -49,18 +50,8 @@ class Splits(Callback):
 
 
 def fit(root: Path, model: Net, callbacks, accumulate: int) -> Trainer:
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
-        max_steps=STEPS // 2,
-        accumulate_grad_batches=accumulate,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
+    trainer = quiet_trainer(
+        root, devices=2, strategy="ddp", max_steps=STEPS // 2, accumulate_grad_batches=accumulate, callbacks=callbacks
     )
     trainer.fit(model)
     return trainer

@@ -5,108 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.loggers import CSVLogger
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from lightning_gpumem import AutoMicrobatch
-from lightning_gpumem.microbatch.split import LogCall, MicrobatchPolicy, UpdateWatch, combine_logs, split_batch
-from tests._fakes import column, read_csv_metrics
-
-STEPS = 30
-
-
-def _oom() -> torch.OutOfMemoryError:
-    return torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+from tests.helpers.fakes import column, read_csv_metrics
+from tests.helpers.microbatch import STEPS, Net, oom_error
+from tests.helpers.trainer import quiet_trainer
 
 
-class RaiseInBackward(torch.autograd.Function):
-    """Identity whose backward runs out of memory when asked to."""
-
-    @staticmethod
-    def forward(ctx, x, fail):
-        ctx.fail = fail
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.fail:
-            raise _oom()
-        return grad, None
-
-
-class FlakySGD(torch.optim.SGD):
-    """SGD whose step runs out of memory, before changing anything, at the steps listed (once each)."""
-
-    def __init__(self, params, fail_at, **kwargs):
-        super().__init__(params, **kwargs)
-        self.fail_at, self.calls = set(fail_at), 0
-
-    def step(self, closure=None):
-        loss = closure() if closure is not None else None
-        self.calls += 1
-        if self.calls - 1 in self.fail_at:
-            self.fail_at.discard(self.calls - 1)
-            raise _oom()
-        super().step()
-        return loss
-
-
-class Net(LightningModule):
-    """Regression; a (micro)batch larger than ``limit`` runs out of memory at ``where`` in the ``pressure`` batches."""
-
-    def __init__(self, limit=None, where="forward", pressure=(), optimizer_fails=(), batch_size=16):
-        super().__init__()
-        self.layer = nn.Linear(8, 4)
-        self.head = nn.Linear(4, 1)
-        self.limit, self.where, self.pressure = limit, where, set(pressure)
-        self.optimizer_fails = optimizer_fails
-        self.batch_size = batch_size
-        self.sizes: list[int] = []
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        self.sizes.append(len(x))
-        too_big = self.limit is not None and batch_idx in self.pressure and len(x) > self.limit
-        if self.where == "forward" and too_big:
-            raise _oom()
-        hidden = RaiseInBackward.apply(torch.tanh(self.layer(x)), self.where == "backward" and too_big)
-        loss = F.mse_loss(self.head(hidden).squeeze(-1), y)
-        self.log("train_loss", loss)
-        self.log("samples", float(len(x)), reduce_fx="sum", on_step=True)
-        self.log("epoch_loss", loss, on_step=False, on_epoch=True)  # each batch counted once, by its size
-        return loss
-
-    def configure_optimizers(self):
-        optimizer = FlakySGD(self.parameters(), self.optimizer_fails, lr=0.1, momentum=0.9)
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 7, gamma=0.5)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    def train_dataloader(self):
-        generator = torch.Generator().manual_seed(0)
-        data = TensorDataset(
-            torch.randn(self.batch_size * STEPS, 8, generator=generator),
-            torch.randn(self.batch_size * STEPS, generator=generator),
-        )
-        return DataLoader(data, batch_size=self.batch_size)
-
-
-def _fit(tmp_path, model, callbacks=(), **kwargs):
+def _fit(tmp_path, model, callbacks=(), ckpt_path=None, **kwargs):
     seed_everything(0)
-    options = dict(
-        accelerator="cpu",
-        max_steps=STEPS,
-        logger=CSVLogger(tmp_path),
-        callbacks=list(callbacks),
-        log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
-    )
-    ckpt_path = kwargs.pop("ckpt_path", None)
-    options.update(kwargs)
-    trainer = Trainer(**options)
+    options = dict(max_steps=STEPS, logger=CSVLogger(tmp_path), callbacks=list(callbacks), log_every_n_steps=1)
+    trainer = quiet_trainer(**{**options, **kwargs})
     trainer.fit(model, ckpt_path=ckpt_path)
     return trainer
 
@@ -204,7 +116,7 @@ class MidUpdateSGD(torch.optim.SGD):
             target = first if self.what == "parameter" else self.state[first]["momentum_buffer"]
             with torch.no_grad():
                 target.mul_(0.5)  # half an update: what a re-run would apply a second time
-            raise _oom()
+            raise oom_error()
         super().step()
         return loss
 
@@ -222,38 +134,6 @@ def test_an_oom_in_the_middle_of_the_optimizer_update_propagates_with_why(tmp_pa
     assert callback.oom_recoveries == 0
 
 
-def _watched_step(optimizer_class, device="cpu", frozen_first=False, **kwargs):
-    """Whether UpdateWatch calls a step of ``optimizer_class`` changed (first step: state created in it)."""
-    params = [torch.nn.Parameter(torch.randn(4, 3, device=device)), torch.nn.Parameter(torch.randn(3, device=device))]
-    optimizer = optimizer_class(params, lr=0.1, **kwargs)
-    watch = UpdateWatch()
-    results = []
-    for _ in range(2):
-        for param in params[1:] if frozen_first else params:  # a parameter without a gradient is skipped by the step
-            param.grad = torch.ones_like(param)
-        watch.start()
-        watch.note(optimizer)  # as `on_before_optimizer_step` does
-        results.append(watch.changed())  # no update yet
-        optimizer.step()
-        results.append(watch.changed())
-    return results
-
-
-@pytest.mark.parametrize(
-    ("optimizer_class", "kwargs"),
-    [
-        (torch.optim.AdamW, {"foreach": True}),
-        (torch.optim.AdamW, {"foreach": False}),
-        (torch.optim.Adam, {"foreach": True}),
-        (torch.optim.SGD, {"momentum": 0.9, "foreach": True}),
-        (torch.optim.SGD, {"momentum": 0.9, "foreach": False}),
-    ],
-)
-def test_update_watch_sees_every_real_optimizer_update(optimizer_class, kwargs):
-    assert _watched_step(optimizer_class, **kwargs) == [False, True, False, True]
-    assert _watched_step(optimizer_class, frozen_first=True, **kwargs) == [False, True, False, True]
-
-
 class HalfStateAdam(torch.optim.Adam):
     """Adam that at step ``fail_at`` runs out of memory while creating its state: one entry made, the rest not."""
 
@@ -266,7 +146,7 @@ class HalfStateAdam(torch.optim.Adam):
         self.calls += 1
         if self.calls - 1 == self.fail_at:
             self.state[self.param_groups[0]["params"][0]]["step"] = torch.tensor(0.0)
-            raise _oom()
+            raise oom_error()
         super().step()
         return loss
 
@@ -363,37 +243,6 @@ def test_bad_arguments_are_refused_by_name(kwargs, match):
         AutoMicrobatch(**kwargs)
 
 
-def test_split_keeps_nested_structure_and_leaves_other_leaves_whole():
-    batch = {"x": torch.arange(10).view(5, 2), "pair": (torch.arange(5), torch.tensor(3.0)), "name": "b"}
-    chunks = split_batch(batch, 2)
-    assert [n for _, n in chunks] == [3, 2]
-    assert chunks[1][0]["x"].tolist() == [[6, 7], [8, 9]]
-    assert chunks[0][0]["pair"][1] is batch["pair"][1]
-    assert chunks[0][0]["name"] == "b"
-
-
-def test_logs_combine_as_one_unsplit_step():
-    calls = [
-        LogCall("loss", torch.tensor(2.0), {}, 3),
-        LogCall("n", 3.0, {"reduce_fx": "sum"}, 3),
-        LogCall("loss", torch.tensor(6.0), {}, 1),
-        LogCall("n", 1.0, {"reduce_fx": "sum"}, 1),
-    ]
-    combined = {name: float(value) for name, value, _ in combine_logs(calls)}
-    assert combined == {"loss": 3.0, "n": 4.0}
-
-
-def test_policy_grows_back_and_waits_longer_after_a_failed_try():
-    policy = MicrobatchPolicy(grow_after=3)
-    assert policy.after_oom(10, 16) == 2
-    assert [policy.next_k(s) for s in (11, 12, 13)] == [2, 2, 1]  # a try at step 13
-    assert policy.after_oom(13, 16) == 2  # failed: back, and the wait doubles
-    assert policy.wait == 6
-    assert [policy.next_k(s) for s in range(14, 20)] == [2] * 5 + [1]
-    policy.after_success(19)
-    assert (policy.k, policy.wait) == (1, 3)
-
-
 def test_hooks_run_once_per_step_and_after_backward_sees_the_whole_gradient(tmp_path):
     class Hooked(Net):
         def __init__(self, **kwargs):
@@ -438,12 +287,12 @@ def test_a_checkpoint_keeps_the_split(tmp_path):
 
 def test_the_tuners_planned_ooms_stay_the_tuners_and_the_monitor_reports_recoveries(tmp_path):
     from lightning_gpumem import BatchSizeTuner
-    from tests._fakes import FakeMonitor, FakeProbe
+    from tests.helpers.fakes import FakeMonitor, FakeProbe
 
     class Tunable(Net):
         def training_step(self, batch, batch_idx):
             if len(batch[0]) > 8 and not self.trainer.fit_loop.epoch_loop.automatic_optimization.__dict__.get("run"):
-                raise _oom()  # the tuner's trials (before AutoMicrobatch takes over): above 8 does not fit
+                raise oom_error()  # the tuner's trials (before AutoMicrobatch takes over): above 8 does not fit
             return super().training_step(batch, batch_idx)
 
     probe = FakeProbe()
@@ -507,7 +356,7 @@ class FakeMemoryNet(Net):
             per_sample //= 4  # the pressure ends: a whole batch fits again
         need = len(batch[0]) * per_sample
         if self.fake.allocated + need > self.budget:
-            raise _oom()
+            raise oom_error()
         self.fake.spike(need)
         return super().training_step(batch, batch_idx)
 
@@ -524,7 +373,7 @@ class Budget(Callback):
 
 def test_a_measured_peak_that_says_the_whole_batch_cannot_fit_skips_the_try(tmp_path):
     from lightning_gpumem._core.units import GIB
-    from tests._fakes import FakeProbe
+    from tests.helpers.fakes import FakeProbe
 
     probe = FakeProbe(base=GIB, total=24 * GIB)
     callback = AutoMicrobatch(grow_after=2)
@@ -539,7 +388,7 @@ def test_a_measured_peak_that_says_the_whole_batch_cannot_fit_skips_the_try(tmp_
 
 def test_a_measured_peak_that_says_it_fits_lets_the_batch_grow_back(tmp_path):
     from lightning_gpumem._core.units import GIB
-    from tests._fakes import FakeProbe
+    from tests.helpers.fakes import FakeProbe
 
     probe = FakeProbe(base=GIB, total=24 * GIB)
     callback = AutoMicrobatch(grow_after=2)
@@ -553,7 +402,7 @@ def test_a_measured_peak_that_says_it_fits_lets_the_batch_grow_back(tmp_path):
 
 def test_the_monitors_running_peak_keeps_what_the_split_steps_reset(tmp_path):
     from lightning_gpumem._core.units import GIB
-    from tests._fakes import FakeMonitor, FakeProbe
+    from tests.helpers.fakes import FakeMonitor, FakeProbe
 
     class Spiky(FakeMemoryNet):
         def training_step(self, batch, batch_idx):
@@ -584,11 +433,9 @@ def test_a_validation_step_that_calls_training_step_is_left_alone_even_when_spli
 
     seed_everything(0)
     model = Shared(limit=5, pressure={1})
-    trainer = Trainer(
-        accelerator="cpu", max_steps=6, val_check_interval=3, limit_val_batches=2, logger=False,
-        callbacks=[AutoMicrobatch(grow_after=100)], enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False,
-    )  # fmt: skip
+    trainer = quiet_trainer(
+        max_steps=6, val_check_interval=3, limit_val_batches=2, callbacks=[AutoMicrobatch(grow_after=100)]
+    )
     with pytest.warns(UserWarning, match="AutoMicrobatch"):
         trainer.fit(model)
     assert "val_loss" in trainer.callback_metrics  # validation's logs were not taken for the step's
@@ -642,7 +489,7 @@ def test_a_micro_batch_that_returns_none_skips_the_whole_batch_as_unsplit(tmp_pa
 
         def training_step(self, batch, batch_idx):
             if self.limit is not None and batch_idx in self.pressure and len(batch[0]) > self.limit:
-                raise _oom()
+                raise oom_error()
             if batch_idx == 3 and any(torch.equal(row, self._last_sample) for row in batch[0]):
                 return None  # unsplit: the whole batch; split in two: the second half only
             return super().training_step(batch, batch_idx)
@@ -663,7 +510,7 @@ def test_a_second_fit_starts_unsplit_and_nothing_is_kept_after_a_fit(tmp_path):
     with pytest.warns(UserWarning, match="AutoMicrobatch"):
         _fit(tmp_path / "first", Net(batch_size=8, limit=5, pressure={1}), [callback], accumulate_grad_batches=4)
     assert callback.microbatches == 2
-    assert (callback._window, callback._calls, callback._probe) == ([], [], None)
+    assert (callback._window, callback._attempt.calls, callback._probe) == ([], [], None)
     model = Net(batch_size=8)
     _fit(tmp_path / "second", model, [callback], max_steps=3)
     assert set(model.sizes) == {8}  # unsplit from the start
@@ -684,13 +531,8 @@ def test_a_batch_whose_dimension_cannot_be_told_is_not_split_and_the_oom_propaga
 
         def training_step(self, batch, batch_idx):
             if self.global_step == 1:
-                raise _oom()
+                raise oom_error()
             return super().training_step(batch[:2], batch_idx)
 
     with pytest.raises(torch.OutOfMemoryError, match=r"not recovered: the batch's tensors do not share"):
         _fit(tmp_path, PerSample(), [AutoMicrobatch()], max_steps=3)
-
-
-def test_split_refuses_a_batch_of_per_sample_tensors():
-    with pytest.raises(ValueError, match=r"do not share their first dimension \(3 and \[5\]\)"):
-        split_batch([torch.zeros(3, 4, 4), torch.zeros(5, 4, 4)], 2)

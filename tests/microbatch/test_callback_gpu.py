@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Callback, seed_everything
 
 from lightning_gpumem import AutoMicrobatch, MemoryBudget
+from tests.helpers.trainer import quiet_trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from auto_microbatch import LONG_BATCH, STEPS, TinyLM, budget_between_normal_and_long
@@ -20,17 +21,7 @@ pytestmark = pytest.mark.gpu
 def _fit(callbacks, precision="32-true", steps=STEPS):
     seed_everything(0)
     model = TinyLM()
-    trainer = Trainer(
-        accelerator="gpu",
-        devices=1,
-        max_steps=steps,
-        precision=precision,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(accelerator="gpu", devices=1, max_steps=steps, precision=precision, callbacks=callbacks)
     trainer.fit(model)
     torch.cuda.empty_cache()
     return trainer, model
@@ -100,7 +91,7 @@ def test_a_recovered_oom_leaves_a_snapshot_marked_recovered(tmp_path):
 @pytest.mark.parametrize("implementation", ["foreach", "fused"])
 def test_update_watch_sees_a_cuda_adamw_update(implementation):
     """The version counters it reads are bumped by the CUDA optimizers' foreach and fused kernels."""
-    from tests.unit.test_microbatch import _watched_step
+    from tests.helpers.microbatch import watched_step
 
-    result = _watched_step(torch.optim.AdamW, device="cuda", **{implementation: True})
+    result = watched_step(torch.optim.AdamW, device="cuda", **{implementation: True})
     assert result == [False, True, False, True]

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.ddp  # each test runs `ddp_microbatch_script.py` on 2 processes
 SCRIPT = Path(__file__).with_name("ddp_microbatch_script.py")
 
 

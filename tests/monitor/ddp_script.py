@@ -11,12 +11,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gpumem import MemoryMonitor
 from lightning_gpumem._core.units import GIB
-from tests._fakes import FakeMonitor, FakeProbe, FakeRelease, SpikeModel, close_process_group
+from tests.helpers.fakes import FakeMonitor, FakeProbe, FakeRelease, SpikeModel, close_process_group
+from tests.helpers.trainer import quiet_trainer
 
 
 class RankModel(SpikeModel):
@@ -30,8 +30,7 @@ def main(log_dir: str) -> None:
     fake_monitor = FakeMonitor(probe, log_every_n_steps=2)
     real_monitor = MemoryMonitor(log_every_n_steps=2)  # real CPU probe: host memory per rank
     release = FakeRelease(probe, threshold=1.5 / 24)  # mark 1.5 GiB of the fake's 24: rank 1 (2 GiB) releases
-    trainer = Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=2,
         strategy="ddp",
         max_epochs=1,
@@ -40,9 +39,6 @@ def main(log_dir: str) -> None:
         logger=CSVLogger(log_dir),
         callbacks=[fake_monitor, real_monitor, release],
         log_every_n_steps=2,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(RankModel(probe))
     result = {

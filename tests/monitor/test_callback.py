@@ -5,29 +5,16 @@ from __future__ import annotations
 import pytest
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gpumem import MemoryMonitor
 from lightning_gpumem._core.units import GIB
-from tests._fakes import FakeMonitor, FakeProbe, SpikeModel, column, read_csv_metrics
+from tests.helpers.fakes import FakeMonitor, FakeProbe, SpikeModel, column, read_csv_metrics
+from tests.helpers.trainer import csv_epoch_trainer
 
 
-def _trainer(tmp_path, monitor, **kwargs) -> Trainer:
-    defaults = dict(
-        accelerator="cpu",
-        max_epochs=1,
-        limit_train_batches=8,
-        limit_val_batches=2,
-        num_sanity_val_steps=0,
-        logger=CSVLogger(tmp_path),
-        callbacks=[monitor],
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
-        log_every_n_steps=1,
-    )
-    defaults.update(kwargs)
-    return Trainer(**defaults)
+def _trainer(tmp_path, monitor, **overrides) -> Trainer:
+    """One epoch of 8 training and 2 validation batches, every step logged to a CSVLogger in `tmp_path`."""
+    return csv_epoch_trainer(tmp_path, **{"callbacks": [monitor], "limit_train_batches": 8, **overrides})
 
 
 @pytest.mark.parametrize("value", [0, -3, 1.5, True, "10"])

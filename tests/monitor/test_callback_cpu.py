@@ -6,13 +6,13 @@ from pathlib import Path
 
 import psutil
 import pytest
-from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_gpumem import MemoryMonitor
-from tests._fakes import column, read_csv_metrics
+from tests.helpers.fakes import column, read_csv_metrics
+from tests.helpers.trainer import quiet_trainer
 
 
 def _scalars(log_dir: Path) -> dict[str, dict[int, float]]:
@@ -24,14 +24,14 @@ def _scalars(log_dir: Path) -> dict[str, dict[int, float]]:
 
 def test_cpu_run_logs_host_memory_to_tensorboard_and_csv(tmp_path):
     monitor = MemoryMonitor(log_every_n_steps=5, nvml_host_interval_s=0)
-    trainer = Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         max_epochs=2,
         limit_train_batches=10,
         limit_val_batches=2,
         logger=[TensorBoardLogger(tmp_path / "tb"), CSVLogger(tmp_path / "csv")],
         callbacks=[monitor],
-        enable_checkpointing=False,
+        enable_progress_bar=True,
+        enable_model_summary=True,
     )
     trainer.fit(BoringModel())
 
@@ -54,12 +54,5 @@ def test_cpu_run_logs_host_memory_to_tensorboard_and_csv(tmp_path):
 def test_cpu_run_without_logger_or_psutil_reads_never_fails(tmp_path):
     monitor = MemoryMonitor(host=False, nvml=False)
     with pytest.warns(UserWarning, match="no logger"):
-        Trainer(
-            accelerator="cpu",
-            max_steps=3,
-            logger=False,
-            callbacks=[monitor],
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-        ).fit(BoringModel())
+        quiet_trainer(max_steps=3, callbacks=[monitor], enable_model_summary=True).fit(BoringModel())
     assert monitor.peaks == {}

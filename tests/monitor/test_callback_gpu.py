@@ -9,62 +9,27 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpumem import MemoryMonitor, MemoryProbe
 from lightning_gpumem._core.units import GIB
-from tests._fakes import column, read_csv_metrics
+from tests.helpers.fakes import column, read_csv_metrics
+from tests.helpers.models import SpikeModule
+from tests.helpers.trainer import quiet_trainer
 
 pytestmark = pytest.mark.gpu
 
 
-class SpikeModule(LightningModule):
-    """Allocates `train_spike` extra bytes on training step `spike_step`, `val_spike` in every validation step."""
-
-    def __init__(self, spike_step: int = -1, train_spike: int = GIB, val_spike: int = 0) -> None:
-        super().__init__()
-        self.layer = nn.Linear(1024, 1024)
-        self.spike_step, self.train_spike, self.val_spike = spike_step, train_spike, val_spike
-
-    def _spike(self, nbytes: int) -> None:
-        if nbytes:
-            extra = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            extra.fill_(1)
-            del extra
-
-    def training_step(self, batch, batch_idx):
-        if self.global_step == self.spike_step:
-            self._spike(self.train_spike)
-        loss = self.layer(batch[0]).pow(2).mean()
-        self.log("loss", loss)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        self._spike(self.val_spike)
-        return self.layer(batch[0]).sum()
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-    def train_dataloader(self):
-        return DataLoader(TensorDataset(torch.randn(640, 1024)), batch_size=64)
-
-    def val_dataloader(self):
-        return DataLoader(TensorDataset(torch.randn(128, 1024)), batch_size=64)
-
-
 def _fit(tmp_path: Path, module: LightningModule, monitor: MemoryMonitor, **kwargs) -> Trainer:
-    trainer = Trainer(
+    options = dict(
         accelerator="gpu",
         devices=1,
         max_epochs=1,
         log_every_n_steps=1,
         logger=[CSVLogger(tmp_path / "csv"), TensorBoardLogger(tmp_path / "tb")],
         callbacks=[monitor],
-        enable_checkpointing=False,
-        **{"enable_progress_bar": False, **kwargs},
+        enable_model_summary=True,
     )
+    trainer = quiet_trainer(**{**options, **kwargs})
     trainer.fit(module)
     return trainer
 

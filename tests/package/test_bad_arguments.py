@@ -4,6 +4,7 @@ ValueError or TypeError that names the class and the argument."""
 from __future__ import annotations
 
 import collections.abc
+import inspect
 import itertools
 import math
 import re
@@ -12,7 +13,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 import lightning_gpumem
@@ -29,7 +30,8 @@ from lightning_gpumem import (
 )
 from lightning_gpumem._core.checks import require_trainer
 from lightning_gpumem._core.units import GIB
-from tests._fakes import FakeProbe
+from tests.helpers.fakes import FakeProbe
+from tests.helpers.trainer import quiet_trainer
 
 NAN, INF = math.nan, math.inf
 FLAGS = ["yes", 1, 0, None, 1.0]
@@ -77,6 +79,9 @@ _add(LayerMemoryProfiler, "at_step", COUNTS)
 _add(LayerMemoryProfiler, "top_k", [0, *COUNTS])
 _add(LayerMemoryProfiler, "dirpath", PATHS)
 
+_add(AutoMicrobatch, "grow_after", [0, *COUNTS])
+_add(AutoMicrobatch, "max_microbatches", [0, 1, *(c for c in COUNTS if c is not None)])  # None: the batch's length
+
 
 @pytest.mark.parametrize(("cls", "name", "value"), CASES, ids=lambda x: x.__name__ if isinstance(x, type) else repr(x))
 def test_a_bad_argument_is_refused_naming_the_class_and_the_argument(cls, name, value):
@@ -84,6 +89,15 @@ def test_a_bad_argument_is_refused_naming_the_class_and_the_argument(cls, name, 
     with pytest.raises((ValueError, TypeError)) as error:
         cls(*args, **kwargs)
     assert re.search(rf"`{cls.__name__}\({name}=", str(error.value)), str(error.value)
+
+
+def test_the_cases_cover_every_argument_of_every_callback():
+    exported = [getattr(lightning_gpumem, name) for name in lightning_gpumem.__all__]
+    callbacks = [obj for obj in exported if isinstance(obj, type) and issubclass(obj, Callback)]
+    assert AutoMicrobatch in callbacks
+    for cls in callbacks:
+        arguments = set(inspect.signature(cls).parameters)
+        assert {name for case, name, _ in CASES if case is cls} == arguments, cls.__name__
 
 
 # ---------------------------------------------------------------------------------------------------- hostile values
@@ -173,12 +187,10 @@ HOSTILE = [
     (EmptyCacheOnThreshold, {"hooks": {HOOK: 1}}, ValueError, "hooks="),
     (EmptyCacheOnThreshold, {"hooks": np.array(5)}, ValueError, "hooks="),  # sized, without a length
     (EmptyCacheOnThreshold, {"hooks": [HOOK, np.array([1, 2])]}, ValueError, "hooks="),
-    (EmptyCacheOnThreshold, {"hooks": None, "on": [HOOK]}, ValueError, "hooks=None"),
     (EmptyCacheOnThreshold, {"hooks": (HOOK,)}, None, ""),
     (EmptyCacheOnThreshold, {"hooks": Foreign(HOOK, "validation_end")}, None, ""),
     (EmptyCacheOnThreshold, {"hooks": np.array([HOOK])}, None, ""),
     (EmptyCacheOnThreshold, {"hooks": frozenset({HOOK})}, None, ""),
-    (EmptyCacheOnThreshold, {"on": Foreign(HOOK)}, None, ""),
     (OOMSnapshot, {"at_steps": HUGE_RANGE}, None, ""),
     (OOMSnapshot, {"at_steps": Endless()}, ValueError, "at_steps="),
     (OOMSnapshot, {"at_steps": (5, 10)}, None, ""),
@@ -233,7 +245,6 @@ def _id(value: object) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-@pytest.mark.filterwarnings("ignore:`EmptyCacheOnThreshold\\(on=...\\)` is deprecated")
 @pytest.mark.parametrize(("cls", "kwargs", "error", "names"), HOSTILE, ids=_id)
 def test_a_hostile_value_is_refused_by_name_or_taken(cls, kwargs, error, names):
     if error is None:
@@ -249,8 +260,6 @@ def test_hooks_from_a_hydra_config_are_taken_as_plain_names():
     omegaconf = pytest.importorskip("omegaconf")  # not a dependency: where it is installed
     hooks = omegaconf.OmegaConf.create([HOOK, "validation_end"])  # a ListConfig
     assert EmptyCacheOnThreshold(hooks=hooks).hooks == {HOOK, "validation_end"}
-    with pytest.warns(DeprecationWarning, match=r"on=\.\.\.\)` is deprecated"):
-        assert EmptyCacheOnThreshold(on=omegaconf.OmegaConf.create([HOOK])).hooks == {HOOK}
 
 
 def test_foreign_sequences_of_hooks_give_the_state_key_of_a_list():
@@ -266,7 +275,7 @@ def test_a_budget_fraction_under_1_mib_of_the_device_is_refused_at_setup():
     budget = MemoryBudget(1e-10)  # 8 bytes of 80 GiB
     budget.fake = probe  # read through the tests' probe factory
     with pytest.raises(ValueError, match=r"`MemoryBudget\(budget=1e-10\)` is 8 bytes of the device's 80.0 GiB"):
-        budget.setup(Trainer(accelerator="cpu", logger=False, enable_checkpointing=False), BoringModel(), "fit")
+        budget.setup(quiet_trainer(enable_progress_bar=True, enable_model_summary=True), BoringModel(), "fit")
 
 
 # ---------------------------------------------------------------------------------------------------- Fabric
@@ -290,8 +299,10 @@ def test_under_fabric_the_callbacks_say_they_need_a_trainer(make, hooks):
 
 
 def test_require_trainer_takes_the_trainers_of_both_lightning_namespaces():
-    require_trainer("X", Trainer(accelerator="cpu", logger=False, enable_checkpointing=False))
+    require_trainer("X", quiet_trainer(enable_progress_bar=True, enable_model_summary=True))
     pytorch_lightning = pytest.importorskip("pytorch_lightning")
-    require_trainer("X", pytorch_lightning.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False))
+    require_trainer(
+        "X", quiet_trainer(enable_progress_bar=True, enable_model_summary=True, trainer_class=pytorch_lightning.Trainer)
+    )
     with pytest.raises(TypeError, match="X needs a Lightning `Trainer`; it got `SimpleNamespace`"):
         require_trainer("X", types.SimpleNamespace(strategy=None))

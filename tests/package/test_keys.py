@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Callback
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gpumem import (
@@ -21,7 +21,8 @@ from lightning_gpumem import (
 )
 from lightning_gpumem._core.units import GIB, MIB
 from lightning_gpumem.report import load_runs
-from tests._fakes import FakeMonitor, FakeProbe, FakeRelease, SpikeModel
+from tests.helpers.fakes import FakeMonitor, FakeProbe, FakeRelease, SpikeModel
+from tests.helpers.trainer import quiet_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,8 +91,7 @@ class _LeakyModel(SpikeModel):
 def test_every_key_a_fit_logs_is_in_the_schema_and_read_back_by_the_report(tmp_path):
     probe = FakeProbe(base=GIB)
     model = _LeakyModel(probe, train_spikes={3: 2 * GIB}, val_spike=GIB)
-    trainer = Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         max_steps=60,
         limit_val_batches=2,
         val_check_interval=30,
@@ -101,9 +101,6 @@ def test_every_key_a_fit_logs_is_in_the_schema_and_read_back_by_the_report(tmp_p
             FakeRelease(probe, threshold=2.5 / 24, min_steps_between=1),
             Budget(),
         ],
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
         log_every_n_steps=5,
     )
     with pytest.warns(UserWarning, match="keeps growing"):

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from lightning.pytorch.loggers import CSVLogger
@@ -18,16 +17,9 @@ from lightning_gpumem import AutoMicrobatch, LayerMemoryProfiler, OOMSnapshot
 from lightning_gpumem._core.files import check_dirpath, unique_path, write_atomic
 from lightning_gpumem._pl.compat import Callback
 from lightning_gpumem._pl.patching import Patches
-from tests._fakes import FakeProbe
-from tests.unit.test_layers import FakeProfiler, Net
-from tests.unit.test_snapshot import SNAPSHOT
-
-
-class OOMModel(BoringModel):
-    """A training step that always runs out of memory (a CUDA OOM on CPU)."""
-
-    def training_step(self, batch, batch_idx):
-        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+from tests.helpers.fakes import SNAPSHOT, FakeProbe, FakeProfiler, PlainLogger, read_csv_metrics
+from tests.helpers.models import LayerNet, OOMModel
+from tests.helpers.trainer import quiet_trainer
 
 
 class RecordingSnapshot(OOMSnapshot):
@@ -46,18 +38,10 @@ def synthetic_snapshot(monkeypatch):
     monkeypatch.setattr(snapshot_module, "take_snapshot", lambda: SNAPSHOT)
 
 
-def _trainer(tmp_path, callbacks, **kwargs):
-    return Trainer(
-        accelerator="cpu",
-        default_root_dir=tmp_path,
-        logger=CSVLogger(tmp_path),
-        callbacks=callbacks,
-        max_steps=kwargs.pop("max_steps", 2),
-        limit_val_batches=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
+def _trainer(tmp_path, callbacks, max_steps=2):
+    """2 steps, no validation, in `tmp_path`, logged to a CSVLogger there, with Lightning's ModelCheckpoint."""
+    options = dict(logger=CSVLogger(tmp_path), callbacks=callbacks, limit_val_batches=0, enable_checkpointing=True)
+    return quiet_trainer(tmp_path, max_steps=max_steps, **options)
 
 
 def _files(directory: Path) -> list[str]:
@@ -89,7 +73,7 @@ def test_an_oom_snapshot_that_cannot_write_keeps_the_oom_and_the_callbacks_after
     target.write_text("a file where the directory should be: every write fails")  # after construction
     checkpoint = OnExceptionCheckpoint(dirpath=tmp_path / "ckpt")
     microbatch = AutoMicrobatch()
-    model = OOMModel()
+    model = OOMModel(batch_size=1, train_limit=0)  # every batch (of 1 sample: nothing to split) runs out of memory
     trainer = _trainer(tmp_path, [snapshot, microbatch, checkpoint])
     warns = pytest.warns(UserWarning, match="OOMSnapshot: could not write the oom snapshot")
     with warns, pytest.raises(torch.cuda.OutOfMemoryError) as raised:
@@ -224,7 +208,7 @@ def test_a_dirpath_that_cannot_be_created_is_refused_at_setup_before_training(tm
     target = tmp_path / "later-a-file"
     profiler = FakeProfiler(FakeProbe(), at_step=1, dirpath=target)
     target.write_text("made a file after construction")
-    model = Net(profiler.fake)
+    model = LayerNet(profiler.fake)
     with pytest.raises(ValueError, match=r"`LayerMemoryProfiler\(dirpath=.*later-a-file'\)` cannot be written to"):
         _trainer(tmp_path, [profiler], max_steps=3).fit(model)
     assert model.global_step == 0
@@ -240,7 +224,7 @@ def test_a_layer_csv_that_cannot_be_written_warns_and_training_goes_on(tmp_path,
     profiler = FakeProfiler(FakeProbe(), at_step=1, dirpath=tmp_path / "layers")
     trainer = _trainer(tmp_path, [profiler], max_steps=3)
     with pytest.warns(UserWarning, match="LayerMemoryProfiler: could not write .*No space left"):
-        trainer.fit(Net(profiler.fake))
+        trainer.fit(LayerNet(profiler.fake))
     assert trainer.global_step == 3
     assert profiler.table is not None
     assert profiler.csv_path is None
@@ -249,7 +233,7 @@ def test_a_layer_csv_that_cannot_be_written_warns_and_training_goes_on(tmp_path,
 def test_a_second_run_into_the_same_dirpath_keeps_the_first_runs_layer_csv(tmp_path):
     for _ in range(2):
         profiler = FakeProfiler(FakeProbe(), at_step=1, dirpath=tmp_path / "layers")
-        _trainer(tmp_path, [profiler], max_steps=2).fit(Net(profiler.fake))
+        _trainer(tmp_path, [profiler], max_steps=2).fit(LayerNet(profiler.fake))
     assert _files(tmp_path / "layers") == ["layer_memory_step1-v1.csv", "layer_memory_step1.csv"]
 
 
@@ -274,15 +258,13 @@ def _tuned_fit(tmp_path, version, ckpt_path=None, max_steps=2):
     from lightning_gpumem import BatchSizeTuner
 
     logger = CSVLogger(tmp_path, version=version)
-    trainer = Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
+        tmp_path,
         logger=logger,
         callbacks=[BatchSizeTuner(include_validation=False)],
         max_steps=max_steps,
         limit_val_batches=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
+        enable_checkpointing=True,
     )
     trainer.fit(HparamsOOMModel(), ckpt_path=ckpt_path)
     return trainer, Path(logger.log_dir)
@@ -291,8 +273,6 @@ def _tuned_fit(tmp_path, version, ckpt_path=None, max_steps=2):
 @pytest.mark.filterwarnings("ignore:The dirpath has changed:UserWarning", "ignore:You're resuming:UserWarning")
 def test_a_resumed_run_records_the_size_it_trains_at_in_its_metrics_and_hparams(tmp_path):
     import yaml
-
-    from tests._fakes import read_csv_metrics
 
     trainer, first = _tuned_fit(tmp_path, "first")
     tuned = trainer.callbacks[0].optimal_batch_size
@@ -310,7 +290,6 @@ def test_a_resumed_run_records_the_size_it_trains_at_in_its_metrics_and_hparams(
 
 
 def test_the_tuners_trials_on_cpu_log_no_allocator_counts_no_source_counted(tmp_path):
-    from tests._fakes import read_csv_metrics
 
     _, run = _tuned_fit(tmp_path, "cpu")
     logged = {key for row in read_csv_metrics(run) for key, value in row.items() if value}
@@ -318,9 +297,7 @@ def test_the_tuners_trials_on_cpu_log_no_allocator_counts_no_source_counted(tmp_
     assert not {"gpumem/batch_size_trial_ooms", "gpumem/batch_size_trial_retries"} & logged
 
 
-def test_each_run_of_an_mlflow_like_logger_gets_its_own_directory_and_nothing_is_overwritten(tmp_path):
-    from tests.unit.test_log_table import PlainLogger
-
+def test_each_run_of_an_mlflow_like_logger_gets_its_own_directory_and_nothing_is_overwritten(tmp_path, make_trainer):
     class RunLogger(PlainLogger):  # as MLflow: a save_dir shared by every run, a version per run, no log_dir
         def __init__(self, version):
             super().__init__(save_dir=str(tmp_path / "mlruns"), name="exp")
@@ -333,16 +310,13 @@ def test_each_run_of_an_mlflow_like_logger_gets_its_own_directory_and_nothing_is
     profilers = []
     for version in ("run-a", "run-b"):
         profiler = FakeProfiler(FakeProbe(), at_step=1)
-        trainer = Trainer(
-            accelerator="cpu",
+        trainer = make_trainer(
             logger=[RunLogger(version), CSVLogger(tmp_path / "csv")],
             callbacks=[profiler],
             max_steps=2,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=tmp_path,
+            enable_checkpointing=True,
         )
-        trainer.fit(Net(profiler.fake))
+        trainer.fit(LayerNet(profiler.fake))
         profilers.append((profiler, trainer))
     for (profiler, trainer), version in zip(profilers, ("run-a", "run-b"), strict=True):
         assert profiler.csv_path == tmp_path / "mlruns" / "exp" / version / "layer_memory_step1.csv"

@@ -7,40 +7,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger, Logger
 
 from lightning_gpumem import BatchSizeTuner
 from lightning_gpumem._pl.logging import log_table, run_dir
-from tests.unit.test_tuner import OOMModel
-
-
-class PlainLogger(Logger):
-    """A logger with no text or table call (as a custom one may be)."""
-
-    def __init__(self, save_dir: str | None = None, name: str | None = "plain", **attributes) -> None:
-        super().__init__()
-        self._save_dir, self._name = save_dir, name
-        for name, value in attributes.items():
-            setattr(self, name, value)
-
-    @property
-    def name(self):
-        return self._name
-
-    @property
-    def version(self):
-        return 0
-
-    @property
-    def save_dir(self):
-        return self._save_dir
-
-    def log_metrics(self, metrics, step=None):
-        pass
-
-    def log_hyperparams(self, params, *args, **kwargs):
-        pass
+from tests.helpers.fakes import PlainLogger
+from tests.helpers.models import OOMModel
+from tests.helpers.trainer import quiet_trainer
 
 
 class SummaryWriterLike:
@@ -129,16 +102,7 @@ def test_a_logger_or_disk_that_fails_is_named_in_a_warning_and_the_others_still_
 def test_a_csv_logger_run_of_the_tuner_leaves_its_trials_in_its_log_dir(tmp_path):
     logger = CSVLogger(tmp_path)
     tuner = BatchSizeTuner(include_validation=False)
-    trainer = Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        limit_val_batches=0,
-        callbacks=[tuner],
-        logger=logger,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
+    trainer = quiet_trainer(max_steps=1, limit_val_batches=0, callbacks=[tuner], logger=logger)
     trainer.fit(OOMModel(train_limit=20))
     with open(Path(logger.log_dir) / "gpumem_batch_size_trials.csv", newline="") as file:
         rows = list(csv.reader(file))

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -18,7 +17,9 @@ from lightning_gpumem._core.units import GIB
 from lightning_gpumem.report import ReportError, load_runs, render_html, summarize, write_png
 from lightning_gpumem.report._events import read_scalars
 from lightning_gpumem.report.summary import rows
-from tests._fakes import FakeMonitor, FakeProbe, FakeRelease, SpikeModel
+from tests.helpers.fakes import FakeMonitor, FakeProbe, FakeRelease, SpikeModel
+from tests.helpers.tensorboard import read_layouts
+from tests.helpers.trainer import quiet_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,8 +28,7 @@ def _fit(loggers, steps: int = 8) -> FakeProbe:
     """8 training batches on a fake 24 GiB allocator: 1 GiB base, a 2 GiB spike at step 3, 1 GiB in validation."""
     probe = FakeProbe(base=GIB)
     model = SpikeModel(probe, train_spikes={3: 2 * GIB}, val_spike=GIB)
-    trainer = Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         max_epochs=1,
         limit_train_batches=steps,
         limit_val_batches=2,
@@ -38,9 +38,6 @@ def _fit(loggers, steps: int = 8) -> FakeProbe:
             FakeMonitor(probe, nvml_host_interval_s=0),
             FakeRelease(probe, threshold=2.5 / 24, min_steps_between=1),
         ],
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
         log_every_n_steps=1,
     )
     trainer.fit(model)
@@ -184,7 +181,7 @@ def test_png_without_matplotlib_says_how_to_install(logs, tmp_path, monkeypatch)
 
 
 def test_tensorboard_layout_puts_each_stage_in_one_chart(logs):
-    layouts = _layouts([_event_file(logs)])
+    layouts = read_layouts([_event_file(logs)])
     assert len(layouts) == 1
     charts = {chart.title: list(chart.multiline.tag) for c in layouts[0].category for chart in c.chart}
     train = next(tags for title, tags in charts.items() if title.startswith("train"))
@@ -225,30 +222,10 @@ def test_released_and_budget_rows(logs):
     assert table["leak warnings"] == "1 (growth 6.50 MiB/step when flagged)"
 
 
-def _layouts(event_files) -> list:
-    from tensorboard.plugins.custom_scalar import layout_pb2
-
-    from lightning_gpumem.report._events import _fields, _records
-
-    found = []
-    for file in event_files:
-        for record in _records(file.read_bytes(), file):
-            for number, _, summary in _fields(record):
-                if number != 5:
-                    continue
-                for _, _, value in _fields(summary):
-                    fields = {n: v for n, _, v in _fields(value)}
-                    if fields.get(1) == b"custom_scalars__config__":
-                        tensor = {n: v for n, _, v in _fields(fields[8])}
-                        found.append(layout_pb2.Layout.FromString(tensor[8]))
-    return found
-
-
 def test_the_last_layout_keeps_every_stage_run_so_far(tmp_path):
     """TensorBoard shows only a run's last layout: after fit then test it must still hold the train charts."""
     probe = FakeProbe(base=GIB)
-    trainer = Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         max_epochs=1,
         limit_train_batches=2,
         limit_val_batches=1,
@@ -256,9 +233,6 @@ def test_the_last_layout_keeps_every_stage_run_so_far(tmp_path):
         num_sanity_val_steps=0,
         logger=TensorBoardLogger(tmp_path, name="tb"),
         callbacks=[FakeMonitor(probe)],
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
         log_every_n_steps=1,
     )
     model = SpikeModel(probe)
@@ -266,7 +240,7 @@ def test_the_last_layout_keeps_every_stage_run_so_far(tmp_path):
     trainer.test(model)
     trainer.test(model)  # nothing new: no third layout
     files = sorted((tmp_path / "tb").rglob("events.out.tfevents.*"), key=lambda f: f.stat().st_mtime_ns)
-    layouts = _layouts(files)
+    layouts = read_layouts(files)
     assert len(layouts) == 2
     titles = [chart.title.split(":")[0] for category in layouts[-1].category for chart in category.chart]
     assert titles[:3] == ["train", "validation", "test"]
@@ -277,20 +251,16 @@ def test_on_a_cpu_the_layout_has_no_empty_chart(tmp_path):
 
     from lightning_gpumem import MemoryMonitor
 
-    trainer = Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         max_steps=4,
         limit_val_batches=1,
         log_every_n_steps=1,
         callbacks=[MemoryMonitor(nvml_host_interval_s=0)],
         logger=TensorBoardLogger(tmp_path, name="cpu"),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
     )
     trainer.fit(BoringModel())
     (file,) = tmp_path.rglob("events.out.tfevents.*")
-    (layout,) = _layouts([file])
+    (layout,) = read_layouts([file])
     charts = [list(chart.multiline.tag) for category in layout.category for chart in category.chart]
     logged = list(read_scalars(file))
     assert charts
@@ -486,15 +456,11 @@ def test_infinite_cells_are_left_out_and_the_png_is_still_drawn(tmp_path):
 def test_the_report_gives_the_fit_end_summarys_advice_and_headroom(tmp_path, retries):
     probe = FakeProbe(base=GIB, retries=retries)
     monitor = FakeMonitor(probe, nvml_host_interval_s=0)
-    Trainer(
-        accelerator="cpu",
+    quiet_trainer(
         max_steps=6,
         limit_val_batches=1,
         logger=CSVLogger(tmp_path, name="run"),
         callbacks=[monitor],
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
         log_every_n_steps=1,
     ).fit(SpikeModel(probe, train_spikes={2: 3 * GIB}))
     lines = (monitor.summary_text or "").splitlines()

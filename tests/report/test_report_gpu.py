@@ -8,13 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_gpumem import EmptyCacheOnThreshold, MemoryBudget, MemoryMonitor
 from lightning_gpumem._core.units import GIB
 from lightning_gpumem.report import load_runs, summarize
-from tests.gpu.test_monitor_gpu import SpikeModule
+from tests.helpers.models import SpikeModule
+from tests.helpers.trainer import quiet_trainer
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_report_of_a_cuda_run_matches_the_monitor(tmp_path):
     monitor = MemoryMonitor(log_every_n_steps=1, nvml_host_interval_s=0)
     release = EmptyCacheOnThreshold(threshold=0.5, min_steps_between=1)
-    trainer = Trainer(
+    trainer = quiet_trainer(
         accelerator="cuda",
         devices=1,
         max_steps=20,
@@ -33,9 +33,6 @@ def test_report_of_a_cuda_run_matches_the_monitor(tmp_path):
         logger=TensorBoardLogger(tmp_path, name="gpu"),
         callbacks=[MemoryBudget("4GiB"), release, monitor],
         log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(SpikeModule(spike_step=5, train_spike=GIB, val_spike=3 * GIB))
     (run,) = load_runs(tmp_path).runs

@@ -1,4 +1,4 @@
-"""Run by test_tuner_conformance.py: a tuned DDP fit and the same fit with the size set by hand, in one process pair.
+"""Run by test_conformance.py: a tuned DDP fit and the same fit with the size set by hand, in one process pair.
 
 2 CPU processes (gloo). Rank 1 runs out of memory above batch size 24, rank 0 only above 40, so the tuner must agree
 on 24 on both ranks. Each rank writes `rank<N>.pt`: the size chosen, the OOM trials, and what each fit left
@@ -20,8 +20,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gpumem import BatchSizeTuner
-from tests._fakes import close_process_group
-from tests.integration.test_tuner_conformance import SEED, Net, capture
+from tests.helpers.fakes import close_process_group
+from tests.helpers.trainer import quiet_trainer
+from tests.tuning.test_conformance import SEED, Net, capture
 
 INIT = 2
 
@@ -36,18 +37,16 @@ class RankNet(Net):
 def fit(root: Path, batch_size: int, tuner: BatchSizeTuner | None) -> tuple[Trainer, dict]:
     seed_everything(SEED)
     model = RankNet(batch_size=batch_size, train_limit=40, n=128)
-    trainer = Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
+        root,
         devices=2,
         strategy="ddp",
         max_epochs=2,
         max_steps=5,
         log_every_n_steps=1,
-        default_root_dir=root,
         logger=CSVLogger(root / "logs", name="fit1", version=0),
         callbacks=[*([tuner] if tuner else []), ModelCheckpoint(dirpath=root / "ckpt")],
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_checkpointing=True,
     )
     trainer.fit(model)
     return trainer, capture(trainer, root)

@@ -17,13 +17,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
-from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 from lightning_gpumem import BatchSizeTuner
-from tests._fakes import close_process_group
+from tests.helpers.fakes import close_process_group
+from tests.helpers.trainer import quiet_trainer
 
 
 class RankOOM(BoringModel):
@@ -54,18 +54,13 @@ class RankOOM(BoringModel):
 def main(out_dir: str) -> None:
     tuner = BatchSizeTuner()
     model = RankOOM()
-    trainer = Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
+        out_dir,
         devices=2,
-        strategy=DDPStrategy(timeout=timedelta(seconds=60)),  # a mismatched collective fails in a minute, not 30
+        strategy=DDPStrategy(timeout=timedelta(seconds=60)),
         max_steps=3,
         limit_val_batches=1,
-        logger=False,
         callbacks=[tuner],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=out_dir,
     )
     trainer.fit(model)
     result = {

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpumem import BatchSizeTuner
 from lightning_gpumem._core.units import GIB
+from tests.helpers.trainer import quiet_trainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:`weights_only` was not set")]
 
@@ -88,17 +89,9 @@ class CapDuringFit(Callback):
 def _warm_up() -> None:
     """One real step without the tuner first: what any first step creates for the whole process (cuBLAS workspaces,
     per thread) then exists before `before` is read, so `after - before` counts only what the tuner left."""
-    Trainer(
-        accelerator="gpu",
-        devices=1,
-        max_steps=1,
-        limit_val_batches=1,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    ).fit(WideMLP(batch_size=64))
+    quiet_trainer(accelerator="gpu", devices=1, max_steps=1, limit_val_batches=1, num_sanity_val_steps=0).fit(
+        WideMLP(batch_size=64)
+    )
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -106,16 +99,14 @@ def _warm_up() -> None:
 def _fit(tuner: BatchSizeTuner, model: LightningModule, budget: int, **kwargs) -> tuple[Trainer, Capture, Capture]:
     _warm_up()
     before, after = Capture(), Capture()
-    trainer = Trainer(
+    trainer = quiet_trainer(
         accelerator="gpu",
         devices=1,
         max_steps=5,
         limit_val_batches=2,
         num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
         callbacks=[before, tuner, after, CapDuringFit(budget)],
+        enable_model_summary=True,
         **kwargs,
     )
     trainer.fit(model)
@@ -181,16 +172,12 @@ class OneCycleMLP(WideMLP):
 
 def _plain_fit(model: LightningModule, callbacks: list, budget: int) -> Trainer:
     torch.manual_seed(0)
-    trainer = Trainer(
+    trainer = quiet_trainer(
         accelerator="gpu",
         devices=1,
         max_epochs=1,
         limit_train_batches=6,
         limit_val_batches=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[*callbacks, CapDuringFit(budget)],
     )
     trainer.fit(model)
@@ -252,16 +239,12 @@ def test_the_fit_starts_from_a_fresh_layout_and_a_trial_predicts_it_block_for_bl
     layout = Layout()
     tuner = BatchSizeTuner(budget="2GiB", headroom=0.0, include_validation=False, steps_per_trial=2)
     model = WideMLP()
-    trainer = Trainer(
+    trainer = quiet_trainer(
         accelerator="gpu",
         devices=1,
         max_steps=2,
         limit_val_batches=0,
         num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[layout, tuner, CapDuringFit(2 * GIB)],
     )
     trainer.fit(model)

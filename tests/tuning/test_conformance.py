@@ -27,9 +27,10 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 from lightning_gpumem import BatchSizeTuner
-from tests._fakes import kept
+from tests.helpers.fakes import kept
+from tests.helpers.trainer import quiet_trainer
 
-os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")  # as tests/integration/test_cli.py
+os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")  # as tests/monitor/test_lightning_cli.py
 pytestmark = [
     pytest.mark.filterwarnings("ignore:`weights_only` was not set"),
     pytest.mark.filterwarnings("ignore:BatchSizeTuner. stopped at the upper bound"),
@@ -335,18 +336,15 @@ class Row:
         if not any(isinstance(cb, ModelCheckpoint) for cb in callbacks):
             callbacks.append(ModelCheckpoint(dirpath=root / "ckpt"))
         kwargs = {
-            "accelerator": "cpu",
             "devices": 1,
             "max_epochs": 1,
             "log_every_n_steps": 1,
-            "default_root_dir": root,
             "logger": CSVLogger(root / "logs", name=f"fit{phase}", version=0),
             "callbacks": callbacks,
-            "enable_progress_bar": False,
-            "enable_model_summary": False,
+            "enable_checkpointing": True,
             **overrides,
         }
-        return Trainer(**kwargs), model, datamodule, tuner
+        return quiet_trainer(root, **kwargs), model, datamodule, tuner
 
     def fit(
         self, root: Path, batch_size: int, tune: bool, accumulate: int | None = None
@@ -529,7 +527,7 @@ ROWS = [
     pytest.param(Row(**_resume(6, 10), tuner={"retune_on_resume": True}), id="20b-resume-end-of-epoch-retune"),
     pytest.param(Row(**_resume(3, 8)), id="20c-resume-mid-epoch-size-from-tuner-state"),
     pytest.param(Row(**_resume(3, 8), tuner={"retune_on_resume": True}), id="20d-resume-mid-epoch-retune"),
-    pytest.param(DdpRow(), id="21-ddp-2-cpu-ranks-oom-on-rank1-only"),
+    pytest.param(DdpRow(), id="21-ddp-2-cpu-ranks-oom-on-rank1-only", marks=pytest.mark.ddp),
 ]
 
 

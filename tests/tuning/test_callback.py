@@ -6,78 +6,19 @@ import math
 
 import pytest
 import torch
-from lightning.pytorch import Callback, LightningDataModule, Trainer, seed_everything
+from lightning.pytorch import Callback, LightningDataModule, seed_everything
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from torch.utils.data import DataLoader
 
 from lightning_gpumem import BatchSizeTuner
 from lightning_gpumem._core.units import GIB, MIB
-from tests._fakes import FakeProbe, kept
+from tests.helpers.fakes import FakeProbe, kept
+from tests.helpers.tuning import CappedFakeProbe, FakeTuner, FragileModel, MemoryModel, OOMModel, tuner_trainer
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:`weights_only` was not set"),
     pytest.mark.filterwarnings("ignore:BatchSizeTuner. stopped at the upper bound"),
 ]
-
-
-class OOMModel(BoringModel):
-    """Raises the OOM torch raises once a batch is larger than `train_limit` (`val_limit` in validation)."""
-
-    def __init__(self, batch_size: int = 2, train_limit: int = 10**9, val_limit: int = 10**9, n: int = 640) -> None:
-        super().__init__()
-        self.batch_size, self.train_limit, self.val_limit = batch_size, train_limit, val_limit
-        self.train_data, self.val_data = RandomDataset(32, n), RandomDataset(32, 64)  # drawn once, not per reload
-
-    def training_step(self, batch, batch_idx):
-        if batch.shape[0] > self.train_limit:
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
-        return super().training_step(batch, batch_idx)
-
-    def validation_step(self, batch, batch_idx):
-        if batch.shape[0] > self.val_limit:
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated, validation)")
-        return super().validation_step(batch, batch_idx)
-
-    def train_dataloader(self):
-        return DataLoader(self.train_data, batch_size=self.batch_size, shuffle=True)
-
-    def val_dataloader(self):
-        return DataLoader(self.val_data, batch_size=self.batch_size)
-
-
-class FakeTuner(BatchSizeTuner):
-    def __init__(self, probe: FakeProbe, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.fake = probe
-
-
-class MemoryModel(OOMModel):
-    """Drives a fake allocator: `per_sample` bytes per sample on top of the fake's base."""
-
-    def __init__(self, probe: FakeProbe, per_sample: int, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.fake, self.per_sample = probe, per_sample
-
-    def training_step(self, batch, batch_idx):
-        need = batch.shape[0] * self.per_sample
-        if self.fake.allocated + need > getattr(self.fake, "cap", self.fake.total):
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake allocator)")
-        self.fake.spike(need)
-        return super().training_step(batch, batch_idx)
-
-
-def _trainer(tuner, **kwargs) -> Trainer:
-    defaults = dict(
-        accelerator="cpu",
-        max_epochs=1,
-        callbacks=[tuner],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    defaults.update(kwargs)
-    return Trainer(**defaults)
 
 
 @pytest.mark.parametrize(
@@ -101,13 +42,13 @@ def test_bad_arguments_name_themselves(kwargs, match):
 def test_missing_batch_attribute_is_named():
     model = OOMModel()
     with pytest.raises(AttributeError, match=r"batch_arg_name='bs'.*attribute `bs`"):
-        _trainer(BatchSizeTuner(batch_arg_name="bs")).fit(model)
+        tuner_trainer(BatchSizeTuner(batch_arg_name="bs")).fit(model)
 
 
 def test_finds_the_exact_oom_boundary_and_fits_with_it():
     model = OOMModel(train_limit=41)
     tuner = BatchSizeTuner()
-    trainer = _trainer(tuner)
+    trainer = tuner_trainer(tuner)
     trainer.fit(model)
     assert {(41, True), (42, False)} <= {(t.batch_size, t.fits) for t in tuner.trials}  # the boundary
     assert tuner.optimal_batch_size == model.batch_size == kept(41) == 39  # 38.95: at most 5% of it given up
@@ -125,14 +66,14 @@ def test_the_size_kept_is_the_smallest_that_gives_up_at_most_the_headroom(limit,
     # 0.95 * 9 = 8.55: giving up one size would be 11%; 0.95 * 40 = 38 exactly (not 38.000000000000004 -> 39)
     model = OOMModel(train_limit=limit)
     tuner = BatchSizeTuner(headroom=headroom, include_validation=False)
-    _trainer(tuner, limit_val_batches=0, max_steps=1).fit(model)
+    tuner_trainer(tuner, limit_val_batches=0, max_steps=1).fit(model)
     assert tuner.optimal_batch_size == model.batch_size == expected
 
 
 def test_headroom_is_a_share_of_one_less_than_the_smallest_size_that_failed_where_the_search_closed_in():
     model = OOMModel(train_limit=560, n=100_000)  # 560 runs, 561 does not
     tuner = BatchSizeTuner(include_validation=False)
-    _trainer(tuner, limit_val_batches=0, max_steps=1).fit(model)
+    tuner_trainer(tuner, limit_val_batches=0, max_steps=1).fit(model)
     result = tuner.result
     ran = max(t.batch_size for t in result.trials if t.fits and t.batch_size <= 560)
     failed = min(t.batch_size for t in result.trials if not t.fits)
@@ -144,11 +85,11 @@ def test_headroom_is_a_share_of_one_less_than_the_smallest_size_that_failed_wher
 def test_validation_is_part_of_every_trial():
     model = OOMModel(train_limit=50, val_limit=20)
     tuner = BatchSizeTuner()
-    _trainer(tuner).fit(model)
+    tuner_trainer(tuner).fit(model)
     assert tuner.optimal_batch_size == kept(20)
     model = OOMModel(train_limit=50, val_limit=20)
     tuner = BatchSizeTuner(include_validation=False)
-    _trainer(tuner, limit_val_batches=0).fit(model)
+    tuner_trainer(tuner, limit_val_batches=0).fit(model)
     assert tuner.optimal_batch_size == kept(50)
 
 
@@ -156,7 +97,7 @@ def test_memory_guided_search_respects_budget_and_headroom():
     probe = FakeProbe(base=2 * GIB, total=80 * GIB)
     model = MemoryModel(probe, per_sample=300 * MIB, n=100_000)
     tuner = FakeTuner(probe, budget="24GiB", headroom=0.1, include_validation=False)
-    _trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
+    tuner_trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
     largest = int((24 * GIB - 2 * GIB) // (300 * MIB))
     best = kept(largest, 0.1)
     assert tuner.optimal_batch_size == best
@@ -171,7 +112,7 @@ def test_no_oom_on_cpu_stops_at_the_dataset_size_with_a_warning():
     model = OOMModel(n=48)
     tuner = BatchSizeTuner()
     with pytest.warns(UserWarning, match=r"upper bound 48 .*no memory could be measured on `cpu`"):
-        _trainer(tuner).fit(model)
+        tuner_trainer(tuner).fit(model)
     assert tuner.optimal_batch_size == 48
     assert tuner.result.reason == "upper_bound"
 
@@ -179,7 +120,7 @@ def test_no_oom_on_cpu_stops_at_the_dataset_size_with_a_warning():
 def test_a_budget_on_a_cpu_says_once_that_it_is_not_applied():
     tuner = BatchSizeTuner(budget="1000GiB", max_val=8)
     with pytest.warns(UserWarning, match=r"`budget='1000GiB'` is not applied on `cpu`") as record:
-        _trainer(tuner).fit(OOMModel())
+        tuner_trainer(tuner).fit(OOMModel())
     assert sum("is not applied" in str(w.message) for w in record) == 1
 
 
@@ -187,7 +128,7 @@ def test_limit_train_batches_zero_skips_the_tuner_without_running_a_trial():
     model = OOMModel()
     tuner = BatchSizeTuner()
     with pytest.warns(UserWarning, match="limit_train_batches=0"):
-        _trainer(tuner, limit_train_batches=0).fit(model)
+        tuner_trainer(tuner, limit_train_batches=0).fit(model)
     assert tuner.trials == ()
     assert model.batch_size == 2
 
@@ -195,7 +136,7 @@ def test_limit_train_batches_zero_skips_the_tuner_without_running_a_trial():
 def test_max_val_is_never_exceeded_and_was_run():
     model = OOMModel()
     tuner = BatchSizeTuner(max_val=100)
-    _trainer(tuner).fit(model)
+    tuner_trainer(tuner).fit(model)
     assert tuner.optimal_batch_size == 100
     assert max(t.batch_size for t in tuner.trials) == 100
 
@@ -203,7 +144,7 @@ def test_max_val_is_never_exceeded_and_was_run():
 def test_nothing_fits_raises_and_restores_the_batch_size():
     model = OOMModel(batch_size=8, train_limit=0)
     with pytest.raises(RuntimeError, match="even batch_size=1 does not fit"):
-        _trainer(BatchSizeTuner()).fit(model)
+        tuner_trainer(BatchSizeTuner()).fit(model)
     assert model.batch_size == 8
 
 
@@ -215,19 +156,19 @@ def test_user_errors_are_not_swallowed():
             return super().training_step(batch, batch_idx)
 
     with pytest.raises(ValueError, match="shape mismatch in user code"):
-        _trainer(BatchSizeTuner()).fit(Broken())
+        tuner_trainer(BatchSizeTuner()).fit(Broken())
 
 
 def test_no_trace_left_weights_equal_a_run_with_the_size_set_by_hand():
     seed_everything(7)
     tuned = OOMModel(train_limit=24)
-    trainer = _trainer(BatchSizeTuner())
+    trainer = tuner_trainer(BatchSizeTuner())
     trainer.fit(tuned)
     assert tuned.batch_size == kept(24)
 
     seed_everything(7)
     by_hand = OOMModel(batch_size=kept(24), train_limit=24)
-    reference = _trainer(None, callbacks=[])
+    reference = tuner_trainer(None, callbacks=[])
     reference.fit(by_hand)
 
     assert trainer.global_step == reference.global_step
@@ -266,7 +207,7 @@ def test_rng_and_callback_state_are_restored():
     after = RngProbe()
     recorder = Recorder()
     model = OOMModel(train_limit=16)
-    trainer = _trainer(None, callbacks=[before, BatchSizeTuner(), after, recorder], max_steps=3)
+    trainer = tuner_trainer(None, callbacks=[before, BatchSizeTuner(), after, recorder], max_steps=3)
     trainer.fit(model)
     assert torch.equal(before.rng, after.rng)  # trials drew random numbers; none of it shows
     assert recorder.fit_starts == 1
@@ -276,7 +217,7 @@ def test_rng_and_callback_state_are_restored():
 def test_keep_effective_batch_adjusts_accumulation():
     model = OOMModel(batch_size=4, train_limit=16)
     tuner = BatchSizeTuner(keep_effective_batch=True)
-    trainer = _trainer(tuner, accumulate_grad_batches=8)
+    trainer = tuner_trainer(tuner, accumulate_grad_batches=8)
     trainer.fit(model)
     assert model.batch_size == kept(16) == 16
     assert trainer.accumulate_grad_batches == 2  # 16 x 2 = 4 x 8
@@ -300,7 +241,7 @@ def test_writes_to_the_datamodule_like_lightning():
 
     dm = DM()
     tuner = BatchSizeTuner(include_validation=False)
-    _trainer(tuner, limit_val_batches=0).fit(Plain(), datamodule=dm)
+    tuner_trainer(tuner, limit_val_batches=0).fit(Plain(), datamodule=dm)
     assert dm.hparams.batch_size == kept(30)
 
 
@@ -325,7 +266,7 @@ def test_mid_training_scale_counts_trial_steps_from_the_current_step():
     model = OOMModel(batch_size=16, train_limit=32, n=640)
     tuner = RetuneAtEpoch1()
     sizes = Sizes()
-    trainer = _trainer(None, callbacks=[tuner, sizes], max_epochs=2, max_steps=42)  # absolute: 40 done, 2 left
+    trainer = tuner_trainer(None, callbacks=[tuner, sizes], max_epochs=2, max_steps=42)  # absolute: 40 done, 2 left
     trainer.fit(model)
     assert tuner.optimal_batch_size == kept(32)
     assert tuner.step_before == tuner.step_after == 40
@@ -339,16 +280,16 @@ def test_budget_larger_than_the_device_is_refused_at_fit_start():
     probe = FakeProbe(base=GIB, total=16 * GIB)
     tuner = FakeTuner(probe, budget="24GiB")
     with pytest.raises(ValueError, match=r"budget='24GiB'.*24.0 GiB, larger than the device's 16.0 GiB"):
-        _trainer(tuner).fit(MemoryModel(probe, per_sample=MIB))
+        tuner_trainer(tuner).fit(MemoryModel(probe, per_sample=MIB))
 
 
 def test_trials_are_logged_to_the_loggers(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
-    from tests._fakes import column, read_csv_metrics
+    from tests.helpers.fakes import column, read_csv_metrics
 
     model = OOMModel(train_limit=21)
-    _trainer(BatchSizeTuner(), logger=CSVLogger(tmp_path), max_steps=2).fit(model)
+    tuner_trainer(BatchSizeTuner(), logger=CSVLogger(tmp_path), max_steps=2).fit(model)
     assert list(column(read_csv_metrics(tmp_path), "gpumem/batch_size").values()) == [float(kept(21))]
 
 
@@ -388,7 +329,7 @@ def test_snapshot_restores_weights_optimizer_and_scheduler_mid_training(monkeypa
             self.restored = deepcopy((pl_module.state_dict(), optimizer.state_dict(), scheduler.state_dict()))
 
     tamper = Tamper()
-    trainer = _trainer(None, callbacks=[tamper], max_epochs=2, limit_train_batches=3, default_root_dir=tmp_path)
+    trainer = tuner_trainer(None, callbacks=[tamper], max_epochs=2, limit_train_batches=3, default_root_dir=tmp_path)
     trainer.fit(AdamModel())
     assert tamper.kept_in_memory is in_memory
     (weights, opt, sched), (weights0, opt0, sched0) = tamper.restored, tamper.expected
@@ -401,36 +342,11 @@ def test_snapshot_restores_weights_optimizer_and_scheduler_mid_training(monkeypa
     assert not list(tmp_path.glob(".gpumem_tuner_*.ckpt"))  # the file, if any, is gone
 
 
-class CappedFakeProbe(FakeProbe):
-    """A fake CUDA allocator with a per-process cap; sizes in `holes` run out of memory although larger ones run
-    (an allocator layout that happens to fragment at that size)."""
-
-    def __init__(self, holes: tuple[int, ...] = (), **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.device = torch.device("cuda")  # only its type is read; nothing runs on it
-        self.cap = self.total
-        self.fractions: list[float] = []
-        self.holes = holes
-
-    def set_memory_fraction(self, fraction: float) -> float:
-        previous = self.cap / self.total
-        self.fractions.append(fraction)
-        self.cap = fraction * self.total
-        return previous
-
-
-class FragileModel(MemoryModel):
-    def training_step(self, batch, batch_idx):
-        if batch.shape[0] in self.fake.holes:
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake fragmentation at this size)")
-        return super().training_step(batch, batch_idx)
-
-
 def test_trials_run_under_the_budget_and_the_size_kept_is_run_once_more():
     probe = CappedFakeProbe(base=2 * GIB, total=80 * GIB)
     model = MemoryModel(probe, per_sample=300 * MIB, n=100_000)
     tuner = FakeTuner(probe, budget="24GiB", headroom=0.1, include_validation=False)
-    _trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
+    tuner_trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
     largest = int((24 * GIB - 2 * GIB) // (300 * MIB))  # 75
     assert tuner.optimal_batch_size == kept(largest, 0.1) == 68  # 67.5: at most 10% given up
     assert probe.fractions == pytest.approx([24 / 80, 1.0])  # the budget during trials, then the device's own
@@ -442,7 +358,7 @@ def test_no_headroom_keeps_the_largest_size_that_runs_without_another_trial():
     probe = CappedFakeProbe(base=2 * GIB, total=80 * GIB)
     model = MemoryModel(probe, per_sample=300 * MIB, n=100_000)
     tuner = FakeTuner(probe, budget="24GiB", headroom=0.0, include_validation=False)
-    _trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
+    tuner_trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
     assert tuner.optimal_batch_size == 75
     assert [t.batch_size for t in tuner.trials].count(75) == 1
 
@@ -451,7 +367,7 @@ def test_headroom_is_not_given_up_where_memory_does_not_bound_the_size():
     probe = CappedFakeProbe(base=2 * GIB, total=80 * GIB)
     model = MemoryModel(probe, per_sample=MIB, n=100_000)
     tuner = FakeTuner(probe, budget="24GiB", headroom=0.1, max_val=64, include_validation=False)
-    _trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
+    tuner_trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
     assert tuner.result.reason == "upper_bound"
     assert tuner.optimal_batch_size == 64
 
@@ -460,7 +376,7 @@ def test_a_size_kept_that_does_not_run_gives_way_to_the_next_smaller_one_that_do
     probe = CappedFakeProbe(holes=(68,), base=2 * GIB, total=80 * GIB)
     model = FragileModel(probe, per_sample=300 * MIB, n=100_000)
     tuner = FakeTuner(probe, budget="24GiB", headroom=0.1, include_validation=False)
-    _trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
+    tuner_trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
     assert (68, False) in [(t.batch_size, t.fits) for t in tuner.trials]
     assert tuner.optimal_batch_size == model.batch_size == 67
     assert tuner.trials[-1].batch_size == 67
@@ -475,7 +391,7 @@ def test_without_a_budget_of_its_own_the_tuner_takes_a_memory_budgets():
     budget.fake = probe  # read through the tests' probe factory
     model = MemoryModel(probe, per_sample=300 * MIB, n=100_000)
     tuner = FakeTuner(probe, headroom=0.1, include_validation=False)
-    _trainer(None, callbacks=[budget, tuner], max_steps=1, limit_val_batches=0).fit(model)
+    tuner_trainer(None, callbacks=[budget, tuner], max_steps=1, limit_val_batches=0).fit(model)
     assert tuner.budget_bytes == 24 * GIB
     assert tuner.optimal_batch_size == kept(int((24 * GIB - 2 * GIB) // (300 * MIB)), 0.1)
 
@@ -502,7 +418,7 @@ def test_trials_measure_the_training_and_validation_peaks_apart_and_the_search_u
     )
     model.val_data = model.train_data  # validation batches as large as the training ones
     tuner = FakeTuner(probe, budget="24GiB", headroom=0.1)
-    _trainer(tuner, max_steps=1, limit_val_batches=1, num_sanity_val_steps=0).fit(model)
+    tuner_trainer(tuner, max_steps=1, limit_val_batches=1, num_sanity_val_steps=0).fit(model)
     cap = 24 * GIB
     largest = min(int((cap - 2 * GIB) // (40 * MIB)), int((cap - 2 * GIB - 12 * GIB) // (4 * MIB)))
     best = kept(largest, 0.1)
@@ -520,7 +436,7 @@ def test_the_tuner_tells_the_summary_the_allocator_counts_its_trials_left():
     probe = FakeProbe(base=2 * GIB, total=80 * GIB, retries=3)  # the fake's counters: 3 retries, 0 OOMs
     model = MemoryModel(probe, per_sample=300 * MIB, n=100_000)
     tuner = FakeTuner(probe, budget="24GiB", headroom=0.1, include_validation=False)
-    _trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
+    tuner_trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
     assert tuner.gpumem_summary_context() == {"planned_ooms": 0, "planned_retries": 3, "tuned": True}
 
 
@@ -528,7 +444,7 @@ def test_below_a_kept_size_that_does_not_run_the_walk_doubles_its_step():
     probe = CappedFakeProbe(holes=(68, 67, 65), base=2 * GIB, total=80 * GIB)
     model = FragileModel(probe, per_sample=300 * MIB, n=100_000)
     tuner = FakeTuner(probe, budget="24GiB", headroom=0.1, include_validation=False)
-    _trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
+    tuner_trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
     searched = [t.batch_size for t in tuner.trials].index(68)
     walk = [(t.batch_size, t.fits) for t in tuner.trials[searched:]]
     assert walk == [(68, False), (67, False), (65, False), (61, True)]  # 1, 2, then 4 below the last
@@ -539,7 +455,7 @@ def test_the_walk_keeps_a_size_the_search_ran_without_running_it_again():
     probe = CappedFakeProbe(holes=(68, 67, 65), base=2 * GIB, total=80 * GIB)
     model = FragileModel(probe, per_sample=300 * MIB, n=100_000)
     tuner = FakeTuner(probe, budget="24GiB", headroom=0.1, init_val=63, include_validation=False)
-    _trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
+    tuner_trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
     sizes = [t.batch_size for t in tuner.trials]
     assert sizes[0] == 63  # ran by the search, between 65 (failed) and 61 (the walk's next size)
     assert sizes[sizes.index(68) :] == [68, 67, 65]
@@ -550,14 +466,14 @@ def test_the_report_leaves_the_trials_planned_retries_out_of_its_advice_as_the_f
     from lightning.pytorch.loggers import CSVLogger
 
     from lightning_gpumem.report import load_runs, summarize
-    from tests._fakes import FakeMonitor
+    from tests.helpers.fakes import FakeMonitor
 
     probe = FakeProbe(base=2 * GIB, total=80 * GIB, retries=3)  # the fake's counters: 3 retries, all the trials'
     model = MemoryModel(probe, per_sample=300 * MIB, n=100_000)
     tuner = FakeTuner(probe, budget="24GiB", headroom=0.1, include_validation=False)
     monitor = FakeMonitor(probe, nvml_host_interval_s=0)
     logger = CSVLogger(tmp_path, name="run")
-    _trainer(
+    tuner_trainer(
         None, callbacks=[tuner, monitor], logger=logger, max_steps=2, limit_val_batches=0, log_every_n_steps=1
     ).fit(model)
     fit_advice = [
@@ -573,7 +489,7 @@ def test_a_size_kept_that_a_trial_of_the_search_ran_is_not_run_again():
     probe = CappedFakeProbe(base=2 * GIB, total=80 * GIB)
     model = MemoryModel(probe, per_sample=300 * MIB, n=100_000)
     tuner = FakeTuner(probe, budget="24GiB", headroom=0.1, init_val=68, include_validation=False)
-    _trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
+    tuner_trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
     sizes = [t.batch_size for t in tuner.trials]
     assert sizes[0] == 68  # the search's first trial is the size kept (75 is the largest that runs)
     assert sizes.count(68) == 1

@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "lightning_gpumem"
 CONTRIBUTING = ROOT / "CONTRIBUTING.md"
-INTERNALS_TEST = Path(__file__).with_name("test_lightning_internals.py")
+INTERNALS_TEST = ROOT / "tests" / "pl" / "test_lightning_internals.py"
 # namedtuple's documented API, public despite the underscore
 PUBLIC_UNDERSCORED = {"_fields", "_replace", "_asdict", "_make"}
 _IDENTIFIER = re.compile(r"_[A-Za-z][A-Za-z0-9_]*")

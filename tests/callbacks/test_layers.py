@@ -15,49 +15,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpumem import LayerMemoryProfiler, keys
 from lightning_gpumem._core.units import MIB
-from tests.helpers.fakes import FakeProbe
-
-
-class Keep(nn.Module):
-    """A layer whose forward leaves `nbytes` allocated on the fake (its activations) and spikes `temp` more."""
-
-    def __init__(self, fake: FakeProbe, nbytes: int, temp: int = 0) -> None:
-        super().__init__()
-        self.fake, self.nbytes, self.temp = fake, nbytes, temp
-
-    def forward(self, x):
-        self.fake.spike(self.temp)
-        self.fake.allocate(self.nbytes)
-        return x * 2
-
-
-class Net(LightningModule):
-    def __init__(self, fake: FakeProbe) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.keep1 = Keep(fake, 3 * MIB, temp=5 * MIB)
-        self.fc2 = nn.Linear(16, 4)
-        self.keep2 = Keep(fake, 1 * MIB)
-
-    def training_step(self, batch, batch_idx):
-        return self.keep2(self.fc2(self.keep1(self.fc1(batch[0])))).pow(2).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=1e-3)
-
-    def train_dataloader(self):
-        return DataLoader(TensorDataset(torch.randn(32, 8)), batch_size=8)
-
-
-class FakeProfiler(LayerMemoryProfiler):
-    def __init__(self, fake: FakeProbe, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.fake = fake
+from tests.helpers.fakes import FakeProbe, FakeProfiler
+from tests.helpers.models import LayerNet as Net
+from tests.helpers.trainer import quiet_trainer
 
 
 def _trainer(tmp_path, callbacks, **overrides) -> Trainer:
-    settings = {"accelerator": "cpu", "logger": CSVLogger(tmp_path), "callbacks": callbacks, **overrides}
-    return Trainer(**settings, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    return quiet_trainer(**{"logger": CSVLogger(tmp_path), "callbacks": callbacks, **overrides})
 
 
 def _fit(tmp_path, callback, model, steps=3):

@@ -5,11 +5,11 @@ from __future__ import annotations
 import inspect
 
 import pytest
-from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_gpumem import AutoMicrobatch
 from lightning_gpumem._pl.patching import Patches, log_arguments, patched, with_log_argument
+from tests.helpers.trainer import quiet_trainer
 
 
 class Owner:
@@ -86,17 +86,7 @@ def test_log_arguments_are_bound_by_the_signature_of_log():
 
 def _fit_attributes(tmp_path, callbacks):
     model = BoringModel()
-    trainer = Trainer(
-        accelerator="cpu",
-        max_steps=3,
-        limit_val_batches=0,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = quiet_trainer(max_steps=3, limit_val_batches=0, callbacks=callbacks, default_root_dir=tmp_path)
     trainer.fit(model)
     loop = trainer.fit_loop.epoch_loop.automatic_optimization
     return set(vars(model)), set(vars(loop)), set(vars(trainer))

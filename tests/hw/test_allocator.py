@@ -7,7 +7,7 @@ import torch
 
 from lightning_gpumem._core.units import GIB, MIB
 from lightning_gpumem._hw import allocator
-from tests._fakes import FakeProbe
+from tests.helpers.fakes import FakeProbe
 
 LEFTOVER_BYTES = MIB
 

@@ -2,11 +2,12 @@
 
 import lightning
 import pytest
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Callback
 from lightning.pytorch.demos.boring_classes import BoringModel
 from packaging.version import Version
 
 from lightning_gpumem._pl.logging import batches_that_stepped, is_accumulating, is_logging_step
+from tests.helpers.trainer import quiet_trainer
 
 
 def test_batches_that_stepped_is_the_step_lightning_logs_at(tmp_path):
@@ -18,26 +19,14 @@ def test_batches_that_stepped_is_the_step_lightning_logs_at(tmp_path):
             assert isinstance(trainer.fit_loop.epoch_loop._batches_that_stepped, int)
             seen.append((batches_that_stepped(trainer), is_logging_step(trainer, 2)))
 
-    trainer = Trainer(
-        accelerator="cpu",
-        max_steps=4,
-        callbacks=[Spy()],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        accumulate_grad_batches=1,
-    )
+    trainer = quiet_trainer(max_steps=4, callbacks=[Spy()], limit_val_batches=0, accumulate_grad_batches=1)
     trainer.fit(BoringModel())
     assert [step for step, _ in seen] == [0, 1, 2, 3]
     assert [flag for _, flag in seen[:3]] == [False, True, False]
 
 
 def test_progress_bar_metrics_is_a_persistent_dict(tmp_path):
-    trainer = Trainer(
-        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_model_summary=False
-    )
+    trainer = quiet_trainer(max_steps=1, enable_progress_bar=None)
     trainer.fit(BoringModel())
     trainer.progress_bar_metrics["mem"] = "1.0/2.0 GiB"
     assert trainer.progress_bar_metrics["mem"] == "1.0/2.0 GiB"
@@ -51,17 +40,8 @@ def test_is_accumulating_matches_lightning_optimizer_steps():
             assert callable(trainer.fit_loop._should_accumulate)  # private: see _logging.py
             seen.append(is_accumulating(trainer))
 
-    trainer = Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        limit_train_batches=5,
-        limit_val_batches=0,
-        accumulate_grad_batches=2,
-        callbacks=[Spy()],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+    trainer = quiet_trainer(
+        max_epochs=1, limit_train_batches=5, limit_val_batches=0, accumulate_grad_batches=2, callbacks=[Spy()]
     )
     trainer.fit(BoringModel())
     assert seen == [True, False, True, False, False]  # Lightning steps on the final batch
@@ -81,9 +61,7 @@ def test_private_loop_attributes_the_tuner_uses_exist():
     from lightning_gpumem.tuning import loaders, saved_run
     from lightning_gpumem.tuning import trials as _session
 
-    trainer = Trainer(
-        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False
-    )
+    trainer = quiet_trainer(max_steps=1, enable_model_summary=None)
     trainer.fit(BoringModel())
     fit_loop = trainer.fit_loop
     assert hasattr(fit_loop, "_combined_loader")
@@ -136,14 +114,7 @@ def test_current_fx_name_names_the_running_hook():
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             seen["on_train_batch_start"] = _session.current_hook(trainer)
 
-    trainer = Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        callbacks=[Spy()],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-    )
+    trainer = quiet_trainer(max_steps=1, callbacks=[Spy()], enable_model_summary=None)
     trainer.fit(BoringModel())
     assert seen == {name: name for name in ("on_fit_start", "on_train_epoch_start", "on_train_batch_start")}
 
@@ -198,16 +169,7 @@ def test_automatic_optimization_internals_that_auto_microbatch_wraps():
             seen["fields"] = sorted(vars(loop.optim_progress.optimizer.zero_grad.current))
             seen["fx"] = pl_module._current_fx_name
 
-    trainer = Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        callbacks=[Spy()],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-    )
+    trainer = quiet_trainer(max_steps=1, callbacks=[Spy()], limit_val_batches=0)
     trainer.fit(BoringModel())
     assert seen["run"] == ["optimizer", "batch_idx", "kwargs"]
     assert seen["zero"] == ["batch_idx", "optimizer"]
@@ -273,9 +235,7 @@ def test_lightning_private_helpers_the_package_imports_exist():
 
     assert callable(_set_sampler_epoch)
     assert callable(_optimizers_to_device)
-    trainer = Trainer(
-        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False
-    )
+    trainer = quiet_trainer(max_steps=1, enable_model_summary=None)
     trainer.fit(BoringModel())
     loop = trainer.fit_loop
     assert loop._data_source.is_module()

@@ -23,8 +23,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_gpumem import BatchSizeTuner
 from lightning_gpumem._core.units import GIB, MIB
-from tests._fakes import kept
-from tests.unit.test_tuner import CappedFakeProbe, FakeTuner, FragileModel, OOMModel, _trainer
+from tests.helpers.fakes import kept
+from tests.helpers.tuning import CappedFakeProbe, FakeTuner, FragileModel, OOMModel, tuner_trainer
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:`weights_only` was not set"),
@@ -96,7 +96,7 @@ class ResumeRecorder(Callback):
 def _fit_and_checkpoint(tmp_path) -> tuple[int, Path, dict]:
     model = AdamModel(train_limit=41)
     tuner = BatchSizeTuner()
-    trainer = _trainer(tuner, max_epochs=1, limit_train_batches=3, default_root_dir=tmp_path)
+    trainer = tuner_trainer(tuner, max_epochs=1, limit_train_batches=3, default_root_dir=tmp_path)
     trainer.fit(model)
     assert tuner.optimal_batch_size == kept(41)
     assert trainer.global_step == 3
@@ -119,7 +119,7 @@ def test_resume_keeps_the_training_state_and_reuses_the_checkpointed_size_withou
     size, path, checkpoint = _fit_and_checkpoint(tmp_path)
     model = AdamModel(train_limit=41)  # batch_size=2 until the tuner applies the checkpointed size
     tuner, recorder = BatchSizeTuner(), ResumeRecorder()
-    trainer = _trainer(
+    trainer = tuner_trainer(
         None, callbacks=[tuner, recorder], max_epochs=2, limit_train_batches=3, default_root_dir=tmp_path
     )
     with _info_records() as records:
@@ -138,7 +138,7 @@ def test_retune_on_resume_runs_trials_and_still_keeps_the_training_state(tmp_pat
     _, path, checkpoint = _fit_and_checkpoint(tmp_path)
     model = AdamModel(train_limit=30)  # the memory changed since the checkpoint: the retuned size must show it
     tuner, recorder = BatchSizeTuner(retune_on_resume=True), ResumeRecorder()
-    trainer = _trainer(
+    trainer = tuner_trainer(
         None, callbacks=[tuner, recorder], max_epochs=2, limit_train_batches=3, default_root_dir=tmp_path
     )
     trainer.fit(model, ckpt_path=path)
@@ -174,7 +174,7 @@ def test_every_trial_trains_in_train_mode_after_a_validation_oom():
     # Finding 2: an OOM in validation_step skips Lightning's return to train mode; the next trials trained in eval.
     model = ModeModel()
     tuner = BatchSizeTuner()
-    _trainer(None, callbacks=[tuner, InFit()], max_steps=2).fit(model)
+    tuner_trainer(None, callbacks=[tuner, InFit()], max_steps=2).fit(model)
     assert any(not t.fits for t in tuner.trials if t.batch_size > 12)  # validation did run out of memory
     assert model.trial_modes
     assert [n for n, training in model.trial_modes if not training] == []
@@ -216,7 +216,7 @@ def test_with_gradient_accumulation_every_trial_reaches_an_optimizer_step():
     # Finding 3: with accumulate_grad_batches=4 no trial reached an optimizer step, so its memory was never tried.
     model = OptimizerStepOOM()
     tuner = BatchSizeTuner()
-    trainer = _trainer(None, callbacks=[tuner, InFit()], accumulate_grad_batches=4, limit_val_batches=0)
+    trainer = tuner_trainer(None, callbacks=[tuner, InFit()], accumulate_grad_batches=4, limit_val_batches=0)
     error = _fit_catching_oom(trainer, model)
     assert tuner.optimal_batch_size is not None
     assert tuner.optimal_batch_size <= 47
@@ -229,7 +229,7 @@ def test_keep_effective_batch_searches_the_micro_batch_with_accumulation_scaled_
     # Finding 3 (keep_effective_batch=True): each trial runs at its own accumulation, size x accumulation ~ 8 x 4.
     model = OptimizerStepOOM(batch_size=8)
     tuner = BatchSizeTuner(keep_effective_batch=True)
-    trainer = _trainer(None, callbacks=[tuner, InFit()], accumulate_grad_batches=4, limit_val_batches=0)
+    trainer = tuner_trainer(None, callbacks=[tuner, InFit()], accumulate_grad_batches=4, limit_val_batches=0)
     error = _fit_catching_oom(trainer, model)
     assert model.trial_accumulation
     assert all(acc == max(1, round(32 / n)) for n, acc in model.trial_accumulation), model.trial_accumulation
@@ -241,7 +241,7 @@ def test_keep_effective_batch_searches_the_micro_batch_with_accumulation_scaled_
 
 
 # --------------------------------------------------------------------------------------------------- finding 4
-# `tests/integration/test_ddp_cpu.py::test_tuner_agrees_across_ranks_when_only_one_rank_runs_out_of_memory` (2 CPU
+# `tests/tuning/test_ddp_cpu.py::test_tuner_agrees_across_ranks_when_only_one_rank_runs_out_of_memory` (2 CPU
 # ranks, `sync_dist=True` logging in both steps, OOM on rank 1 only) and the DDP row of the conformance matrix.
 
 
@@ -281,7 +281,7 @@ def test_no_trial_metric_is_in_the_fits_callback_metrics():
     # Finding 5: a trial's `val_loss` was in `trainer.callback_metrics` when the fit started (no sanity check).
     model = MetricModel(train_limit=16)
     at_start = MetricsAtTrainStart()
-    _trainer(None, callbacks=[BatchSizeTuner(), at_start], max_steps=2, num_sanity_val_steps=0).fit(model)
+    tuner_trainer(None, callbacks=[BatchSizeTuner(), at_start], max_steps=2, num_sanity_val_steps=0).fit(model)
     assert at_start.keys == set()
 
 
@@ -291,7 +291,7 @@ def test_no_checkpoint_is_saved_or_ranked_from_a_trials_validation(tmp_path):
     checkpoint = ModelCheckpoint(
         dirpath=tmp_path, monitor="val_loss", save_top_k=-1, save_on_train_epoch_end=True, filename="{epoch}"
     )
-    trainer = _trainer(
+    trainer = tuner_trainer(
         None,
         callbacks=[BatchSizeTuner(), checkpoint],
         enable_checkpointing=True,
@@ -308,7 +308,7 @@ def test_no_checkpoint_is_saved_or_ranked_from_a_trials_validation(tmp_path):
 def test_epoch_aggregates_and_torchmetrics_count_only_the_fits_own_batches():
     # Finding 5: epoch aggregates and torchmetrics states included the trials' batches.
     model = MetricModel(train_limit=16)
-    trainer = _trainer(None, callbacks=[BatchSizeTuner(), InFit()], limit_train_batches=3, limit_val_batches=0)
+    trainer = tuner_trainer(None, callbacks=[BatchSizeTuner(), InFit()], limit_train_batches=3, limit_val_batches=0)
     trainer.fit(model)
     assert len(model.fit_values) == 3
     expected = sum(model.fit_values) / 3
@@ -335,7 +335,7 @@ def test_estimated_stepping_batches_and_the_schedule_derived_from_it_follow_the_
     # Finding 6: configure_optimizers ran before tuning, so OneCycleLR was sized for batch_size=2 (320 steps).
     model = OneCycleModel(train_limit=41)
     recorder = SteppingAtTrainStart()
-    trainer = _trainer(None, callbacks=[BatchSizeTuner(), recorder], limit_val_batches=0)
+    trainer = tuner_trainer(None, callbacks=[BatchSizeTuner(), recorder], limit_val_batches=0)
     trainer.fit(model)
     steps = math.ceil(640 / kept(41))
     assert model.batch_size == kept(41)
@@ -349,7 +349,7 @@ def test_each_trial_starts_the_schedule_over_so_a_step_limited_schedule_survives
     # "Tried to step 3 times" in the second trial; each trial now starts from the run's scheduler and LR.
     model = OneCycleModel(batch_size=320, train_limit=41)
     tuner = BatchSizeTuner()
-    trainer = _trainer(tuner, limit_val_batches=0)
+    trainer = tuner_trainer(tuner, limit_val_batches=0)
     trainer.fit(model)
     assert len(tuner.trials) > 2
     assert model.batch_size == kept(41)
@@ -359,7 +359,7 @@ def test_each_trial_starts_the_schedule_over_so_a_step_limited_schedule_survives
 def test_a_schedule_shorter_than_the_trials_does_not_stop_them():
     # OneCycleLR(total_steps=1) at the initial 640 (one batch an epoch); every trial runs 2 optimizer steps.
     model = OneCycleModel(batch_size=640, train_limit=41)
-    trainer = _trainer(BatchSizeTuner(), limit_val_batches=0)
+    trainer = tuner_trainer(BatchSizeTuner(), limit_val_batches=0)
     trainer.fit(model)
     assert model.batch_size == kept(41)
     assert trainer.lr_scheduler_configs[0].scheduler.total_steps == trainer.global_step == math.ceil(640 / kept(41))
@@ -370,7 +370,7 @@ def test_limit_val_batches_zero_means_validation_does_not_decide_the_size():
     # Finding 7: trials overrode `limit_val_batches=0` with 1, so validation that never runs set the size.
     model = OOMModel(train_limit=40, val_limit=10)
     tuner = BatchSizeTuner()
-    _trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
+    tuner_trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
     assert tuner.optimal_batch_size == model.batch_size == kept(40)
 
 
@@ -403,7 +403,7 @@ def test_validation_step_without_val_dataloader_does_not_break_the_tuner(include
     # Finding 7: a module with `validation_step` but no `val_dataloader` crashed the tuner.
     model = NoValLoaderModel()
     tuner = BatchSizeTuner(include_validation=include_validation)
-    trainer = _trainer(tuner, max_steps=2)
+    trainer = tuner_trainer(tuner, max_steps=2)
     trainer.fit(model)
     assert tuner.optimal_batch_size == model.batch_size == kept(20)
     assert trainer.global_step == 2
@@ -428,7 +428,7 @@ class RaisingModel(OOMModel):
 def test_an_error_inside_a_trial_puts_the_original_batch_size_back(error):
     # Finding 8: an error or KeyboardInterrupt in a trial left the trial's batch size on model, hparams, dataloader.
     model = RaisingModel(error)
-    trainer = _trainer(BatchSizeTuner())
+    trainer = tuner_trainer(BatchSizeTuner())
     handler = signal.getsignal(signal.SIGINT)  # Lightning ignores SIGINT after a KeyboardInterrupt
     try:
         with pytest.raises((ValueError, KeyboardInterrupt, SystemExit)):  # Lightning turns Ctrl+C into exit(1)
@@ -447,7 +447,7 @@ def test_dataloaders_passed_to_fit_are_refused_rather_than_misreported():
     model = OOMModel(batch_size=8)
     loader = DataLoader(RandomDataset(32, 256), batch_size=8)
     with pytest.raises(ValueError, match=r"trainer\.fit") as info:
-        _trainer(BatchSizeTuner(), max_steps=1, limit_val_batches=0).fit(model, train_dataloaders=loader)
+        tuner_trainer(BatchSizeTuner(), max_steps=1, limit_val_batches=0).fit(model, train_dataloaders=loader)
     message = str(info.value)
     assert "LightningModule" in message or "DataModule" in message, message
     assert model.batch_size == 8
@@ -469,10 +469,10 @@ class StreamModel(OOMModel):
 def test_an_iterable_dataset_needs_max_val():
     # Finding 9: an IterableDataset of 256 samples was "tuned" to 8192 (no length, no max_val).
     with pytest.raises(ValueError, match="max_val"):
-        _trainer(BatchSizeTuner(), max_steps=1, limit_val_batches=0).fit(StreamModel())
+        tuner_trainer(BatchSizeTuner(), max_steps=1, limit_val_batches=0).fit(StreamModel())
     model = StreamModel()
     tuner = BatchSizeTuner(max_val=32)
-    _trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
+    tuner_trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
     assert tuner.optimal_batch_size == model.batch_size == 32
 
 
@@ -507,7 +507,7 @@ def test_an_oom_between_toggle_and_untoggle_leaves_no_parameter_frozen():
     model = TwoOptimizerModel()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     tuner = BatchSizeTuner()
-    _trainer(tuner, max_steps=4, limit_val_batches=0).fit(model)
+    tuner_trainer(tuner, max_steps=4, limit_val_batches=0).fit(model)
     assert tuner.optimal_batch_size == kept(24)
     assert [name for name, p in model.named_parameters() if not p.requires_grad] == []
     unchanged = [name for name, p in model.named_parameters() if torch.equal(p, before[name])]
@@ -540,7 +540,7 @@ def test_scale_from_an_unsupported_hook_raises_a_runtime_error_naming_it(hook):
     # the epoch silently ran half its samples.
     model = OOMModel(batch_size=16, train_limit=32)
     with pytest.raises(RuntimeError, match=hook):
-        _trainer(ScaleFrom(hook), max_epochs=1, limit_train_batches=4, limit_val_batches=1).fit(model)
+        tuner_trainer(ScaleFrom(hook), max_epochs=1, limit_train_batches=4, limit_val_batches=1).fit(model)
 
 
 class SampleCounter(Callback):
@@ -555,7 +555,7 @@ def test_scale_from_on_train_epoch_start_is_supported_and_the_epoch_sees_every_s
     # Finding 11 (control for the refusal above): on_train_epoch_start stays supported.
     model = OOMModel(batch_size=16, train_limit=32, n=640)
     tuner, counter = ScaleFrom("on_train_epoch_start", epoch=1), SampleCounter()
-    trainer = _trainer(None, callbacks=[tuner, counter], max_epochs=2)
+    trainer = tuner_trainer(None, callbacks=[tuner, counter], max_epochs=2)
     trainer.fit(model)
     assert tuner.optimal_batch_size == model.batch_size == kept(32)
     assert counter.samples == {0: 640, 1: 640}
@@ -568,7 +568,7 @@ def test_an_integer_val_check_interval_bounds_the_size_after_limit_train_batches
     # crashed in Lightning (val_check_interval larger than the number of training batches).
     model = OOMModel(train_limit=1000, n=640)
     tuner = BatchSizeTuner()
-    trainer = _trainer(tuner, max_epochs=1, val_check_interval=5, limit_train_batches=0.5, limit_val_batches=1)
+    trainer = tuner_trainer(tuner, max_epochs=1, val_check_interval=5, limit_train_batches=0.5, limit_val_batches=1)
     trainer.fit(model)
     assert tuner.optimal_batch_size is not None
     assert tuner.optimal_batch_size >= 32  # bounded, not collapsed
@@ -582,7 +582,7 @@ def test_a_size_kept_that_does_not_run_resumes_the_search_below_it():
     probe = CappedFakeProbe(holes=(68,), base=2 * GIB, total=80 * GIB)
     model = FragileModel(probe, per_sample=300 * MIB, n=100_000)
     tuner = FakeTuner(probe, budget="24GiB", headroom=0.1, include_validation=False)
-    _trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
+    tuner_trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
     assert tuner.optimal_batch_size == model.batch_size == 67, [(t.batch_size, t.fits) for t in tuner.trials]
 
 
@@ -600,11 +600,11 @@ def test_trials_do_not_advance_a_users_dataloader_generator():
     # Finding 13: the trials drew from the `DataLoader(generator=g)` the user holds.
     seed_everything(3)
     tuned = GeneratorModel()
-    _trainer(BatchSizeTuner(), max_steps=3).fit(tuned)
+    tuner_trainer(BatchSizeTuner(), max_steps=3).fit(tuned)
     assert tuned.batch_size == kept(24)
     seed_everything(3)
     by_hand = GeneratorModel(batch_size=kept(24))
-    _trainer(None, callbacks=[], max_steps=3).fit(by_hand)
+    tuner_trainer(None, callbacks=[], max_steps=3).fit(by_hand)
     assert torch.equal(tuned.generator.get_state(), by_hand.generator.get_state())
 
 
@@ -631,10 +631,10 @@ class HookCounter(OOMModel):
 def test_user_module_hooks_run_as_often_as_in_a_fit_with_the_size_set_by_hand():
     # Finding 13: the module's on_train_start / on_train_epoch_start / on_validation_start ran once per trial.
     tuned = HookCounter()
-    _trainer(BatchSizeTuner(), max_epochs=2, limit_train_batches=2, limit_val_batches=1).fit(tuned)
+    tuner_trainer(BatchSizeTuner(), max_epochs=2, limit_train_batches=2, limit_val_batches=1).fit(tuned)
     assert tuned.batch_size == kept(24)
     by_hand = HookCounter(batch_size=kept(24))
-    _trainer(None, callbacks=[], max_epochs=2, limit_train_batches=2, limit_val_batches=1).fit(by_hand)
+    tuner_trainer(None, callbacks=[], max_epochs=2, limit_train_batches=2, limit_val_batches=1).fit(by_hand)
     # validation starts three times: the sanity check, then the end of each epoch
     assert by_hand.calls == {
         "on_train_start": 1,
@@ -681,7 +681,7 @@ class ChildProcesses(Callback):
 def _new_workers(model, tuner) -> int:
     before, after = ChildProcesses("fit_start"), ChildProcesses("train_start")
     callbacks = [before, *([tuner] if tuner else []), after]
-    _trainer(None, callbacks=callbacks, max_steps=2, limit_val_batches=1, num_sanity_val_steps=0).fit(model)
+    tuner_trainer(None, callbacks=callbacks, max_steps=2, limit_val_batches=1, num_sanity_val_steps=0).fit(model)
     return after.counts["train_start"] - before.counts["fit_start"]
 
 

@@ -6,11 +6,12 @@ import itertools
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpumem import LayerMemoryProfiler
+from tests.helpers.trainer import quiet_trainer
 
 pytestmark = pytest.mark.gpu
 
@@ -38,16 +39,7 @@ class Stack(LightningModule):
 
 def test_linear_stack_activations_match_the_analytic_sizes(tmp_path):
     profiler = LayerMemoryProfiler(at_step=1, dirpath=tmp_path)
-    Trainer(
-        accelerator="gpu",
-        devices=1,
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[profiler],
-    ).fit(Stack())
+    quiet_trainer(accelerator="gpu", devices=1, max_steps=3, callbacks=[profiler]).fit(Stack())
     by_name = {r.name: r for r in profiler.records}
     for index, out in ((0, 4096), (1, 4096), (2, 4096), (3, 4096), (4, 1024)):
         expected = BATCH * out * 4  # each layer's output, float32: what it leaves alive for the next one's backward
@@ -78,16 +70,7 @@ def test_a_layer_csv_that_cannot_be_written_warns_and_training_goes_on(tmp_path)
             target.write_text("not a directory any more")
 
     profiler = LayerMemoryProfiler(at_step=1, dirpath=target)
-    trainer = Trainer(
-        accelerator="gpu",
-        devices=1,
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[profiler, FillTheDisk()],
-    )
+    trainer = quiet_trainer(accelerator="gpu", devices=1, max_steps=3, callbacks=[profiler, FillTheDisk()])
     with pytest.warns(UserWarning, match="LayerMemoryProfiler: could not write"):
         trainer.fit(Stack())
     assert trainer.global_step == 3
