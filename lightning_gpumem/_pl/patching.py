@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,11 +28,11 @@ _WRAPPED: weakref.WeakKeyDictionary[Callable[..., Any], tuple[object, Callable[.
 
 
 def _install(
-    owner: object, name: str, replacement: Callable[..., Any], keep_signature: bool
+    owner: object, name: str, replacement: Callable[..., Any], keep_signature: bool, collapse: bool = True
 ) -> tuple[object, Callable[..., Any]]:
     """Make ``owner.<name>`` call ``replacement``: ``(the instance's own entry before, the original callable)``."""
     own = vars(owner).get(name, _MISSING)
-    leftover = _WRAPPED.get(own) if callable(own) else None
+    leftover = _WRAPPED.get(own) if collapse and isinstance(own, types.FunctionType) else None
     previous, original = leftover if leftover is not None else (own, getattr(owner, name))
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -69,7 +70,9 @@ def patched(
 class Patches:
     """The patches one owner installed across hooks; ``undo`` removes them all, in reverse order."""
 
-    def __init__(self) -> None:
+    def __init__(self, collapse_leftovers: bool = True) -> None:
+        """``collapse_leftovers=False`` keeps a wrapper found in place (another owner's live patch) as it is."""
+        self._collapse = collapse_leftovers
         self._saved: dict[tuple[int, str], tuple[object, object, Callable[..., Any]]] = {}
 
     def __bool__(self) -> bool:
@@ -79,7 +82,7 @@ class Patches:
         """Make ``owner.<name>`` call ``replacement`` (as :func:`patched`); a second install of a name is ignored."""
         key = (id(owner), name)
         if key not in self._saved:
-            previous, original = _install(owner, name, replacement, keep_signature)
+            previous, original = _install(owner, name, replacement, keep_signature, self._collapse)
             self._saved[key] = (owner, previous, original)
 
     def original(self, owner: object, name: str) -> Callable[..., Any]:
@@ -93,26 +96,29 @@ class Patches:
         self._saved.clear()
 
 
-@functools.lru_cache(maxsize=32)
-def _signature(function: Callable[..., Any]) -> inspect.Signature:
-    return inspect.signature(function)
+@functools.lru_cache(maxsize=1)
+def _log_signature() -> inspect.Signature:
+    """``LightningModule.log``'s own signature, less ``self`` (a user's override may take ``*args, **kwargs``)."""
+    try:
+        from lightning.pytorch import LightningModule
+    except ImportError:  # pragma: no cover - only the `pytorch_lightning` package
+        from pytorch_lightning import LightningModule  # type: ignore[assignment]
+    signature = inspect.signature(LightningModule.log)
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
 
 
-def _log_signature(log: Callable[..., Any]) -> inspect.Signature:
-    function = getattr(log, "__func__", log)  # a bound method: its function, less `self`
-    signature = _signature(function)
-    if function is not log:
-        signature = signature.replace(parameters=list(signature.parameters.values())[1:])
-    return signature
+def log_parameters() -> list[str]:
+    """The parameter names of ``LightningModule.log``, in order, less ``self``."""
+    return list(_log_signature().parameters)
 
 
 def log_arguments(log: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """A call ``log(*args, **kwargs)`` as keyword arguments, bound through ``log``'s signature.
+    """A call ``log(*args, **kwargs)`` as keyword arguments, bound through ``LightningModule.log``'s signature.
 
     Raises:
         TypeError: if the arguments do not bind (the call itself would fail the same way).
     """
-    signature = _log_signature(log)
+    signature = _log_signature()
     bound = signature.bind(*args, **kwargs)
     arguments: dict[str, Any] = {}
     for name, value in bound.arguments.items():
@@ -132,9 +138,13 @@ def with_log_argument(
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``(args, kwargs)`` of the call ``log(*args, **kwargs)`` with its argument ``name`` set to ``value``.
 
-    A call that does not bind to ``log``'s signature is left as it is, for ``log`` to raise its own error.
+    A call that does not bind to ``LightningModule.log``'s signature gets ``name`` as a keyword where no positional
+    argument stands in its place, else in that position.
     """
     try:
         return (), {**log_arguments(log, args, kwargs), name: value}
     except TypeError:
-        return args, kwargs
+        position = list(_log_signature().parameters).index(name)
+        if len(args) > position:
+            return (*args[:position], value, *args[position + 1 :]), kwargs
+        return args, {**kwargs, name: value}

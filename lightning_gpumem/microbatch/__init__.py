@@ -1,6 +1,6 @@
-"""AutoMicrobatch (``callback.py``) and its pure parts (``split.py``: split a batch, combine its logs, when to split).
+"""AutoMicrobatch (``callback.py``) and its parts (``split.py``: split a batch, combine its logs, when to split).
 
-The callback is imported on first use (PEP 562): the pure modules of this folder load neither torch nor Lightning.
+The callback is imported on first use (PEP 562), so importing the folder loads neither torch nor Lightning.
 """
 
 from __future__ import annotations

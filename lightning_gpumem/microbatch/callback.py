@@ -23,7 +23,7 @@ from lightning_gpumem._hw.probe import Probe, make_probe
 from lightning_gpumem._pl import logging as _logging
 from lightning_gpumem._pl.compat import Callback, either
 from lightning_gpumem._pl.distributed import all_reduce_max, side_group
-from lightning_gpumem._pl.patching import Patches, log_arguments
+from lightning_gpumem._pl.patching import Patches, log_arguments, log_parameters
 from lightning_gpumem._pl.peers import budget_bytes, tell_oom_recovered, tell_peak_reset
 from lightning_gpumem.microbatch.split import (
     LogCall,
@@ -485,8 +485,11 @@ class AutoMicrobatch(Callback):
         if not self._buffering:
             return self._original(module, "log")(name, value, *args, **kwargs)
         if args:
-            kwargs = {**log_arguments(self._original(module, "log"), (name, value, *args), kwargs)}
-            del kwargs["name"], kwargs["value"]
+            try:
+                kwargs = log_arguments(self._original(module, "log"), (name, value, *args), kwargs)
+                kwargs.pop("name", None), kwargs.pop("value", None)
+            except TypeError:  # more positional arguments than Lightning's `log` has: as they were given
+                kwargs = {**dict(zip(list(log_parameters())[2:], args, strict=False)), **kwargs}
         if isinstance(value, torch.Tensor):  # the value now, not after the optimizer step (a parameter, a view)
             value = value.clone() if kwargs.get("enable_graph") else value.detach().clone()
         self._attempt.calls.append(LogCall(name, value, kwargs, self._size))

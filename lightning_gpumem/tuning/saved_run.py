@@ -86,9 +86,11 @@ class SavedRun:
         trainer.limit_train_batches, trainer.limit_val_batches = self.limits
         fit_loop = trainer.fit_loop
         fit_loop.epoch_loop.max_steps, fit_loop.max_epochs = self.max
-        if model_state is not None:
-            model_state.restore()
-        trainer.callbacks = self.callbacks  # type: ignore[attr-defined]
+        try:
+            if model_state is not None:
+                model_state.restore()
+        finally:  # the owner is back among the callbacks even if the restore fails
+            trainer.callbacks = self.callbacks  # type: ignore[attr-defined]
         fit_loop.load_state_dict(deepcopy(self.loop_state))
         set_loop_flags(self.loop_flags)  # `load_state_dict` marked the loops as restarting
         fit_loop.epoch_loop.val_loop._has_run = self.val_has_run  # private, see `capture`

@@ -559,8 +559,7 @@ def walk_down(
     Returns:
         The size kept, every trial in order (the search's, then the walk's) and the search's stop reason.
         ``batch_size`` is ``None`` where none is kept: the result's is ``None``, the walk reached 1 and it was
-        rejected, or ``max_trials`` trials ran first (also where the search ran them all and ``start`` is below its
-        result: then not even a size the search accepted is kept).
+        rejected, or ``max_trials`` trials ran first and none of them accepted a size below the walk's.
 
     Raises:
         ValueError: if ``start`` is not in ``[1, result.batch_size]``.

@@ -104,7 +104,7 @@ class TrialSession:
         self.callback: _TrialCallback | None = None
         self._saved: SavedRun | None = None
         self._state: ModelState | None = None
-        self._patches = Patches()  # the module's silenced hooks and `log`, put back after the trials
+        self._patches = Patches(collapse_leftovers=False)  # the module's hooks and `log`, put back exactly after
         self._stopping: list[Any] = []  # dataloader iterators whose workers were told to exit
 
     # ------------------------------------------------------------------ life cycle

@@ -81,7 +81,7 @@ def test_log_arguments_are_bound_by_the_signature_of_log():
     assert log_arguments(module.log, args, {})["sync_dist"] is True
     _, kwargs = with_log_argument(module.log, args, {}, "sync_dist", False)
     assert kwargs["sync_dist"] is False
-    assert with_log_argument(module.log, (), {"bogus": 1}, "sync_dist", False) == ((), {"bogus": 1})  # log raises
+    assert with_log_argument(module.log, (), {"bogus": 1}, "sync_dist", False) == ((), {"bogus": 1, "sync_dist": False})
 
 
 def _fit_attributes(tmp_path, callbacks):
@@ -94,3 +94,34 @@ def _fit_attributes(tmp_path, callbacks):
 
 def test_a_fit_with_auto_microbatch_leaves_no_attribute_on_the_module_the_loop_or_the_trainer(tmp_path):
     assert _fit_attributes(tmp_path, [AutoMicrobatch()]) == _fit_attributes(tmp_path, [])
+
+
+def test_a_patch_over_another_owners_live_patch_puts_it_back():
+    owner = Owner()
+    live = Patches()
+    live.install(owner, "method", lambda x: x * 10)  # e.g. AutoMicrobatch's `log`, installed for the fit
+    wrapper = vars(owner)["method"]
+    trial = Patches(collapse_leftovers=False)  # e.g. the tuner's trials, run from `on_train_epoch_start`
+    trial.install(owner, "method", lambda x: trial.original(owner, "method")(x) + 1)
+    assert owner.method(2) == 21  # through the live patch
+    trial.undo()
+    assert vars(owner)["method"] is wrapper  # the live patch is back, not removed
+    live.undo()
+    assert "method" not in vars(owner)
+
+
+class OverridesLog(BoringModel):
+    def log(self, *args, **kwargs):  # a user's override that passes everything on
+        return super().log(*args, **kwargs)
+
+
+def test_log_arguments_bind_through_lightnings_signature_even_for_an_override():
+    module = OverridesLog()
+    assert log_arguments(module.log, ("loss", 1.0, True), {})["prog_bar"] is True
+    args = ("loss", 1.0, False, True, None, None, "mean", False, True)  # sync_dist=True positionally
+    assert with_log_argument(module.log, args, {}, "sync_dist", False)[1]["sync_dist"] is False
+    too_many = (*args, None, True, None, None, False, "extra")  # does not bind: set in its position all the same
+    new_args, _ = with_log_argument(module.log, too_many, {}, "sync_dist", False)
+    assert new_args[8] is False
+    _, kwargs = with_log_argument(module.log, ("loss", 1.0), {"bogus": 1}, "sync_dist", False)
+    assert kwargs == {"bogus": 1, "sync_dist": False}  # log raises on `bogus` itself; sync_dist still off
