@@ -1,6 +1,8 @@
 """Run by test_ddp_cpu.py: 2 CPU ranks (gloo); rank 1 alone runs out of memory in some batches.
 
-Usage: python ddp_microbatch_script.py OUT_DIR WHERE ACCUMULATE   (WHERE: forward or backward)
+Usage: python ddp_microbatch_script.py OUT_DIR CASE...
+  CASE: WHERE:ACCUMULATE (WHERE: forward or backward), each writing `<WHERE>-<ACCUMULATE>-rank<N>.pt`, all in one
+        rank pair; or user-collective alone (the run must fail, not hang).
 """
 
 from __future__ import annotations
@@ -57,12 +59,20 @@ def fit(root: Path, model: Net, callbacks, accumulate: int) -> Trainer:
     return trainer
 
 
-def main(out_dir: str, where: str, accumulate: int) -> None:
+def main(out_dir: str, cases: list[str]) -> None:
     out = Path(out_dir)
-    if where == "user-collective":  # must end (the agreement times out), not hang
+    if cases == ["user-collective"]:  # must end (the agreement times out), not hang
         microbatch.AGREE_TIMEOUT_S = 5.0
-        fit(out, GathersInStep(limit=5, where="forward", pressure={2}), [AutoMicrobatch()], accumulate)
+        fit(out, GathersInStep(limit=5, where="forward", pressure={2}), [AutoMicrobatch()], 1)
         return
+    for case in cases:
+        where, accumulate = case.split(":")
+        run_case(out / case.replace(":", "-"), where, int(accumulate))
+    close_process_group()
+
+
+def run_case(out: Path, where: str, accumulate: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
     seed_everything(0)
     reference = Net()
     fit(out, reference, [], accumulate)
@@ -80,8 +90,7 @@ def main(out_dir: str, where: str, accumulate: int) -> None:
         "global_step": trainer.global_step,
     }
     torch.save(result, out / f"rank{trainer.global_rank}.pt")
-    close_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2:])

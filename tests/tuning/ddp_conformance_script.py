@@ -1,15 +1,21 @@
-"""Run by test_conformance.py: a tuned DDP fit and the same fit with the size set by hand, in one process pair.
+"""Run by test_conformance.py and test_ddp_cpu.py: BatchSizeTuner under DDP, 2 CPU processes (gloo), one pair.
 
-2 CPU processes (gloo). Rank 1 runs out of memory above batch size 24, rank 0 only above 40, so the tuner must agree
-on 24 on both ranks. Each rank writes `rank<N>.pt`: the size chosen, the OOM trials, and what each fit left
-(`capture` of the test module), for the test to compare.
+In every fit rank 1 runs out of memory above batch size 24 and rank 0 only above 40, so rank 1 fails trials alone
+and the tuner must agree on 24 on both ranks without leaving rank 0 waiting in a collective.
+
+1. The agreement (`tuner_rank<N>.json`): both steps log with `sync_dist=True`, so the OOM rank's agreement
+   collective must not pair with the other rank's logging all-reduce.
+2. Conformance (`rank<N>.pt`): a tuned fit and the same fit with the size set by hand; the size chosen, the OOM
+   trials, and what each fit left (`capture` of the test module), for the test to compare.
 
 Usage: python ddp_conformance_script.py OUT_DIR
 """
 
 from __future__ import annotations
 
+import json
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -17,7 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import DDPStrategy
+from torch.utils.data import DataLoader
 
 from lightning_gpumem import BatchSizeTuner
 from tests.helpers.fakes import close_process_group
@@ -32,6 +41,52 @@ class RankNet(Net):
         if self.global_rank == 1 and batch.shape[0] > 24:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated on rank 1)")
         return super().training_step(batch, batch_idx)
+
+
+class RankOOM(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch_size = 2
+        self.data = RandomDataset(32, 4096)
+
+    def training_step(self, batch, batch_idx):
+        if batch.shape[0] > (24 if self.global_rank == 1 else 40):
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (simulated on rank {self.global_rank})")
+        out = super().training_step(batch, batch_idx)
+        self.log("train_loss", out["loss"], sync_dist=True)
+        return out
+
+    def validation_step(self, batch, batch_idx):
+        out = super().validation_step(batch, batch_idx)
+        self.log("val_loss", out["x"], sync_dist=True)
+        return out
+
+    def train_dataloader(self):
+        return DataLoader(self.data, batch_size=self.batch_size)
+
+    def val_dataloader(self):
+        return DataLoader(self.data, batch_size=self.batch_size)
+
+
+def agreement(out: Path) -> None:
+    tuner = BatchSizeTuner()
+    model = RankOOM()
+    trainer = quiet_trainer(
+        out / "agreement",
+        devices=2,
+        strategy=DDPStrategy(timeout=timedelta(seconds=60)),
+        max_steps=3,
+        limit_val_batches=1,
+        callbacks=[tuner],
+    )
+    trainer.fit(model)
+    result = {
+        "rank": trainer.global_rank,
+        "batch_size": model.batch_size,
+        "trials": [[t.batch_size, t.fits] for t in tuner.trials],
+        "global_step": trainer.global_step,
+    }
+    (out / f"tuner_rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
 def fit(root: Path, batch_size: int, tuner: BatchSizeTuner | None) -> tuple[Trainer, dict]:
@@ -54,6 +109,7 @@ def fit(root: Path, batch_size: int, tuner: BatchSizeTuner | None) -> tuple[Trai
 
 def main(out_dir: str) -> None:
     out = Path(out_dir)
+    agreement(out)
     tuner = BatchSizeTuner()
     trainer, tuned = fit(out / "tuned", INIT, tuner)
     _, by_hand = fit(out / "by_hand", tuner.optimal_batch_size, None)

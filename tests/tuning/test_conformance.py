@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import csv
 import os
-import subprocess
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +25,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 from lightning_gpumem import BatchSizeTuner
+from tests.helpers.ddp import run_script
 from tests.helpers.fakes import kept
 from tests.helpers.trainer import quiet_trainer
 
@@ -424,11 +423,7 @@ class DdpRow(Row):
     """2 CPU ranks (gloo), OOM above 24 on rank 1 and above 40 on rank 0; tuned and by hand in one process pair."""
 
     def run(self, root):
-        proc = subprocess.run(
-            [sys.executable, str(DDP_SCRIPT), str(root)], capture_output=True, text=True, timeout=300, check=False
-        )
-        errors = [line for line in proc.stderr.splitlines() if "Error" in line or "Exception" in line]
-        assert proc.returncode == 0, "\n".join([*errors[-1:], proc.stdout[-3000:], proc.stderr[-3000:]])
+        root, _ = run_script(DDP_SCRIPT)  # the rank pair test_ddp_cpu.py's agreement test reads too
         ranks = [torch.load(root / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
         for rank in ranks:
             assert rank["chosen"] == kept(24) != rank["init"], rank["chosen"]  # the smaller rank's limit, on both ranks

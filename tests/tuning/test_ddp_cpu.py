@@ -3,25 +3,20 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.ddp import run_script
 from tests.helpers.fakes import kept
 
-pytestmark = pytest.mark.ddp
+pytestmark = pytest.mark.ddp  # reads the `ddp_conformance_script.py` run the conformance matrix's DDP row reads
 
 
-def test_tuner_agrees_across_ranks_when_only_one_rank_runs_out_of_memory(tmp_path):
+def test_tuner_agrees_across_ranks_when_only_one_rank_runs_out_of_memory():
     # Also the tuner review's finding 4: with `self.log(..., sync_dist=True)` in both steps, the OOM rank's agreement
     # collective paired with the other rank's logging all-reduce and gloo aborted ("collective mismatch").
-    script = Path(__file__).with_name("ddp_tuner_script.py")
-    proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300, check=False
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    tmp_path, _ = run_script(Path(__file__).with_name("ddp_conformance_script.py"))
     rank0 = json.loads((tmp_path / "tuner_rank0.json").read_text())
     rank1 = json.loads((tmp_path / "tuner_rank1.json").read_text())
     assert rank0["batch_size"] == rank1["batch_size"] == kept(24)  # the smaller rank's limit, less the headroom
