@@ -2,9 +2,10 @@
 
 Why trials run through Lightning's own loop and are then undone: a trial must cost what training costs (precision,
 strategy, closures, validation), and afterwards nothing may remain of it, neither in the weights, optimizer, RNG or
-progress counters nor in the allocator. ``tuning/_session.py`` (``TrialSession``) runs the trials and undoes them,
-``tuning/_state.py`` keeps the model state they change, and ``tuning/search.py`` decides which
-sizes to try from the measured peaks.
+progress counters nor in the allocator. ``tuning/trials.py`` (``TrialSession``) runs the trials and undoes them,
+``tuning/measure.py`` measures each, and ``tuning/search.py`` decides which sizes to try from the measured peaks: by
+default it probes small sizes, predicts the largest size from the line they draw and validates it
+(``search_by_plan``).
 """
 
 from __future__ import annotations
@@ -26,16 +27,23 @@ from lightning_gpumem._hw.allocator import release_to
 from lightning_gpumem._hw.oom import expecting_oom
 from lightning_gpumem._hw.probe import Probe, make_probe
 from lightning_gpumem._pl.compat import Callback, either
-from lightning_gpumem._pl.distributed import gather_named
 from lightning_gpumem._pl.logging import log_table, log_to_loggers, run_dir
 from lightning_gpumem._pl.peers import budget_bytes
 from lightning_gpumem.tuning import loaders
 from lightning_gpumem.tuning import trials as _session
-from lightning_gpumem.tuning.search import SearchResult, Trial, largest_held, search_batch_size, walk_down
+from lightning_gpumem.tuning.measure import LEFTOVER_BYTES, TrialRunner, plan_builder
+from lightning_gpumem.tuning.search import (
+    SearchResult,
+    Trial,
+    largest_held,
+    search_batch_size,
+    search_by_plan,
+    walk_down,
+)
 from lightning_gpumem.tuning.trials import TrialSession
 
 MAX_TRIALS = 25
-LEFTOVER_BYTES = 2**20  # allocated above the start that is not worth a garbage collection (see `release_to`)
+METHODS = ("predict", "search")
 
 
 @keys.document
@@ -113,6 +121,11 @@ class BatchSizeTuner(Callback):
             accumulation of the size chosen.
         retune_on_resume: on ``fit(ckpt_path=...)``, tune again instead of applying the size saved in the
             checkpoint.
+        method: ``"predict"``: probe small sizes (from ``init_val``, doubling) until peak memory is a line in the
+            batch size, predict the largest size under the budget, validate it in a trial, and close in to within 2%
+            (:func:`~lightning_gpumem.tuning.search.search_by_plan`; where the probes are not on a line or measure
+            nothing, as on a CPU, it searches and says why in :attr:`result`'s ``note``). ``"search"``: the bracket
+            search from ``init_val`` alone, to within 1%.
 
     Raises:
         ValueError: on an invalid argument, or (at fit start) a budget larger than the device, dataloaders passed
@@ -141,6 +154,7 @@ class BatchSizeTuner(Callback):
         batch_arg_name: str = "batch_size",
         keep_effective_batch: bool = False,
         retune_on_resume: bool = False,
+        method: str = "predict",
     ) -> None:
         if budget is not None:
             check_budget(budget, "BatchSizeTuner")  # type and format now; the size against the device at fit
@@ -155,6 +169,8 @@ class BatchSizeTuner(Callback):
             )
         if not isinstance(batch_arg_name, str) or not batch_arg_name:
             raise ValueError(f"`BatchSizeTuner(batch_arg_name={batch_arg_name!r})` is not valid. Expected a name.")
+        if method not in METHODS:
+            raise ValueError(f"`BatchSizeTuner(method={method!r})` is not valid. Expected one of {METHODS}.")
         require_flags(
             "BatchSizeTuner",
             include_validation=include_validation,
@@ -170,6 +186,7 @@ class BatchSizeTuner(Callback):
         self.batch_arg_name = batch_arg_name
         self.keep_effective_batch = keep_effective_batch
         self.retune_on_resume = retune_on_resume
+        self.method = method
 
         self.optimal_batch_size: int | None = None
         """The batch size chosen by the last search (or restored from a checkpoint; ``None`` before either)."""
@@ -183,7 +200,6 @@ class BatchSizeTuner(Callback):
         self._size_due = False  # a size was chosen or restored and is not logged yet
         self._accumulation: int | None = None
         self._restored: dict[str, Any] | None = None
-        self._baseline: int | None = None  # bytes allocated when the search started
 
     @property
     def trials(self) -> tuple[Trial, ...]:
@@ -256,7 +272,7 @@ class BatchSizeTuner(Callback):
                 " batch size is known to exist in it. Pass `max_val`, the largest batch size the dataset can fill."
             )
         probe = make_probe(trainer.strategy.root_device, self)
-        baseline = self._baseline = probe.allocated_bytes()  # what each trial starts from, and the search ends at
+        baseline = probe.allocated_bytes()  # what each trial starts from, and the search ends at
         limit = self._limit_bytes(probe, trainer)  # budget
         upper = self._upper_bound(trainer, length)
         start = time.perf_counter()
@@ -268,16 +284,30 @@ class BatchSizeTuner(Callback):
                 self._seen: dict[int, tuple[int, int | None]] = {}  # size: (largest batch, dataset length)
                 if total:  # trials run with the allocator capped at the budget, as the fit will be
                     previous_fraction = probe.set_memory_fraction(min(1.0, limit / total))  # type: ignore[operator]
+                runner = TrialRunner(
+                    session,
+                    probe,
+                    steps=self.steps_per_trial,
+                    validate=self.include_validation,
+                    accumulation_for=self._accumulation_for,
+                    check_batches=self._check_batches,
+                )
                 try:
                     with expecting_oom():  # trials that run out of memory are the search's plan, not failures
-                        result = search_batch_size(  # search: the largest size that runs in the budget
-                            lambda size: self._run_trial(session, probe, size),
-                            init_val=self.init_val,
-                            upper=upper,
-                            limit_bytes=limit,
-                            max_trials=MAX_TRIALS,
-                        )
-                        result = self._leave_headroom(session, probe, result, limit)  # then give up the headroom
+                        if self.method == "predict":  # probe, predict, validate, close in
+                            result = search_by_plan(
+                                runner,
+                                init_val=self.init_val,
+                                upper=upper,
+                                limit_bytes=limit,
+                                max_trials=MAX_TRIALS,
+                                make_plan=plan_builder(trainer, probe, runner, self),
+                            )
+                        else:  # search: the largest size that runs in the budget
+                            result = search_batch_size(
+                                runner, init_val=self.init_val, upper=upper, limit_bytes=limit, max_trials=MAX_TRIALS
+                            )
+                        result = self._leave_headroom(runner, result, limit)  # then give up the headroom
                 finally:
                     if previous_fraction is not None:
                         probe.set_memory_fraction(previous_fraction)
@@ -385,52 +415,6 @@ class BatchSizeTuner(Callback):
             candidates.append(_largest_size_with_batches(per_rank, trainer.limit_train_batches, need))
         return max(1, min(candidates))
 
-    def _run_trial(self, session: TrialSession, probe: Probe, size: int) -> Trial:
-        trainer = session.trainer
-        train: list[int | None] = [None, None]  # peak allocated and reserved of the training steps
-
-        def between_stages() -> None:  # the validation step's peaks are measured apart from the training steps'
-            train[:] = probe.read_peaks()
-            probe.reset_peaks()
-
-        accumulation = self._accumulation_for(size)
-        session.prepare(size, accumulation, self.steps_per_trial, self.include_validation, between_stages)
-        # a fresh process's layout: no cache, no trial's tensors
-        floor = release_to(probe, self._baseline, LEFTOVER_BYTES, blind=False)
-        if floor is not None:  # what a full collection could not free is the run's (a lazily built buffer): kept
-            self._baseline = max(floor, self._baseline or 0)
-        probe.reset_peaks()
-        retries = probe.read(nvml=False, host=False).alloc_retries
-        start = time.perf_counter()
-        fits = session.run()
-        seconds = time.perf_counter() - start
-        after = probe.read(nvml=False, host=False).alloc_retries
-        self._check_batches(size, session.batches_seen, session.dataset_samples)
-        end = list(probe.read_peaks())
-        train_peaks, val_peaks = (train, end) if session.validated else (end, [None, None])
-        # A reserved peak of validation alone is not measurable: the training steps' cache is still reserved then.
-        peaks = {
-            "allocated": _max(train_peaks[0], val_peaks[0]),
-            "reserved": _max(train_peaks[1], val_peaks[1]),
-            "train_allocated": train_peaks[0],
-            "val_allocated": val_peaks[0],
-            "retries": None if retries is None or after is None else after - retries,
-        }
-        # all ranks measured the same sizes: agree on the largest peaks (nothing is communicated with one process)
-        agreed = {name: _int_or_none(high) for name, (high, _) in gather_named(trainer, peaks).items()}
-        if not fits:
-            agreed = dict.fromkeys(agreed)
-        return Trial(
-            size,
-            fits=fits,
-            peak_bytes=agreed["reserved"],
-            seconds=seconds,
-            allocated_bytes=agreed["allocated"],
-            train_peak_bytes=agreed["train_allocated"],
-            val_peak_bytes=agreed["val_allocated"],
-            retries=agreed["retries"],
-        )
-
     def _check_batches(self, size: int, seen: list[int], samples: int | None) -> None:
         """Refuse to report sizes that never ran: the attribute must set the training batches' first dimension.
 
@@ -467,9 +451,7 @@ class BatchSizeTuner(Callback):
         kept = math.ceil(round((1.0 - self.headroom) * largest, 9))  # 0.95 * 40 is 38, not 38.000000000000004
         return max(1, min(largest, kept))
 
-    def _leave_headroom(
-        self, session: TrialSession, probe: Probe, result: SearchResult, limit: int | None
-    ) -> SearchResult:
+    def _leave_headroom(self, runner: TrialRunner, result: SearchResult, limit: int | None) -> SearchResult:
         """Give up ``headroom`` of the largest size the budget holds, and run the size kept once.
 
         That largest size is one less than the smallest size that failed where the search closed in on it (within
@@ -486,7 +468,7 @@ class BatchSizeTuner(Callback):
             return result
         size = min(largest, self._headroom_size(largest_held(result, limit) or largest))
         return walk_down(
-            lambda batch_size: self._run_trial(session, probe, batch_size),
+            runner,
             result,
             start=size,
             limit_bytes=limit,
@@ -620,11 +602,3 @@ def _largest_size_with_batches(samples: int, limit: int | float, need: int) -> i
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if batches(mid) >= need else (lo, mid)
     return lo
-
-
-def _int_or_none(value: float | None) -> int | None:
-    return None if value is None else int(value)
-
-
-def _max(a: int | None, b: int | None) -> int | None:
-    return a if b is None else b if a is None else max(a, b)

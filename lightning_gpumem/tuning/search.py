@@ -43,9 +43,11 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Literal
+
+from lightning_gpumem._core.plan import Plan, ProbePoint, Verdict, probe_verdict
 
 StopReason = Literal["bracketed", "predicted", "upper_bound", "max_trials", "nothing_fits"]
 
@@ -94,11 +96,17 @@ def accepted(trial: Trial, limit_bytes: int | None) -> bool:
 
 @dataclass(frozen=True)
 class SearchResult:
-    """The chosen size (``None`` if even 1 does not fit), every trial in order, and why the search stopped."""
+    """The chosen size (``None`` if even 1 does not fit), every trial in order, and why the search stopped.
+
+    ``plan`` is the plan a prediction came from (:func:`search_by_plan`; ``None`` where none was made) and ``note``
+    says why the search ran without one, where it did.
+    """
 
     batch_size: int | None
     trials: tuple[Trial, ...]
     reason: StopReason
+    plan: Plan | None = None
+    note: str = ""
 
     @property
     def num_ooms(self) -> int:
@@ -254,6 +262,13 @@ class Move(enum.Enum):
     SAFE = "safe"
     DOUBLE = "double"
     BISECT = "bisect"
+    PROBE = "probe"  # the plan's probes: small sizes until the line settles
+    PREDICTED = "predicted"  # the plan's largest size under the limit, validated by a trial
+    BACK_OFF = "back_off"  # the prediction ran out of memory: 6%, 12%, 24%... less live memory
+
+
+MODEL_MOVES = (None, Move.SAFE, Move.PREDICTED, Move.BACK_OFF)
+"""Moves whose size a model chose (``None``: the first size accepted); ``near_cap`` jumps once from such a size."""
 
 
 @dataclass(frozen=True)
@@ -362,7 +377,7 @@ def _near_cap(b: Bracket, model: MemoryModel) -> Proposal | None:
     size = model.optimistic_size(waste)
     if size is None or (b.hi is not None and size >= b.hi):
         return None
-    if size > b.lo + 1 and b.lo_move in (None, Move.SAFE):  # once: from its own result it would step by the slack
+    if size > b.lo + 1 and b.lo_move in MODEL_MOVES:  # once: from its own result it would step by the slack
         return Proposal(
             Move.NEAR_CAP,
             size,
@@ -371,7 +386,7 @@ def _near_cap(b: Bracket, model: MemoryModel) -> Proposal | None:
                 f" limit at {size}"
             ),
         )
-    if b.edge_at == b.lo or b.lo + 1 > b.top or b.lo_move not in (None, Move.SAFE, Move.NEAR_CAP):
+    if b.edge_at == b.lo or b.lo + 1 > b.top or b.lo_move not in (*MODEL_MOVES, Move.NEAR_CAP):
         return None  # only from a size a model chose: no crawling one size per trial
     return Proposal(Move.EDGE, b.lo + 1, f"near the cap, no room above {b.lo + 1}: if it fails the search is over")
 
@@ -501,7 +516,23 @@ def search_batch_size(
         size = guess if guess is not None and 1 <= guess < size else max(1, size // 2)
 
     # 2. Move up the bracket, one move per trial.
-    bracket = Bracket(lo=size, hi=hi, upper=upper)
+    return _close(run, trials, Bracket(lo=size, hi=hi, upper=upper), limit_bytes, max_trials, tolerance, on_move)
+
+
+def _close(
+    run: Callable[[int], Trial],
+    trials: dict[int, Trial],
+    bracket: Bracket,
+    limit_bytes: int | None,
+    max_trials: int,
+    tolerance: float,
+    on_move: Callable[[Proposal], None] | None,
+) -> SearchResult:
+    """Move up ``bracket`` (``lo`` accepted) one move per trial until it is closed within ``tolerance``."""
+
+    def result(best: int | None, reason: StopReason) -> SearchResult:
+        return SearchResult(best, tuple(trials.values()), reason)
+
     while True:
         lo = bracket.lo
         if lo >= bracket.top:
@@ -528,6 +559,143 @@ def search_batch_size(
             bracket.hi = size
         bracket.back = bracket.last_size - size if move is Move.STEP_BACK else 0
         bracket.last_move, bracket.last_accepted, bracket.last_size = move, ok, size
+
+
+# ---------------------------------------------------------------------- predict, then validate
+PLAN_TOLERANCE = 0.02  # a planned search closes its bracket to within this fraction of the size kept
+BACK_OFF = 0.06  # a prediction that ran out of memory: the next size needs this much less live memory, then twice
+
+
+def probe_point(trial: Trial) -> ProbePoint | None:
+    """A trial as a probe of the plan (``None``: it measured no live-tensor peak, as on a CPU)."""
+    train = trial.train_peak_bytes if trial.train_peak_bytes is not None else trial.allocated_bytes
+    if train is None:
+        return None
+    return ProbePoint(trial.batch_size, train, trial.val_peak_bytes, trial.peak_bytes)
+
+
+def search_by_plan(
+    run_trial: Callable[[int], Trial],
+    *,
+    init_val: int = 2,
+    upper: int,
+    limit_bytes: int | None = None,
+    max_trials: int = 25,
+    tolerance: float = PLAN_TOLERANCE,
+    on_move: Callable[[Proposal], None] | None = None,
+    make_plan: Callable[[list[ProbePoint], Verdict], Plan] | None = None,
+) -> SearchResult:
+    """Probe small sizes until memory is a line, predict the largest size under the limit, validate it, close in.
+
+    1. **Probe**: ``init_val``, then double, while :func:`~lightning_gpumem._core.plan.probe_verdict` asks for more
+       (probes stay under half the limit, so they are cheap).
+    2. **Predict**: the plan's largest size whose reserved peak fits ``limit_bytes`` (live tensors on the line,
+       reserved growing as it grew between the last two probes).
+    3. **Validate**: a trial runs it. Where it runs out of memory, sizes needing 6%, 12%, 24%... less live memory
+       than it run, until one is accepted.
+    4. **Close**: the search's moves (:func:`next_move`) from there until the sizes between the largest accepted
+       and the smallest rejected are at most ``tolerance`` of the former.
+
+    Where the probes are not affine (:func:`~lightning_gpumem._core.plan.probe_verdict`), measured nothing (a CPU),
+    or a probe was already rejected (a budget below the plateau), the search is :func:`search_batch_size`, reusing
+    the probes' trials; ``note`` says why. The result is always a size a trial accepted.
+
+    Args:
+        run_trial: runs a trial at a batch size and reports it; called at most once per size.
+        init_val: the first probe.
+        upper: largest size that may be tried.
+        limit_bytes: peaks above this are rejected like OOMs; ``None`` (no memory to measure) searches.
+        max_trials: all trials together.
+        tolerance: the bracket's closing width, a fraction of the size kept.
+        on_move: called with each move's :class:`Proposal` before its trial runs.
+        make_plan: builds the :class:`~lightning_gpumem._core.plan.Plan` from the probes and the verdict (the
+            caller adds the terms and the memory outside PyTorch); default: ``Plan(probes, verdict)``.
+
+    Returns:
+        The size kept, every trial in order, why it stopped, and the plan (``None`` where the search ran).
+
+    Example:
+        >>> def run(bs):  # 2 GiB of optimizer temporaries up to 8 samples, then 1 GiB + 0.125 GiB per sample
+        ...     live = max(2 * 2**30, 2**30 + bs * 2**27)
+        ...     return Trial(bs, fits=live <= 24 * 2**30, peak_bytes=live, allocated_bytes=live)
+        >>> result = search_by_plan(run, upper=4096, limit_bytes=24 * 2**30)
+        >>> result.batch_size, [t.batch_size for t in result.trials]
+        (184, [2, 4, 8, 16, 32, 184])
+    """
+    if upper < 1:
+        raise ValueError(f"`upper={upper}` must be at least 1.")
+    trials: dict[int, Trial] = {}
+
+    def run(batch_size: int) -> Trial:
+        if batch_size not in trials:
+            trials[batch_size] = run_trial(batch_size)
+        return trials[batch_size]
+
+    def searched(note: str) -> SearchResult:
+        probed = dict(trials)
+        result = search_batch_size(
+            run,
+            init_val=init_val,
+            upper=upper,
+            limit_bytes=limit_bytes,
+            max_trials=max_trials,
+            on_move=on_move,
+        )  # today's search, to within its own 1%
+        ordered = [*probed.values(), *(t for t in result.trials if t.batch_size not in probed)]
+        return replace(result, trials=tuple(ordered), note=note)
+
+    if limit_bytes is None:
+        return searched("no memory to measure: searched")
+    size = max(1, min(init_val, upper))
+    points: list[ProbePoint] = []
+    while True:
+        if on_move is not None:
+            on_move(Proposal(Move.PROBE, size, "a probe of the plan: small sizes until memory is a line"))
+        trial = run(size)
+        point = probe_point(trial)
+        if not accepted(trial, limit_bytes):
+            return searched(f"the probe at {size} did not fit the budget: searched below it")
+        if point is None:
+            return searched("the probes measured no peaks: searched")
+        points.append(point)
+        if size >= upper:
+            return SearchResult(size, tuple(trials.values()), "upper_bound")
+        verdict, nxt = probe_verdict(points, limit_bytes, upper)
+        if verdict != "more" or nxt is None:
+            break
+        size = nxt
+    if len(points) < 2:
+        return searched(f"{size} already needs half the budget: no room for probes, searched")
+    plan = make_plan(points, verdict) if make_plan is not None else Plan(points, verdict)
+    if verdict == "not_affine":
+        return replace(searched("the probes are not on a line (sizes of batches vary?): searched"), plan=plan)
+
+    lo = max(p.size for p in points)
+    predicted = plan.largest_under(limit_bytes)
+    bracket = Bracket(lo=lo, hi=None, upper=upper, lo_move=Move.PROBE)
+    if predicted is not None and predicted > lo:
+        size = min(predicted, upper)
+        if on_move is not None:
+            on_move(Proposal(Move.PREDICTED, size, "the plan's largest size under the budget"))
+        ok = accepted(run(size), limit_bytes)
+        move, step = Move.PREDICTED, BACK_OFF
+        while not ok:
+            bracket.hi = size
+            if len(trials) >= max_trials:
+                break
+            need = plan.need(size) * (1 - step)
+            smaller = plan.largest_under(need, live_only=True)
+            if smaller is None or smaller <= bracket.lo:
+                break
+            size, move, step = smaller, Move.BACK_OFF, 2 * step
+            if on_move is not None:
+                on_move(Proposal(move, size, f"{bracket.hi} ran out of memory: {step / 2:.0%} less live memory"))
+            ok = accepted(run(size), limit_bytes)
+        if ok:
+            bracket.lo, bracket.lo_move = size, move
+        bracket.last_move, bracket.last_accepted, bracket.last_size = move, ok, size
+    result = _close(run, trials, bracket, limit_bytes, max_trials, tolerance, on_move)
+    return replace(result, plan=plan)
 
 
 # ---------------------------------------------------------------------- the walk down
@@ -577,20 +745,20 @@ def walk_down(
     if not 1 <= start <= best:
         raise ValueError(f"`start={start}` must be in [1, {best}], the search's result.")
     if start == best:
-        return SearchResult(best, result.trials, result.reason)
+        return result
     trials = [*result.trials]
     size, step, failed = start, math.ceil(WALK_STEP * start), start + 1
     while True:
         ran = [t.batch_size for t in trials if accepted(t, limit_bytes) and size <= t.batch_size < failed]
         if ran:  # a trial ran one of these (the first time: ``start``)
-            return SearchResult(max(ran), tuple(trials), result.reason)
+            return replace(result, batch_size=max(ran), trials=tuple(trials))
         if len(trials) >= max_trials:  # no trial left: the largest size below that a trial accepted, if any
             below = [t.batch_size for t in trials if accepted(t, limit_bytes) and t.batch_size < size]
-            return SearchResult(max(below) if below else None, tuple(trials), result.reason)
+            return replace(result, batch_size=max(below) if below else None, trials=tuple(trials))
         trial = run_trial(size)
         trials.append(trial)
         if accepted(trial, limit_bytes):
-            return SearchResult(size, tuple(trials), result.reason)
+            return replace(result, batch_size=size, trials=tuple(trials))
         if size == 1:
-            return SearchResult(None, tuple(trials), result.reason)
+            return replace(result, batch_size=None, trials=tuple(trials))
         failed, size, step = size, max(1, size - step), 2 * step

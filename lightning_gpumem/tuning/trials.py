@@ -152,17 +152,17 @@ class TrialSession:
         accumulation: int,
         steps: int,
         validate: bool,
-        before_validation: Callable[[], None] | None = None,
+        after_training: Callable[[], None] | None = None,
     ) -> None:
         """Point the loop at one trial of ``steps`` optimizer steps at ``size`` (and one validation batch).
 
-        ``before_validation`` runs between the training steps and the validation batch.
+        ``after_training`` runs once the training steps are done, before the validation batch if there is one.
         """
         trainer = self.trainer
         set_batch_size(trainer, self.batch_arg_name, size)
         trainer.accumulate_grad_batches = accumulation
         validate = validate and self.validates
-        self.callback = _TrialCallback(steps * accumulation, validate, before_validation)
+        self.callback = _TrialCallback(steps * accumulation, validate, after_training)
         saved = self._require_saved()
         trainer.loggers = [DummyLogger()] if saved.loggers else []
         trainer.callbacks = [self.callback]  # type: ignore[attr-defined]
@@ -249,10 +249,10 @@ class TrialSession:
 class _TrialCallback(Callback):
     """The only callback during a trial: counts batches, runs one validation batch, agrees across ranks."""
 
-    def __init__(self, batches: int, validate: bool, before_validation: Callable[[], None] | None = None) -> None:
+    def __init__(self, batches: int, validate: bool, after_training: Callable[[], None] | None = None) -> None:
         self.batches = batches
         self.validate = validate
-        self.before_validation = before_validation  # e.g. read the training steps' peaks, then reset them
+        self.after_training = after_training  # e.g. read the training steps' peaks, then reset them
         self.batch_sizes: list[int] = []
         self.dataset_samples: int | None = None  # samples in the trial's training dataset
         self.validated = False
@@ -274,7 +274,9 @@ class _TrialCallback(Callback):
             return
         if self.validate:
             self.validated = True
-            _run_validation(trainer, self.before_validation)
+            _run_validation(trainer, self.after_training)
+        elif self.after_training is not None:
+            self.after_training()
         raise TrialStop
 
     @override

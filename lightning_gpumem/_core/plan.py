@@ -1,0 +1,321 @@
+"""The plan of a fit's memory: lines through real probe steps, predictions with a band, budgets (pure, stdlib only).
+
+Peak memory of live tensors is affine in the batch size ``B`` once activations dominate, ``peak(B) = a + s * B``;
+below that the peak is set by what does not grow with ``B`` (the optimizer step's temporaries), a *plateau*. Probes
+therefore grow (doubling) until the last increment is at least :data:`MIN_INCREMENT` of the peak and its per-sample
+slope matches the one before within :data:`SLOPE_MATCH` (:func:`probe_verdict`). Probes that never settle before
+:data:`PROBE_CEILING` of the limit are *not affine* (shapes that change from batch to batch, data-dependent padding,
+routing): a prediction from them would be a guess, and the caller searches instead.
+
+A :class:`Plan` holds the probes, one line per stage (training, validation: the need is the larger), the allocator's
+growth (reserved over allocated, from the last two probes), the memory outside PyTorch, and the terms the intercept
+is made of. Its band at ``B`` is the two last slopes' disagreement carried from the last probe out to ``B``, plus
+:data:`BAND_FLOOR` of the peak: what the probes themselves say about how far the line can be off.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+MIN_INCREMENT = 0.10  # the last probe's increment must be at least this fraction of its peak (activations dominate)
+SLOPE_MATCH = 0.03  # ... and its per-sample slope within this fraction of the one before (the line is settled)
+PROBE_CEILING = 0.5  # probes stay cheap: no probe is planned whose need the line puts above this fraction of the limit
+MAX_PROBES = 8
+BAND_FLOOR = 0.01  # the band is at least this fraction of the predicted peak
+MAX_GROWTH = 1.5  # reserved grows at most this much faster than live tensors
+
+Verdict = Literal["settled", "more", "not_affine"]
+
+
+@dataclass(frozen=True)
+class ProbePoint:
+    """Peaks of one probe: real training steps (and a validation step) at one batch size, in bytes.
+
+    Attributes:
+        size: the batch size.
+        train_bytes: peak memory of live tensors in the training steps.
+        val_bytes: the same in the validation step (``None``: not run or not measured apart).
+        reserved_bytes: peak memory the caching allocator held (``None``: not measured).
+    """
+
+    size: int
+    train_bytes: int
+    val_bytes: int | None = None
+    reserved_bytes: int | None = None
+
+    @property
+    def need(self) -> int:
+        """Live tensors the size needs: the larger stage."""
+        return max(self.train_bytes, self.val_bytes or 0)
+
+
+@dataclass(frozen=True)
+class Line:
+    """``peak(B) = intercept + slope * B`` in bytes; ``slope`` is at least 0."""
+
+    intercept: float
+    slope: float
+
+    @classmethod
+    def through(cls, a: tuple[int, float], b: tuple[int, float]) -> Line:
+        """The line through two ``(size, bytes)`` points (flat where they fall: noise, no per-sample part)."""
+        (b1, p1), (b2, p2) = sorted((a, b))
+        slope = max(0.0, (p2 - p1) / (b2 - b1)) if b2 != b1 else 0.0
+        return cls(p2 - slope * b2, slope)
+
+    def at(self, size: float) -> float:
+        """The line's peak at ``size``."""
+        return self.intercept + self.slope * size
+
+    def largest_under(self, limit: float) -> int | None:
+        """The largest size whose peak is at most ``limit`` (``None``: a flat line under it, unbounded; 0: none)."""
+        if self.slope <= 0:
+            return None if self.intercept <= limit else 0
+        return max(0, math.floor((limit - self.intercept) / self.slope + 1e-9))
+
+
+def _slopes(values: list[tuple[int, float]]) -> tuple[float, float]:
+    (b1, p1), (b2, p2), (b3, p3) = values[-3:]
+    return (p2 - p1) / (b2 - b1), (p3 - p2) / (b3 - b2)
+
+
+def _stage_points(probes: list[ProbePoint]) -> list[list[tuple[int, float]]]:
+    ordered = sorted(probes, key=lambda p: p.size)
+    stages = [[(p.size, float(p.train_bytes)) for p in ordered]]
+    if ordered and all(p.val_bytes is not None for p in ordered):
+        stages.append([(p.size, float(p.val_bytes or 0)) for p in ordered])
+    return stages
+
+
+def settled(points: list[tuple[int, float]]) -> bool:
+    """The last increment is at least :data:`MIN_INCREMENT` of the peak, its slope the previous one's within 3%."""
+    if len(points) < 3:
+        return False
+    before, last = _slopes(points)
+    (_, p2), (_, p3) = points[-2:]
+    return p3 - p2 >= MIN_INCREMENT * p3 and last > 0 and abs(last - before) <= SLOPE_MATCH * last
+
+
+def collinear(points: list[tuple[int, float]]) -> bool:
+    """The last three points lie on one line.
+
+    The slopes agree within 3%, or so nearly that the disagreement carried out to the last size is under 0.3% of its
+    peak (a peak that barely moves).
+    """
+    if len(points) < 3:
+        return False
+    before, last = _slopes(points)
+    size, peak = points[-1]
+    diff = abs(last - before)
+    return diff <= SLOPE_MATCH * max(abs(last), abs(before)) or diff * size <= SLOPE_MATCH * MIN_INCREMENT * peak
+
+
+def probe_verdict(probes: list[ProbePoint], limit: int | None, upper: int) -> tuple[Verdict, int | None]:
+    """Whether the probes settle the line, and the next size to probe if not.
+
+    Returns ``("settled", None)`` once every stage's last increment is at least :data:`MIN_INCREMENT` of its peak and
+    matches the slope before within :data:`SLOPE_MATCH`; ``("more", size)`` with the next size (double the largest)
+    while the line through the last two probes keeps it under :data:`PROBE_CEILING` of ``limit`` and within
+    ``upper``; otherwise ``("settled", None)`` where the last three probes lie on one line (a peak that barely moves
+    is affine too) and ``("not_affine", None)`` where they do not.
+
+    >>> probes = [ProbePoint(b, 1000 + 100 * max(b, 4)) for b in (2, 4, 8)]  # a plateau up to 4
+    >>> probe_verdict(probes, 10**6, 1000)
+    ('more', 16)
+    >>> probe_verdict([*probes, ProbePoint(16, 1000 + 1600)], 10**6, 1000)
+    ('settled', None)
+    """
+    if not probes:
+        raise ValueError("`probes` is empty: expected at least one probe.")
+    stages = _stage_points(probes)
+    if len(probes) >= 3 and all(settled(points) for points in stages):
+        return "settled", None
+    largest = max(p.size for p in probes)
+    nxt = 2 * largest
+    within = nxt <= upper and len(probes) < MAX_PROBES
+    if within and limit is not None and len(probes) >= 2:
+        need = max(Line.through(*points[-2:]).at(nxt) for points in stages)
+        within = need <= PROBE_CEILING * limit
+    elif within and limit is not None:
+        within = probes[-1].need * 2 <= PROBE_CEILING * limit
+    if within:
+        return "more", nxt
+    if len(probes) >= 3 and all(collinear(points) for points in stages):
+        return "settled", None
+    return "not_affine", None
+
+
+# ---------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class Terms:
+    """What the memory at a batch size is made of, in bytes (``None``: not measured).
+
+    Attributes:
+        parameters: the module's parameters and buffers.
+        gradients: gradients of the trainable parameters.
+        optimizer_state: the optimizers' state after a step (e.g. AdamW's two moments).
+        other_fixed: the rest of the intercept: workspaces, the optimizer step's temporaries, what the line's
+            intercept holds beyond the above (can be negative where the plateau bends the line).
+        per_sample: activations and the rest that grows with the batch size, per sample.
+        outside: device memory of the process outside PyTorch's allocator (CUDA context, kernels).
+    """
+
+    parameters: int | None = None
+    gradients: int | None = None
+    optimizer_state: int | None = None
+    other_fixed: float | None = None
+    per_sample: float | None = None
+    outside: int | None = None
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The plan for one budget.
+
+    Attributes:
+        budget: the card or budget, in bytes.
+        limit: what the allocator may reserve in it: the budget less the memory outside PyTorch.
+        largest: the largest batch size whose predicted reserved peak fits ``limit`` (``None``: unbounded).
+        validated: a trial ran ``largest`` under this budget.
+        peak: predicted reserved peak at the batch size asked about, and its band (``peak - band`` to ``peak + band``).
+        band: half-width of the band, in bytes.
+        fits: the batch size asked about fits (its predicted peak plus the band is at most ``limit``).
+    """
+
+    budget: int
+    limit: int
+    largest: int | None
+    validated: bool
+    peak: float
+    band: float
+    fits: bool
+
+
+@dataclass
+class Plan:
+    """Lines through the probes and what they predict (see the module docstring).
+
+    Attributes:
+        probes: the probes the lines come from, by size.
+        verdict: ``"settled"`` (the line holds), ``"not_affine"`` (a search is needed).
+        lines: one line of live tensors per stage (training, then validation where measured).
+        growth: reserved bytes per byte of live tensors, from the last two probes, in [1, :data:`MAX_GROWTH`].
+        outside: memory outside PyTorch's allocator, in bytes (``None``: not measured).
+        terms: the parts of the memory (:class:`Terms`).
+    """
+
+    probes: list[ProbePoint]
+    verdict: Verdict
+    outside: int | None = None
+    terms: Terms = field(default_factory=Terms)
+    lines: list[Line] = field(init=False)
+    growth: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        if len(self.probes) < 2:
+            raise ValueError(f"`probes` has {len(self.probes)} probe(s): expected at least 2 to draw a line.")
+        self.probes = sorted(self.probes, key=lambda p: p.size)
+        self.lines = [Line.through(*points[-2:]) for points in _stage_points(self.probes)]
+        self.growth = 1.0
+        first, last = self.probes[-2:]
+        if first.reserved_bytes is not None and last.reserved_bytes is not None and last.need > first.need:
+            ratio = (last.reserved_bytes - first.reserved_bytes) / (last.need - first.need)
+            self.growth = min(MAX_GROWTH, max(1.0, ratio))
+
+    @property
+    def last(self) -> ProbePoint:
+        """The largest probe."""
+        return self.probes[-1]
+
+    @property
+    def per_sample(self) -> float:
+        """Bytes per sample of the stage that needs most at large sizes."""
+        return max(line.slope for line in self.lines)
+
+    def need(self, size: float) -> float:
+        """Live tensors at ``size``: the larger stage's line."""
+        return max(line.at(size) for line in self.lines)
+
+    def reserved(self, size: float) -> float:
+        """Predicted reserved peak at ``size``: the last probe's, plus the growth of the need times ``growth``."""
+        base = self.last.reserved_bytes if self.last.reserved_bytes is not None else self.last.need
+        return base + self.growth * (self.need(size) - self.last.need)
+
+    def band(self, size: float) -> float:
+        """Half-width of the band at ``size``, in bytes: the slopes' disagreement carried out, plus 1% of the peak."""
+        spread = 0.0
+        for points in _stage_points(self.probes):
+            if len(points) >= 3:
+                before, last = _slopes(points)
+                spread = max(spread, abs(last - before) * max(0.0, size - points[-1][0]))
+        return spread + BAND_FLOOR * self.reserved(size)
+
+    def largest_under(self, limit: float, *, live_only: bool = False) -> int | None:
+        """The largest size whose predicted reserved peak (or, ``live_only``, live tensors) is at most ``limit``.
+
+        ``None``: no stage grows with the batch size and it fits, so memory does not bound the size.
+        """
+        if live_only:
+            bounds = [line.largest_under(limit) for line in self.lines]
+        else:
+            base = self.last.reserved_bytes if self.last.reserved_bytes is not None else self.last.need
+            room = (limit - base) / self.growth + self.last.need  # reserved(b) <= limit  <=>  need(b) <= room
+            bounds = [line.largest_under(room) for line in self.lines]
+        known = [b for b in bounds if b is not None]
+        return min(known) if known else None
+
+    def limit_for(self, budget: int) -> int:
+        """What the allocator may reserve on a card of ``budget`` bytes: the budget less the memory outside PyTorch."""
+        return max(0, budget - (self.outside or 0))
+
+    def predict(self, size: int, budget: int, validated: int | None = None) -> Prediction:
+        """The plan for ``budget``: the largest size that fits, and whether ``size`` does (with its band)."""
+        limit = self.limit_for(budget)
+        largest = self.largest_under(limit)
+        peak, band = self.reserved(size), self.band(size)
+        return Prediction(
+            budget=budget,
+            limit=limit,
+            largest=largest,
+            validated=validated is not None and largest is not None and validated == largest,
+            peak=peak,
+            band=band,
+            fits=peak + band <= limit,
+        )
+
+
+def format_table(plan: Plan, size: int, predictions: list[Prediction], name: str = "batch_size") -> str:
+    """The plan as a Markdown table: the terms, then one row per budget (GiB)."""
+    gib = 2**30
+
+    def show(value: float | None) -> str:
+        return "-" if value is None else f"{value / gib:.2f}"
+
+    t = plan.terms
+    lines = [
+        f"Memory plan ({len(plan.probes)} probes at {', '.join(str(p.size) for p in plan.probes)};"
+        f" peak(B) = {plan.lines[0].intercept / gib:.2f} GiB + {plan.per_sample / 2**20:.1f} MiB x B;"
+        f" reserved grows {plan.growth:.2f}x live tensors)",
+        "",
+        "| term | GiB |",
+        "| --- | --- |",
+        f"| parameters | {show(t.parameters)} |",
+        f"| gradients | {show(t.gradients)} |",
+        f"| optimizer state | {show(t.optimizer_state)} |",
+        f"| other fixed (workspaces, step temporaries) | {show(t.other_fixed)} |",
+        f"| activations per sample | {show(t.per_sample)} |",
+        f"| outside PyTorch (CUDA context, kernels) | {show(t.outside)} |",
+        f"| allocator overhead at {name}={size} | {show(plan.reserved(size) - plan.need(size))} |",
+        "",
+        f"| budget GiB | allocator limit GiB | peak at {name}={size} GiB | fits | largest {name} | |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for p in predictions:
+        largest = "unbounded" if p.largest is None else str(p.largest)
+        lines.append(
+            f"| {p.budget / gib:.1f} | {p.limit / gib:.2f} | {p.peak / gib:.2f} +- {p.band / gib:.2f}"
+            f" | {'yes' if p.fits else 'no'} | {largest} | {'validated' if p.validated else 'predicted'} |"
+        )
+    return "\n".join(lines)

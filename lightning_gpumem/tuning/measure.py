@@ -1,0 +1,163 @@
+"""One trial measured: the peaks of its training steps and of its validation step, agreed across ranks.
+
+Shared by ``BatchSizeTuner`` and ``MemoryPlanner``: both run trials through a :class:`TrialSession` and need the
+same numbers from each (peak allocated per stage, peak reserved, allocator retries, the optimizer state's size).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_gpumem._core.plan import Plan, ProbePoint, Terms, Verdict
+from lightning_gpumem._hw.allocator import release_to
+from lightning_gpumem._hw.probe import Probe, make_probe
+from lightning_gpumem._pl.distributed import gather_named
+from lightning_gpumem.tuning.search import Trial
+from lightning_gpumem.tuning.trials import TrialSession
+
+LEFTOVER_BYTES = 2**20  # allocated above the start that is not worth a garbage collection (see `release_to`)
+
+
+class TrialRunner:
+    """``runner(size) -> Trial``: one trial at ``size`` from a fresh process's allocator layout, measured.
+
+    Args:
+        session: the open trial session.
+        probe: the device's probe.
+        steps: optimizer steps per trial.
+        validate: run one validation batch where the fit validates.
+        accumulation_for: ``accumulate_grad_batches`` for a size.
+        check_batches: called with the size, the samples of each training batch and the dataset's length (to refuse
+            a ``batch_arg_name`` that does not set the batch size).
+    """
+
+    def __init__(
+        self,
+        session: TrialSession,
+        probe: Probe,
+        *,
+        steps: int,
+        validate: bool,
+        accumulation_for: Callable[[int], int],
+        check_batches: Callable[[int, list[int], int | None], None] | None = None,
+    ) -> None:
+        self.session = session
+        self.probe = probe
+        self.steps = steps
+        self.validate = validate
+        self.accumulation_for = accumulation_for
+        self.check_batches = check_batches
+        self.baseline = probe.allocated_bytes()  # what each trial starts from, and the search ends at
+        self.state_bytes: int | None = None  # the optimizers' state at the end of the last trial's training steps
+
+    def __call__(self, size: int) -> Trial:
+        """Run one trial at ``size`` and measure it."""
+        session, probe = self.session, self.probe
+        trainer = session.trainer
+        train: list[int | None] = [None, None]  # peak allocated and reserved of the training steps
+
+        def after_training() -> None:  # the validation step's peaks are measured apart from the training steps'
+            train[:] = probe.read_peaks()
+            probe.reset_peaks()
+            self.state_bytes = optimizer_state_bytes(trainer)
+
+        session.prepare(size, self.accumulation_for(size), self.steps, self.validate, after_training)
+        # a fresh process's layout: no cache, no trial's tensors
+        floor = release_to(probe, self.baseline, LEFTOVER_BYTES, blind=False)
+        if floor is not None:  # what a full collection could not free is the run's (a lazily built buffer): kept
+            self.baseline = max(floor, self.baseline or 0)
+        probe.reset_peaks()
+        retries = probe.read(nvml=False, host=False).alloc_retries
+        start = time.perf_counter()
+        fits = session.run()
+        seconds = time.perf_counter() - start
+        after = probe.read(nvml=False, host=False).alloc_retries
+        if self.check_batches is not None:
+            self.check_batches(size, session.batches_seen, session.dataset_samples)
+        end = list(probe.read_peaks())
+        if session.validated:
+            train_peaks, val_peaks = train, end
+        else:
+            train_peaks, val_peaks = ([_max(a, b) for a, b in zip(train, end, strict=True)], [None, None])
+        # A reserved peak of validation alone is not measurable: the training steps' cache is still reserved then.
+        peaks = {
+            "allocated": _max(train_peaks[0], val_peaks[0]),
+            "reserved": _max(train_peaks[1], val_peaks[1]),
+            "train_allocated": train_peaks[0],
+            "val_allocated": val_peaks[0],
+            "retries": None if retries is None or after is None else after - retries,
+        }
+        # all ranks measured the same sizes: agree on the largest peaks (nothing is communicated with one process)
+        agreed = {name: _int_or_none(high) for name, (high, _) in gather_named(trainer, peaks).items()}
+        if not fits:
+            agreed = dict.fromkeys(agreed)
+        return Trial(
+            size,
+            fits=fits,
+            peak_bytes=agreed["reserved"],
+            seconds=seconds,
+            allocated_bytes=agreed["allocated"],
+            train_peak_bytes=agreed["train_allocated"],
+            val_peak_bytes=agreed["val_allocated"],
+            retries=agreed["retries"],
+        )
+
+
+def optimizer_state_bytes(trainer: pl.Trainer) -> int:
+    """Bytes of the tensors in the optimizers' state (e.g. AdamW's two moments), on any device."""
+    total = 0
+    for optimizer in trainer.optimizers:
+        for state in optimizer.state.values():
+            for value in state.values() if isinstance(state, dict) else ():
+                if isinstance(value, torch.Tensor):
+                    total += value.numel() * value.element_size()
+    return total
+
+
+def module_bytes(module: torch.nn.Module) -> tuple[int, int]:
+    """Bytes of the module's parameters and buffers, and of the gradients its trainable parameters get."""
+    parameters = sum(p.numel() * p.element_size() for p in module.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in module.buffers())
+    gradients = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    return parameters + buffers, gradients
+
+
+def _int_or_none(value: float | None) -> int | None:
+    return None if value is None else int(value)
+
+
+def _max(a: int | None, b: int | None) -> int | None:
+    return a if b is None else b if a is None else max(a, b)
+
+
+def plan_builder(
+    trainer: pl.Trainer, probe: Probe, runner: TrialRunner, owner: object
+) -> Callable[[list[ProbePoint], Verdict], Plan]:
+    """``build(points, verdict) -> Plan`` with the terms measured on ``trainer``'s module and optimizers.
+
+    Parameters and gradients come from the module, the optimizer state from the last trial's training steps, the
+    memory outside PyTorch from NVML (``None`` where NVML cannot attribute memory to this process); what is left of
+    the line's intercept is "other fixed". ``owner`` is the callback the NVML probe is made for.
+    """
+    outside_probe = make_probe(probe.device, owner, nvml=True) if probe.device.type == "cuda" else None
+
+    def build(points: list[ProbePoint], verdict: Verdict) -> Plan:
+        parameters, gradients = module_bytes(trainer.lightning_module)
+        outside = outside_probe.read(host=False).non_torch_bytes if outside_probe is not None else None
+        lines = Plan(points, verdict)
+        state = runner.state_bytes
+        terms = Terms(
+            parameters=parameters,
+            gradients=gradients,
+            optimizer_state=state,
+            other_fixed=lines.lines[0].intercept - parameters - gradients - (state or 0),
+            per_sample=lines.per_sample,
+            outside=outside,
+        )
+        return Plan(points, verdict, outside, terms)
+
+    return build
