@@ -19,6 +19,7 @@ _EXPORTS = {
     "LayerMemoryProfiler": "lightning_gpumem.layers",
     "MemoryBudget": "lightning_gpumem.budget",
     "MemoryMonitor": "lightning_gpumem.monitor.callback",
+    "MemoryPlanner": "lightning_gpumem.tuning.planner",
     "MemoryProbe": "lightning_gpumem._hw.probe",
     "MemorySample": "lightning_gpumem._core.sample",
     "OOMSnapshot": "lightning_gpumem.snapshot",
@@ -31,6 +32,7 @@ __all__ = [
     "LayerMemoryProfiler",
     "MemoryBudget",
     "MemoryMonitor",
+    "MemoryPlanner",
     "MemoryProbe",
     "MemorySample",
     "OOMSnapshot",
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
     from lightning_gpumem.release import EmptyCacheOnThreshold
     from lightning_gpumem.snapshot import OOMSnapshot
     from lightning_gpumem.tuning.callback import BatchSizeTuner
+    from lightning_gpumem.tuning.planner import MemoryPlanner
 
 
 def __getattr__(name: str) -> Any:

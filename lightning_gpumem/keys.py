@@ -38,7 +38,8 @@ class Key:
 
     Attributes:
         name: the key; ``{stage}`` stands for the stage where the key has one, ``{stat}`` for an allocator statistic.
-        unit: ``GiB``, ``MiB/step``, ``s``, ``%``, ``count``, ``raw`` (as the allocator reports it) or ``table``.
+        unit: ``GiB``, ``MiB``, ``MiB/step``, ``s``, ``%``, ``count``, ``raw`` (as the allocator reports it) or
+            ``table``.
         meaning: what the value is, in a line.
         writer: the callback that logs it.
         ranks: how it is logged under DDP/FSDP besides rank zero's value: ``"max_min"`` (``_max``/``_min`` over
@@ -124,6 +125,25 @@ TRIAL_RETRIES = _key(
     "`alloc_retries` when the trials ended: planned, not the run's (none on CPU)",
     "BatchSizeTuner",
 )
+PLAN_PEAK = _key(
+    "plan_peak_gib", "GiB", "predicted reserved peak at the run's batch size, before step 1", "MemoryPlanner"
+)
+PLAN_BAND = _key("plan_band_gib", "GiB", "half-width of the prediction's band (peak +- band)", "MemoryPlanner")
+PLAN_PER_SAMPLE = _key(
+    "plan_per_sample_mib", "MiB", "live memory per sample: the line's slope (the larger stage)", "MemoryPlanner"
+)
+PLAN_FIXED = _key(
+    "plan_fixed_gib", "GiB", "live memory that does not grow with the batch size: the line's intercept", "MemoryPlanner"
+)
+PLAN_OUTSIDE = _key(
+    "plan_outside_gib", "GiB", "memory outside PyTorch (CUDA context, kernels)", "MemoryPlanner", when="NVML"
+)
+PLAN_LARGEST = _key(
+    "plan_largest_batch_size", "count", "the largest batch size that fits the first budget", "MemoryPlanner"
+)
+MEMORY_PLAN = _key(
+    "memory_plan", "table", "one row per budget: limit, peak and band, fits, largest batch size", "MemoryPlanner"
+)
 MICROBATCHES = _key("microbatches", "count", "micro-batches a batch runs as now (1: unsplit)", "AutoMicrobatch")
 OOM_RECOVERIES = _key("oom_recoveries", "count", "out-of-memory errors recovered, cumulative", "AutoMicrobatch")
 LAYER_MEMORY = _key("layer_memory", "table", "activation memory kept for backward, per layer", "LayerMemoryProfiler")
@@ -154,6 +174,13 @@ KEYS: tuple[Key, ...] = (
     BATCH_SIZE_TRIALS,
     TRIAL_OOMS,
     TRIAL_RETRIES,
+    PLAN_PEAK,
+    PLAN_BAND,
+    PLAN_PER_SAMPLE,
+    PLAN_FIXED,
+    PLAN_OUTSIDE,
+    PLAN_LARGEST,
+    MEMORY_PLAN,
     MICROBATCHES,
     OOM_RECOVERIES,
     LAYER_MEMORY,

@@ -22,7 +22,8 @@ from typing import Literal
 MIN_INCREMENT = 0.10  # the last probe's increment must be at least this fraction of its peak (activations dominate)
 SLOPE_MATCH = 0.03  # ... and its per-sample slope within this fraction of the one before (the line is settled)
 PROBE_CEILING = 0.5  # probes stay cheap: no probe is planned whose need the line puts above this fraction of the limit
-MAX_PROBES = 8
+CLOSEST = 1.25  # a probe is at least this much larger than the one before (closer, the slope is noise)
+MAX_PROBES = 12  # doubling from 2 reaches 4096: the ceiling, not this, ends the probes of a real model
 BAND_FLOOR = 0.01  # the band is at least this fraction of the predicted peak
 MAX_GROWTH = 1.5  # reserved grows at most this much faster than live tensors
 
@@ -116,9 +117,9 @@ def probe_verdict(probes: list[ProbePoint], limit: int | None, upper: int) -> tu
     """Whether the probes settle the line, and the next size to probe if not.
 
     Returns ``("settled", None)`` once every stage's last increment is at least :data:`MIN_INCREMENT` of its peak and
-    matches the slope before within :data:`SLOPE_MATCH`; ``("more", size)`` with the next size (double the largest)
-    while the line through the last two probes keeps it under :data:`PROBE_CEILING` of ``limit`` and within
-    ``upper``; otherwise ``("settled", None)`` where the last three probes lie on one line (a peak that barely moves
+    matches the slope before within :data:`SLOPE_MATCH`; ``("more", size)`` with the next size: double the largest,
+    or less where the line through the last two probes reaches :data:`PROBE_CEILING` of ``limit`` (or ``upper``)
+    sooner, as long as it is at least :data:`CLOSEST` times the largest; otherwise ``("settled", None)`` where the last three probes lie on one line (a peak that barely moves
     is affine too) and ``("not_affine", None)`` where they do not.
 
     >>> probes = [ProbePoint(b, 1000 + 100 * max(b, 4)) for b in (2, 4, 8)]  # a plateau up to 4
@@ -133,11 +134,13 @@ def probe_verdict(probes: list[ProbePoint], limit: int | None, upper: int) -> tu
     if len(probes) >= 3 and all(settled(points) for points in stages):
         return "settled", None
     largest = max(p.size for p in probes)
-    nxt = 2 * largest
-    within = nxt <= upper and len(probes) < MAX_PROBES
-    if within and limit is not None and len(probes) >= 2:
-        need = max(Line.through(*points[-2:]).at(nxt) for points in stages)
-        within = need <= PROBE_CEILING * limit
+    nxt = min(2 * largest, upper)
+    within = nxt >= CLOSEST * largest and len(probes) < MAX_PROBES
+    if within and limit is not None and len(probes) >= 2:  # not past the ceiling: the size where the line reaches it
+        lines = [Line.through(*points[-2:]) for points in stages]
+        bounds = [b for b in (line.largest_under(PROBE_CEILING * limit) for line in lines) if b is not None]
+        nxt = min([nxt, *bounds])
+        within = nxt >= CLOSEST * largest
     elif within and limit is not None:
         within = probes[-1].need * 2 <= PROBE_CEILING * limit
     if within:
@@ -270,16 +273,16 @@ class Plan:
         """What the allocator may reserve on a card of ``budget`` bytes: the budget less the memory outside PyTorch."""
         return max(0, budget - (self.outside or 0))
 
-    def predict(self, size: int, budget: int, validated: int | None = None) -> Prediction:
+    def predict(self, size: int, budget: int) -> Prediction:
         """The plan for ``budget``: the largest size that fits, and whether ``size`` does (with its band)."""
         limit = self.limit_for(budget)
-        largest = self.largest_under(limit)
+        largest = self.largest_under(limit) if self.verdict == "settled" else None
         peak, band = self.reserved(size), self.band(size)
         return Prediction(
             budget=budget,
             limit=limit,
             largest=largest,
-            validated=validated is not None and largest is not None and validated == largest,
+            validated=False,
             peak=peak,
             band=band,
             fits=peak + band <= limit,

@@ -1,4 +1,7 @@
-"""Batch-size tuning: a pure search (``search.py``) driven by real trials run through Lightning (``callback.py``).
+"""Batch-size tuning and memory planning, driven by real trials run through Lightning.
+
+A pure search and plan (``search.py``, ``_core/plan.py``); ``callback.py`` (BatchSizeTuner) and ``planner.py``
+(MemoryPlanner) run the trials.
 
 The names are imported on first use (PEP 562), so ``lightning_gpumem.tuning.search`` loads neither torch nor
 Lightning.
@@ -11,15 +14,18 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lightning_gpumem.tuning.callback import BatchSizeTuner
-    from lightning_gpumem.tuning.search import SearchResult, Trial, search_batch_size
+    from lightning_gpumem.tuning.planner import MemoryPlanner
+    from lightning_gpumem.tuning.search import SearchResult, Trial, search_batch_size, search_by_plan
 
 _EXPORTS = {
     "BatchSizeTuner": "lightning_gpumem.tuning.callback",
+    "MemoryPlanner": "lightning_gpumem.tuning.planner",
+    "search_by_plan": "lightning_gpumem.tuning.search",
     "SearchResult": "lightning_gpumem.tuning.search",
     "Trial": "lightning_gpumem.tuning.search",
     "search_batch_size": "lightning_gpumem.tuning.search",
 }
-__all__ = ["BatchSizeTuner", "SearchResult", "Trial", "search_batch_size"]
+__all__ = ["BatchSizeTuner", "MemoryPlanner", "SearchResult", "Trial", "search_batch_size", "search_by_plan"]
 
 
 def __getattr__(name: str) -> Any:

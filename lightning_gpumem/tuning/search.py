@@ -593,12 +593,15 @@ def search_by_plan(
        reserved growing as it grew between the last two probes).
     3. **Validate**: a trial runs it. Where it runs out of memory, sizes needing 6%, 12%, 24%... less live memory
        than it run, until one is accepted.
-    4. **Close**: the search's moves (:func:`next_move`) from there until the sizes between the largest accepted
-       and the smallest rejected are at most ``tolerance`` of the former.
+    4. **Close**: until the sizes between the largest accepted and the smallest rejected (or, where none was
+       rejected, the size where live tensors alone fill the limit) are at most ``tolerance`` of the former: while
+       nothing ran out of memory, the size the line gives from the largest accepted size's own reserved peak
+       (``near_cap``); after an OOM, bisection.
 
-    Where the probes are not affine (:func:`~lightning_gpumem._core.plan.probe_verdict`), measured nothing (a CPU),
-    or a probe was already rejected (a budget below the plateau), the search is :func:`search_batch_size`, reusing
-    the probes' trials; ``note`` says why. The result is always a size a trial accepted.
+    Where the probes are not affine (:func:`~lightning_gpumem._core.plan.probe_verdict`), the search's moves
+    (:func:`next_move`) go on from the largest probe, to within 1%; where they measured nothing (a CPU), or a probe
+    was already rejected (a budget below the plateau), the search is :func:`search_batch_size`, reusing the
+    probes' trials. ``note`` says why. The result is always a size a trial accepted.
 
     Args:
         run_trial: runs a trial at a batch size and reports it; called at most once per size.
@@ -667,35 +670,84 @@ def search_by_plan(
     if len(points) < 2:
         return searched(f"{size} already needs half the budget: no room for probes, searched")
     plan = make_plan(points, verdict) if make_plan is not None else Plan(points, verdict)
-    if verdict == "not_affine":
-        return replace(searched("the probes are not on a line (sizes of batches vary?): searched"), plan=plan)
-
     lo = max(p.size for p in points)
-    predicted = plan.largest_under(limit_bytes)
-    bracket = Bracket(lo=lo, hi=None, upper=upper, lo_move=Move.PROBE)
-    if predicted is not None and predicted > lo:
-        size = min(predicted, upper)
+    if verdict == "not_affine":  # the search's moves from the largest probe, to within the search's 1%
+        bracket = Bracket(lo=lo, hi=None, upper=upper, lo_move=Move.PROBE)
+        result = _close(run, trials, bracket, limit_bytes, max_trials, 0.01, on_move)
+        return replace(result, plan=plan, note="the probes are not on a line (sizes of batches vary?): searched")
+    return replace(
+        _validate_and_close(run, trials, plan, lo, upper, limit_bytes, max_trials, tolerance, on_move), plan=plan
+    )
+
+
+def _validate_and_close(
+    run: Callable[[int], Trial],
+    trials: dict[int, Trial],
+    plan: Plan,
+    lo: int,
+    upper: int,
+    limit: int,
+    max_trials: int,
+    tolerance: float,
+    on_move: Callable[[Proposal], None] | None,
+) -> SearchResult:
+    """Validate the plan's prediction above the probes (backing off on OOM), then close in (see search_by_plan)."""
+
+    def trial(move: Move, size: int, reason: str) -> bool:
         if on_move is not None:
-            on_move(Proposal(Move.PREDICTED, size, "the plan's largest size under the budget"))
-        ok = accepted(run(size), limit_bytes)
-        move, step = Move.PREDICTED, BACK_OFF
-        while not ok:
-            bracket.hi = size
-            if len(trials) >= max_trials:
+            on_move(Proposal(move, size, reason))
+        return accepted(run(size), limit)
+
+    def result(reason: StopReason) -> SearchResult:
+        return SearchResult(lo, tuple(trials.values()), reason)
+
+    line_top = plan.largest_under(limit, live_only=True)  # live tensors alone fill the limit there
+    top = upper if line_top is None else min(upper, max(line_top, lo))
+    hi: int | None = None
+    predicted = plan.largest_under(limit)
+    if predicted is None or predicted > lo:
+        size = upper if predicted is None else min(predicted, upper)
+        need, step, move = plan.need(size), BACK_OFF, Move.PREDICTED
+        reason = "the plan's largest size under the budget"
+        while True:
+            if trial(move, size, reason):
+                lo = size
                 break
-            need = plan.need(size) * (1 - step)
-            smaller = plan.largest_under(need, live_only=True)
-            if smaller is None or smaller <= bracket.lo:
+            hi = size
+            smaller = plan.largest_under(need * (1 - step), live_only=True)  # 6%, 12%, 24%... below the prediction
+            if smaller is None or smaller <= lo or len(trials) >= max_trials:
                 break
-            size, move, step = smaller, Move.BACK_OFF, 2 * step
-            if on_move is not None:
-                on_move(Proposal(move, size, f"{bracket.hi} ran out of memory: {step / 2:.0%} less live memory"))
-            ok = accepted(run(size), limit_bytes)
-        if ok:
-            bracket.lo, bracket.lo_move = size, move
-        bracket.last_move, bracket.last_accepted, bracket.last_size = move, ok, size
-    result = _close(run, trials, bracket, limit_bytes, max_trials, tolerance, on_move)
-    return replace(result, plan=plan)
+            reason = f"{size} ran out of memory: {step:.0%} less live memory than the prediction"
+            size, step, move = smaller, 2 * step, Move.BACK_OFF
+    while True:
+        bound = min(top + 1, hi) if hi is not None else top + 1  # sizes from ``bound`` on are not expected to fit
+        if lo >= upper:
+            return result("upper_bound")
+        if bound - lo - 1 <= tolerance * lo:
+            return result("bracketed" if hi is not None else "predicted")
+        if len(trials) >= max_trials:
+            return result("max_trials")
+        kept = trials[lo]
+        # from lo's own reserved peak: what the sizes above need more, grown as reserved grew between the probes (only
+        # before any size ran out of memory: after one, the allocator did what the probes did not show: bisect)
+        guess = None
+        if kept.peak_bytes is not None and hi is None:
+            room = (limit - kept.peak_bytes) / plan.growth + plan.need(lo)
+            guess = plan.largest_under(room, live_only=True)
+        if guess is not None and lo < guess < bound:
+            size, move, reason = (
+                guess,
+                Move.NEAR_CAP,
+                f"from {lo}'s reserved peak, the line reaches the limit at {guess}",
+            )
+        else:
+            size, move, reason = (lo + bound) // 2, Move.BISECT, f"between {lo}, which ran, and {bound}"
+        if size <= lo:
+            return result("bracketed")
+        if trial(move, size, reason):
+            lo = size
+        else:
+            hi = size
 
 
 # ---------------------------------------------------------------------- the walk down

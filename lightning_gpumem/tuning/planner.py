@@ -1,0 +1,323 @@
+"""MemoryPlanner: "will it fit?" answered before step 1, from a few real training steps at small batch sizes.
+
+Why real steps and not a trace: what decides a fit is the allocator (its blocks, its fragmentation), the optimizer
+step's temporaries and the kernels' workspaces, which only a real step shows; small batch sizes cost milliseconds.
+The probes run through the tuner's trial machinery (``TrialSession``: train mode, forward, backward, optimizer step,
+the validation step apart, nothing left behind) and the plan is the pure :class:`~lightning_gpumem._core.plan.Plan`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_gpumem import keys
+from lightning_gpumem._core.checks import require_flags, require_int, require_trainer
+from lightning_gpumem._core.plan import Plan, Prediction, ProbePoint, format_table, probe_verdict
+from lightning_gpumem._core.units import GIB, check_budget, format_gib, parse_budget
+from lightning_gpumem._hw.allocator import release_to
+from lightning_gpumem._hw.oom import expecting_oom
+from lightning_gpumem._hw.probe import make_probe
+from lightning_gpumem._pl.compat import Callback
+from lightning_gpumem._pl.logging import log_table, log_to_loggers
+from lightning_gpumem._pl.peers import budget_bytes
+from lightning_gpumem.tuning import loaders
+from lightning_gpumem.tuning import trials as _session
+from lightning_gpumem.tuning.measure import LEFTOVER_BYTES, TrialRunner, plan_builder
+from lightning_gpumem.tuning.search import BACK_OFF, accepted, probe_point
+from lightning_gpumem.tuning.trials import TrialSession
+
+CARDS_GIB = (16, 24, 40, 48, 80)
+"""Common card sizes the plan answers for by default, besides the device (those up to the device's size)."""
+VALIDATION_TRIES = 3  # a prediction that does not run backs off at most this often under one budget
+
+
+@keys.document
+class MemoryPlanner(Callback):
+    r"""Plan the fit's memory before step 1: the peak at the run's batch size, with a band; the largest size per card.
+
+    At fit start it runs *probes*: ``steps_per_trial`` real optimizer steps and one validation batch at small batch
+    sizes (``init_val``, doubling) until peak memory of live tensors is a line in the batch size (the last increment
+    at least 10% of the peak and its per-sample slope within 3% of the one before; at most half the device's memory).
+    From them it predicts, for the run's batch size, the reserved peak with a band, and for each budget the largest
+    batch size that fits (the budget less the memory outside PyTorch, which NVML measures). With ``validate=True``
+    the largest size of each budget runs in a trial under that budget (the allocator capped with
+    ``torch.cuda.set_per_process_memory_fraction``) and is marked *validated*; one that runs out of memory backs off
+    (6%, 12%, 24% less live memory) until one runs. Trials leave nothing behind: the fit then runs as without the
+    planner (``tests/tuning/test_conformance.py``'s guarantee, which the planner shares with ``BatchSizeTuner``).
+
+    The plan is printed on rank zero, sent to every logger as a table (TensorBoard text, a W&B table, an MLflow
+    artifact, else ``gpumem_memory_plan.csv``), logged as the scalars below and kept in :attr:`plan` and
+    :attr:`predictions`. Where the run's batch size does not fit a budget, it says by how much and what would make it
+    fit. With ``stop=True`` the fit ends after planning, before the sanity check and step 1: a dry run, to ask on any
+    card whether a run fits a smaller one.
+
+    Where the probes are not on a line (batches whose shapes vary, data-dependent padding, routing), the plan says
+    so and predicts nothing; on a device without an allocator to measure (CPU) the planner warns and does nothing.
+
+    **Logged metrics** (from :mod:`lightning_gpumem.keys`):
+
+    {logged_metrics}
+
+    Args:
+        budgets: the cards or budgets to answer for: sizes in bytes (``int``), strings such as ``"24GiB"``, or
+            fractions of the device in (0, 1]; ``None`` for the device (or a
+            :class:`~lightning_gpumem.MemoryBudget`'s budget) and the common card sizes up to it (16, 24, 40, 48,
+            80 GiB).
+        validate: run each budget's largest size in a trial under that budget.
+        stop: end the fit after planning (a dry run).
+        init_val: the first probe's batch size.
+        steps_per_trial: optimizer steps per probe (the first step also creates the optimizer state).
+        include_validation: also run one validation batch per probe where the fit validates.
+        batch_arg_name: attribute holding the batch size, looked up like Lightning's ``BatchSizeFinder`` does.
+
+    Raises:
+        ValueError: on an invalid argument, or (at fit start) dataloaders passed to ``trainer.fit``.
+        AttributeError: (at fit start) if nothing holds an attribute named ``batch_arg_name``.
+
+    Example::
+
+        from lightning import Trainer
+        from lightning_gpumem import MemoryPlanner
+
+        # On any card: would this run fit a 24 GiB one, and at which batch size? End after planning.
+        trainer = Trainer(callbacks=[MemoryPlanner(budgets=["24GiB"], stop=True)])
+        trainer.fit(model)
+    """
+
+    def __init__(
+        self,
+        budgets: Sequence[int | float | str] | None = None,
+        validate: bool = True,
+        stop: bool = False,
+        init_val: int = 2,
+        steps_per_trial: int = 3,
+        include_validation: bool = True,
+        batch_arg_name: str = "batch_size",
+    ) -> None:
+        if budgets is not None:
+            if isinstance(budgets, (str, bytes)) or not isinstance(budgets, Sequence) or not budgets:
+                raise ValueError(
+                    f"`MemoryPlanner(budgets={budgets!r})` is not valid. Expected None or a non-empty list of budgets"
+                    ' (bytes, a fraction of the device, or a string such as "24GiB").'
+                )
+            for budget in budgets:
+                check_budget(budget, "MemoryPlanner")  # type and format now; the size against the device at fit
+        require_flags("MemoryPlanner", validate=validate, stop=stop, include_validation=include_validation)
+        require_int("MemoryPlanner", "init_val", init_val, 1)
+        require_int("MemoryPlanner", "steps_per_trial", steps_per_trial, 1)
+        if not isinstance(batch_arg_name, str) or not batch_arg_name:
+            raise ValueError(f"`MemoryPlanner(batch_arg_name={batch_arg_name!r})` is not valid. Expected a name.")
+        self.budgets = list(budgets) if budgets is not None else None
+        self.validate = validate
+        self.stop = stop
+        self.init_val = init_val
+        self.steps_per_trial = steps_per_trial
+        self.include_validation = include_validation
+        self.batch_arg_name = batch_arg_name
+
+        self.plan: Plan | None = None
+        """The last plan (``None`` before one, or where nothing could be measured)."""
+        self.predictions: list[Prediction] = []
+        """One :class:`~lightning_gpumem._core.plan.Prediction` per budget, for the run's batch size."""
+        self.seconds: float | None = None
+        """Wall time of the last planning, probes and validation trials included."""
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        require_trainer("MemoryPlanner", trainer)
+        if not _session.has_batch_arg(trainer, self.batch_arg_name):
+            raise AttributeError(
+                f"`MemoryPlanner(batch_arg_name={self.batch_arg_name!r})`: neither the LightningModule, its hparams,"
+                f" the datamodule nor its hparams has an attribute `{self.batch_arg_name}`. Add it (and use it in your"
+                " dataloaders), or pass the name your code uses."
+            )
+        if not loaders.train_source_is_module(trainer):
+            raise ValueError(
+                "MemoryPlanner cannot change the batch size of dataloaders passed straight to `trainer.fit(...)`:"
+                " they are built already. Build them in `train_dataloader()` / `val_dataloader()` from"
+                f" `{self.batch_arg_name}`, or remove the planner."
+            )
+        if trainer.fast_dev_run or trainer.limit_train_batches == 0:  # type: ignore[attr-defined]
+            rank_zero_warn("MemoryPlanner: skipped: the fit runs no training step to plan (fast_dev_run, limit 0).")
+            return
+        probe = make_probe(trainer.strategy.root_device, self)
+        total = probe.total_bytes()
+        if not probe.has_allocator or total is None:
+            rank_zero_warn(
+                f"MemoryPlanner: `{probe.device}` has no memory allocator to measure, so there is nothing to plan;"
+                " run it on the GPU the plan is for (or a larger one)."
+            )
+            return
+        start = time.perf_counter()
+        size = _session.get_batch_size(trainer, self.batch_arg_name)
+        budgets = self._budgets(trainer, probe.usable_bytes() or total, total)
+        length = loaders.train_dataset_length(trainer)
+        upper = max(1, length) if length is not None else 2**20
+        baseline = probe.allocated_bytes()
+        try:
+            with TrialSession(trainer, self.batch_arg_name, owner=self) as session, expecting_oom():
+                runner = TrialRunner(
+                    session,
+                    probe,
+                    steps=self.steps_per_trial,
+                    validate=self.include_validation,
+                    accumulation_for=lambda _: trainer.accumulate_grad_batches,
+                )
+                plan = self._probe(runner, trainer, probe, total, upper)
+                validated = self._validate(runner, probe, plan, budgets, total, upper) if plan is not None else {}
+        finally:
+            release_to(probe, baseline, LEFTOVER_BYTES)
+        self.seconds = time.perf_counter() - start
+        self.plan = plan
+        if plan is None:
+            return
+        self.predictions = []
+        for budget in budgets:  # the size a trial ran replaces the prediction (a back-off may have found it)
+            prediction = plan.predict(size, budget)
+            if budget in validated:
+                prediction = replace(prediction, largest=validated[budget], validated=True)
+            self.predictions.append(prediction)
+        self._report(trainer, plan, size)
+        if self.stop:
+            trainer.num_sanity_val_steps = 0
+            trainer.should_stop = True
+            rank_zero_info("MemoryPlanner: `stop=True`: the fit ends after planning (a dry run).")
+
+    # ------------------------------------------------------------------ helpers
+    def _budgets(self, trainer: pl.Trainer, usable: int, total: int) -> list[int]:
+        if self.budgets is None:
+            own = budget_bytes(trainer) or total
+            cards = [gib * GIB for gib in CARDS_GIB if gib * GIB < own]
+            return sorted({own, *cards}, reverse=True)
+        parsed = [parse_budget(b, total, "MemoryPlanner") for b in self.budgets]
+        return sorted(dict.fromkeys(int(b) for b in parsed), reverse=True)
+
+    def _probe(self, runner: TrialRunner, trainer: pl.Trainer, probe: Any, total: int, upper: int) -> Plan | None:
+        """Probe from ``init_val``, doubling, until the line settles; the plan, or ``None`` with a warning."""
+        size = max(1, min(self.init_val, upper))
+        points: list[ProbePoint] = []
+        limit = probe.usable_bytes() or total
+        while True:
+            trial = runner(size)
+            point = probe_point(trial)
+            if not trial.fits or point is None:
+                rank_zero_warn(
+                    f"MemoryPlanner: the probe at {self.batch_arg_name}={size} "
+                    + ("ran out of memory" if not trial.fits else "measured no peak")
+                    + "; no plan. Lower `init_val`."
+                )
+                return None
+            points.append(point)
+            verdict, nxt = probe_verdict(points, limit, upper)
+            if verdict != "more" or nxt is None:
+                break
+            size = nxt
+        if len(points) < 2:
+            rank_zero_warn(
+                f"MemoryPlanner: one probe ({self.batch_arg_name}={size}) left no room for another; no plan."
+            )
+            return None
+        plan = plan_builder(trainer, probe, runner, self)(points, verdict)
+        if verdict == "not_affine":
+            rank_zero_warn(
+                "MemoryPlanner: the probes' peaks are not on a line in the batch size (batches of varying shapes?"
+                " data-dependent padding?), so the plan cannot predict larger sizes. Use `BatchSizeTuner`, which"
+                " searches where it cannot predict."
+            )
+        return plan
+
+    def _validate(
+        self, runner: TrialRunner, probe: Any, plan: Plan, budgets: list[int], total: int, upper: int
+    ) -> dict[int, int]:
+        """Run each budget's largest size under that budget; the size that ran per budget."""
+        if not self.validate or plan.verdict != "settled":
+            return {}
+        ran: dict[int, int] = {}
+        for budget in budgets:
+            limit = plan.limit_for(budget)
+            size = plan.largest_under(limit)
+            if size is None or size < 1:
+                continue
+            size = min(size, upper)
+            previous = probe.set_memory_fraction(min(1.0, limit / total))
+            try:
+                step = BACK_OFF
+                for _ in range(VALIDATION_TRIES):
+                    if accepted(runner(size), limit):
+                        ran[budget] = size
+                        break
+                    smaller = plan.largest_under(plan.need(size) * (1 - step), live_only=True)
+                    if smaller is None or smaller < 1 or smaller >= size:
+                        break
+                    size, step = smaller, 2 * step
+            finally:
+                probe.set_memory_fraction(previous)
+        return ran
+
+    def _report(self, trainer: pl.Trainer, plan: Plan, size: int) -> None:
+        name = self.batch_arg_name
+        table = format_table(plan, size, self.predictions, name)
+        lines = [table]
+        for p in self.predictions:
+            if p.fits:
+                continue
+            lines.append(
+                f"Does not fit {format_gib(p.budget)}: {name}={size} needs {format_gib(int(p.peak + p.band))}"
+                f" reserved, the allocator has {format_gib(p.limit)}. {self._advice(trainer, plan, p)}"
+            )
+        seconds = f" ({self.seconds:.1f} s)" if self.seconds is not None else ""
+        rank_zero_info(f"MemoryPlanner{seconds}:\n" + "\n".join(lines))
+        if not trainer.is_global_zero:
+            return
+        device = self.predictions[0]
+        scalars = {
+            keys.PLAN_PEAK.format(): device.peak / GIB,
+            keys.PLAN_BAND.format(): device.band / GIB,
+            keys.PLAN_PER_SAMPLE.format(): plan.per_sample / 2**20,
+            keys.PLAN_FIXED.format(): plan.lines[0].intercept / GIB,
+        }
+        if plan.outside is not None:
+            scalars[keys.PLAN_OUTSIDE.format()] = plan.outside / GIB
+        if device.largest is not None:
+            scalars[keys.PLAN_LARGEST.format()] = float(device.largest)
+        log_to_loggers(trainer, scalars, step=trainer.global_step)
+        columns = ["budget GiB", "limit GiB", "peak GiB", "band GiB", "fits", f"largest {name}", "validated"]
+        rows = [
+            [
+                f"{p.budget / GIB:.1f}",
+                f"{p.limit / GIB:.2f}",
+                f"{p.peak / GIB:.2f}",
+                f"{p.band / GIB:.2f}",
+                "yes" if p.fits else "no",
+                "unbounded" if p.largest is None else p.largest,
+                "yes" if p.validated else "no",
+            ]
+            for p in self.predictions
+        ]
+        log_table(trainer, keys.MEMORY_PLAN.format(), columns, rows, trainer.global_step, table, "MemoryPlanner")
+
+    def _advice(self, trainer: pl.Trainer, plan: Plan, prediction: Prediction) -> str:
+        tips = []
+        if prediction.largest is not None and prediction.largest >= 1:
+            tips.append(f"{self.batch_arg_name}={prediction.largest} fits")
+        else:
+            tips.append("even the smallest batch does not fit: the fixed memory alone is over it")
+        precision = str(getattr(trainer, "precision", ""))
+        if precision.startswith("32") or precision.startswith("64"):
+            tips.append("precision='bf16-mixed' roughly halves the activations")
+        tips.append("activation checkpointing trades compute for activation memory")
+        if plan.growth > 1.05 and "expandable_segments:True" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+            tips.append(
+                f"reserved memory grew {plan.growth:.2f}x as fast as live tensors: PYTORCH_CUDA_ALLOC_CONF="
+                "expandable_segments:True (set before CUDA starts: in the shell, or before the first CUDA call)"
+                " may lower it"
+            )
+        return "To make it fit: " + "; ".join(tips) + "."
