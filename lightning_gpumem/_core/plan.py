@@ -238,8 +238,13 @@ class Plan:
         return max(line.slope for line in self.lines)
 
     def need(self, size: float) -> float:
-        """Live tensors at ``size``: the larger stage's line."""
-        return max(line.at(size) for line in self.lines)
+        """Live tensors at ``size``: the larger stage's line, and at least what a probe at or below it measured.
+
+        Live memory never falls as the batch grows, so below the line's settled part (the plateau of the optimizer
+        step's temporaries) a probe's measurement holds; under the smallest probe, the smallest probe's.
+        """
+        measured = [p.need for p in self.probes if p.size <= size] or [self.probes[0].need]
+        return max(max(line.at(size) for line in self.lines), max(measured))
 
     def reserved(self, size: float) -> float:
         """Predicted reserved peak at ``size``: the last probe's, plus the growth of the need times ``growth``."""
@@ -261,13 +266,17 @@ class Plan:
         ``None``: no stage grows with the batch size and it fits, so memory does not bound the size.
         """
         if live_only:
-            bounds = [line.largest_under(limit) for line in self.lines]
+            room = float(limit)
         else:
             base = self.last.reserved_bytes if self.last.reserved_bytes is not None else self.last.need
             room = (limit - base) / self.growth + self.last.need  # reserved(b) <= limit  <=>  need(b) <= room
-            bounds = [line.largest_under(room) for line in self.lines]
+        bounds = [line.largest_under(room) for line in self.lines]
         known = [b for b in bounds if b is not None]
-        return min(known) if known else None
+        largest = min(known) if known else None
+        below = [p.size for p in self.probes if p.need > room]  # a probe measured more: no size from it on fits
+        if below:
+            largest = min(largest if largest is not None else below[0], below[0] - 1)
+        return largest
 
     def limit_for(self, budget: int) -> int:
         """What the allocator may reserve on a card of ``budget`` bytes: the budget less the memory outside PyTorch."""

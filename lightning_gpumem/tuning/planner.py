@@ -109,7 +109,9 @@ class MemoryPlanner(Callback):
                     ' (bytes, a fraction of the device, or a string such as "24GiB").'
                 )
             for budget in budgets:
-                check_budget(budget, "MemoryPlanner")  # type and format now; the size against the device at fit
+                check_budget(
+                    budget, "MemoryPlanner", "budgets"
+                )  # type and format now; the size against the device at fit
         require_flags("MemoryPlanner", validate=validate, stop=stop, include_validation=include_validation)
         require_int("MemoryPlanner", "init_val", init_val, 1)
         require_int("MemoryPlanner", "steps_per_trial", steps_per_trial, 1)
@@ -197,7 +199,7 @@ class MemoryPlanner(Callback):
             own = budget_bytes(trainer) or total
             cards = [gib * GIB for gib in CARDS_GIB if gib * GIB < own]
             return sorted({own, *cards}, reverse=True)
-        parsed = [parse_budget(b, total, "MemoryPlanner") for b in self.budgets]
+        parsed = [parse_budget(b, total, "MemoryPlanner", "budgets") for b in self.budgets]
         return sorted(dict.fromkeys(int(b) for b in parsed), reverse=True)
 
     def _probe(self, runner: TrialRunner, trainer: pl.Trainer, probe: Any, total: int, upper: int) -> Plan | None:

@@ -24,6 +24,7 @@ from lightning_gpumem import (
     LayerMemoryProfiler,
     MemoryBudget,
     MemoryMonitor,
+    MemoryPlanner,
     MemoryProbe,
     MemorySample,
     OOMSnapshot,
@@ -61,6 +62,14 @@ _add(BatchSizeTuner, "steps_per_trial", [0, *COUNTS])
 _add(BatchSizeTuner, "batch_arg_name", ["", 5, None, True])
 for flag in ("include_validation", "keep_effective_batch", "retune_on_resume"):
     _add(BatchSizeTuner, flag, FLAGS)
+_add(BatchSizeTuner, "method", ["bisect", "", None, 1, True])
+
+_add(MemoryPlanner, "budgets", [[b] for b in BUDGETS if b is not None] + ["24GiB", [], 24, None.__class__])
+_add(MemoryPlanner, "init_val", [0, *COUNTS])
+_add(MemoryPlanner, "steps_per_trial", [0, *COUNTS])
+_add(MemoryPlanner, "batch_arg_name", ["", 5, None, True])
+for flag in ("validate", "stop", "include_validation"):
+    _add(MemoryPlanner, flag, FLAGS)
 
 _add(MemoryBudget, "budget", [*BUDGETS, None])
 

@@ -1,0 +1,155 @@
+"""MemoryPlanner under a real CPU Trainer with a fake CUDA allocator: the plan, its budgets, stop, and no trace."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from lightning.pytorch import seed_everything
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_gpumem import MemoryPlanner
+from lightning_gpumem._core.units import GIB, MIB
+from tests.helpers.fakes import column, read_csv_metrics
+from tests.helpers.tuning import CappedFakeProbe, MemoryModel, OOMModel, tuner_trainer
+
+pytestmark = [pytest.mark.filterwarnings("ignore:`weights_only` was not set")]
+OUTSIDE = 300 * MIB  # the fake's NVML process memory above its reserved bytes
+
+
+class FakePlanner(MemoryPlanner):
+    def __init__(self, probe, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.fake = probe
+
+
+class PlateauModel(MemoryModel):
+    """The optimizer step's temporaries (`plateau` bytes) dominate small batches, activations large ones."""
+
+    def __init__(self, probe, per_sample, plateau=0, **kwargs) -> None:
+        super().__init__(probe, per_sample, **kwargs)
+        self.plateau, self.steps = plateau, 0
+
+    def training_step(self, batch, batch_idx):
+        self.steps += 1
+        if self.plateau and self.fake.allocated + self.plateau > self.fake.cap:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake allocator)")
+        self.fake.spike(self.plateau)
+        return super().training_step(batch, batch_idx)
+
+
+def _largest(probe, budget, per_sample):
+    """The largest size whose fake peak fits `budget` less the memory outside PyTorch."""
+    return (budget - OUTSIDE - probe.allocated) // per_sample
+
+
+def test_the_plan_predicts_the_peak_and_the_largest_size_before_step_one_and_validates_it(tmp_path):
+    probe = CappedFakeProbe(base=GIB, total=24 * GIB)
+    model = PlateauModel(probe, per_sample=100 * MIB, plateau=2 * GIB, batch_size=4, n=4096)
+    planner = FakePlanner(probe)
+    trainer = tuner_trainer(planner, max_steps=2, logger=CSVLogger(tmp_path), log_every_n_steps=1)
+    trainer.fit(model)
+    plan = planner.plan
+    assert plan is not None
+    assert plan.verdict == "settled"
+    assert plan.per_sample == 100 * MIB
+    assert plan.outside == OUTSIDE
+    device = planner.predictions[0]
+    assert device.budget == 24 * GIB
+    assert device.largest == _largest(probe, 24 * GIB, 100 * MIB)
+    assert device.validated  # a trial ran it under the device's cap
+    assert device.fits
+    assert device.peak == pytest.approx(GIB + 2 * GIB)
+    assert [p.budget for p in planner.predictions] == [24 * GIB, 16 * GIB]  # the device and the cards below it
+    assert planner.predictions[1].largest == _largest(probe, 16 * GIB, 100 * MIB)
+    assert min(probe.fractions) < 1.0  # validation trials ran under the budgets' caps...
+    assert probe.cap == probe.total  # ...and the cap is put back
+    assert model.batch_size == 4
+    assert trainer.global_step == 2
+    rows = read_csv_metrics(tmp_path)
+    assert column(rows, "gpumem/plan_largest_batch_size") == {0: float(device.largest)}
+    assert column(rows, "gpumem/plan_per_sample_mib") == {0: 100.0}
+    assert set(column(rows, "gpumem/plan_outside_gib").values()) == {OUTSIDE / GIB}
+    assert list(tmp_path.rglob("gpumem_memory_plan.csv"))  # the table, for a logger that takes no tables
+
+
+def test_stop_ends_the_fit_after_planning_before_the_sanity_check_and_step_one():
+    probe = CappedFakeProbe(base=GIB, total=24 * GIB)
+    model = PlateauModel(probe, per_sample=100 * MIB, n=4096)
+    planner = FakePlanner(probe, stop=True)
+    trainer = tuner_trainer(planner, max_epochs=3)
+    trainer.fit(model)
+    assert planner.plan is not None
+    assert trainer.global_step == 0
+    assert trainer.current_epoch == 0
+
+
+def test_a_size_that_does_not_fit_says_by_how_much_and_what_would_make_it_fit(caplog):
+    probe = CappedFakeProbe(base=GIB, total=24 * GIB)
+    model = PlateauModel(probe, per_sample=100 * MIB, batch_size=200, n=4096)
+    planner = FakePlanner(probe, budgets=["24GiB", "12GiB"], validate=False, stop=True)
+    with caplog.at_level("INFO"):
+        tuner_trainer(planner).fit(model)
+    twelve = planner.predictions[1]
+    assert not twelve.fits
+    assert planner.predictions[0].fits
+    assert not twelve.validated
+    text = caplog.text
+    assert "Does not fit 12.0 GiB: batch_size=200 needs" in text
+    assert f"batch_size={twelve.largest} fits" in text
+    assert "precision='bf16-mixed'" in text  # the fit runs in 32-bit
+    assert "| 12.0 | 11.71 |" in text  # the table: the budget less the memory outside PyTorch
+
+
+def test_probes_off_a_line_say_so_and_predict_no_size(recwarn):
+    probe = CappedFakeProbe(base=GIB, total=24 * GIB)
+
+    class Padded(PlateauModel):  # memory per sample that changes with the size: padding that depends on the data
+        def training_step(self, batch, batch_idx):
+            self.per_sample = 100 * MIB * (1 + 0.5 * (batch.shape[0].bit_length() % 2))
+            return super().training_step(batch, batch_idx)
+
+    planner = FakePlanner(probe, stop=True)
+    tuner_trainer(planner).fit(Padded(probe, per_sample=100 * MIB, n=4096))
+    assert planner.plan is not None
+    assert planner.plan.verdict == "not_affine"
+    assert all(p.largest is None and not p.validated for p in planner.predictions)
+    assert any("not on a line" in str(w.message) for w in recwarn)
+
+
+def test_on_a_cpu_the_planner_warns_and_the_fit_runs():
+    model = OOMModel()
+    trainer = tuner_trainer(MemoryPlanner(), max_steps=2)
+    with pytest.warns(UserWarning, match="no memory allocator to measure"):
+        trainer.fit(model)
+    assert trainer.global_step == 2
+
+
+def test_a_fit_after_planning_equals_the_fit_without_the_planner():
+    def fit(with_planner: bool):
+        probe = CappedFakeProbe(base=GIB, total=24 * GIB)
+        seed_everything(7)
+        model = PlateauModel(probe, per_sample=100 * MIB, batch_size=8, n=256)
+        callbacks = [FakePlanner(probe)] if with_planner else []
+        trainer = tuner_trainer(None, callbacks=callbacks, max_epochs=2)
+        trainer.fit(model)
+        optimizer = trainer.optimizers[0].state_dict()
+        return model, trainer, optimizer
+
+    planned, planned_trainer, planned_optimizer = fit(True)
+    plain, plain_trainer, plain_optimizer = fit(False)
+    for a, b in zip(planned.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert planned_trainer.global_step == plain_trainer.global_step == 2 * math.ceil(256 / 8)
+    assert planned_optimizer["state"].keys() == plain_optimizer["state"].keys()
+    assert planned.steps > plain.steps  # the planner ran training steps of its own, and they left no trace
+
+
+def test_a_missing_batch_attribute_and_loaders_passed_to_fit_are_refused():
+    probe = CappedFakeProbe(base=GIB, total=24 * GIB)
+    with pytest.raises(AttributeError, match=r"batch_arg_name='bs'"):
+        tuner_trainer(FakePlanner(probe, batch_arg_name="bs")).fit(OOMModel())
+    model = OOMModel()
+    with pytest.raises(ValueError, match=r"passed straight to `trainer\.fit"):
+        tuner_trainer(FakePlanner(probe)).fit(model, train_dataloaders=model.train_dataloader())
