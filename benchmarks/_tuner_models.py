@@ -14,6 +14,11 @@ Workloads (``--quick`` swaps in tiny versions for a CPU smoke run):
   sample than training (full-vocabulary logits of 4096 positions), so the largest size is set by validation.
 * ``resnet``: torchvision's ResNet-50, 1000 classes, random 224x224 images generated per item from a seeded generator
   (no giant tensor in host memory). ``--quick``: a tiny CNN on 32x32 images, 10 classes.
+* ``gpt124``: a GPT-2-small-sized decoder (d_model 768, 12 layers, 12 heads, vocabulary 32768, sequence 512, about
+  110M parameters); ``gpt-ckpt``: the ``gpt`` decoder with activation checkpointing around every block
+  (``torch.utils.checkpoint``, non-reentrant); ``encoder``: a 12-layer bidirectional transformer encoder (d_model
+  768, 12 heads, sequence 512, vocabulary 32768) classifying the mean-pooled sequence into 2 classes; ``vit``:
+  timm's ViT-B/16 (``vit_base_patch16_224``, 1000 classes) on random 224x224 images.
 
 Both train with AdamW. In ``--quick`` mode every workload has a *simulated* out-of-memory threshold: a step at a batch
 size above it raises ``torch.cuda.OutOfMemoryError`` (a CPU never runs out of memory, so without it no search would
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
@@ -54,6 +60,8 @@ class Workload:
     # images
     image_size: int = 0
     num_classes: int = 0
+    checkpointing: bool = False  # GPT: activation checkpointing around each block
+    causal: bool = True  # GPT: False for the encoder (bidirectional attention, a pooled classification head)
 
 
 def workload(name: str, quick: bool) -> Workload:
@@ -80,16 +88,32 @@ def workload(name: str, quick: bool) -> Workload:
             return Workload("resnet", "cnn", 4096, 1024, simulated_oom_above=53, image_size=32, num_classes=10)
         workers = max(0, min(6, (os.cpu_count() or 2) // 2))  # 1 ms per generated image: keep the GPU fed
         return Workload("resnet", "resnet", 65536, 1024, num_workers=workers, image_size=224, num_classes=1000)
-    raise ValueError(f"Unknown workload {name!r}; expected 'gpt', 'gpt-longval' or 'resnet'.")
+    if name in ("gpt124", "gpt-ckpt", "encoder"):
+        if quick:
+            return Workload(name, "gpt", 4096, 2048, simulated_oom_above=37, vocab=256, seq_len=32, d_model=64,
+                            layers=2, heads=4, checkpointing=name == "gpt-ckpt", causal=name != "encoder")  # fmt: skip
+        if name == "gpt-ckpt":
+            return Workload(name, "gpt", 16384, 4096, vocab=32768, seq_len=512, d_model=1024, layers=16, heads=16,
+                            checkpointing=True)  # fmt: skip
+        return Workload(name, "gpt", 16384, 4096, vocab=32768, seq_len=512, d_model=768, layers=12, heads=12,
+                        causal=name != "encoder")  # fmt: skip
+    if name == "vit":
+        if quick:
+            return Workload("vit", "cnn", 4096, 1024, simulated_oom_above=53, image_size=32, num_classes=10)
+        workers = max(0, min(6, (os.cpu_count() or 2) // 2))
+        return Workload("vit", "vit", 65536, 2048, num_workers=workers, image_size=224, num_classes=1000)
+    raise ValueError(
+        f"Unknown workload {name!r}; expected one of gpt, gpt-longval, gpt124, gpt-ckpt, encoder, resnet, vit."
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- models
 class Block(nn.Module):
     """Pre-norm decoder block: causal self-attention and a 4x GELU MLP, each with a residual."""
 
-    def __init__(self, d_model: int, heads: int) -> None:
+    def __init__(self, d_model: int, heads: int, causal: bool = True) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.causal = heads, causal
         self.ln1 = nn.LayerNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
@@ -100,7 +124,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
@@ -108,11 +132,23 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Token and position embeddings, ``layers`` blocks, final norm, output head tied to the token embedding."""
 
-    def __init__(self, vocab: int, seq_len: int, d_model: int, layers: int, heads: int) -> None:
+    def __init__(
+        self,
+        vocab: int,
+        seq_len: int,
+        d_model: int,
+        layers: int,
+        heads: int,
+        checkpointing: bool = False,
+        causal: bool = True,
+        num_classes: int = 0,
+    ) -> None:
         super().__init__()
+        self.checkpointing = checkpointing
+        self.classify = nn.Linear(d_model, num_classes) if num_classes else None  # the encoder's pooled head
         self.tok = nn.Embedding(vocab, d_model)
         self.pos = nn.Embedding(seq_len, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d_model, heads, causal) for _ in range(layers))
         self.ln = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
         self.head.weight = self.tok.weight
@@ -122,7 +158,12 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
-            x = block(x)
+            if self.checkpointing and self.training:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        if self.classify is not None:
+            return self.classify(self.ln(x).mean(dim=1))
         return self.head(self.ln(x))
 
 
@@ -144,7 +185,14 @@ def tiny_cnn(num_classes: int) -> nn.Module:
 def build_model(w: Workload) -> nn.Module:
     """A freshly initialised model of ``w`` on the CPU (seed it first for identical weights)."""
     if w.kind == "gpt":
-        return GPT(w.vocab, max(w.seq_len, w.val_seq_len), w.d_model, w.layers, w.heads)
+        classes = 2 if not w.causal else 0
+        return GPT(
+            w.vocab, max(w.seq_len, w.val_seq_len), w.d_model, w.layers, w.heads, w.checkpointing, w.causal, classes
+        )
+    if w.kind == "vit":
+        import timm  # only the ViT workload needs it
+
+        return timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=w.num_classes)
     if w.kind == "resnet":
         import torchvision  # only the full-size image workload needs it
 
@@ -212,6 +260,8 @@ def compute_loss(
     if w.kind == "gpt":
         tokens = batch[0]
         logits = model(tokens[:, :-1])
+        if not w.causal:  # the encoder: a label per sequence, from its first token's parity
+            return F.cross_entropy(logits, tokens[:, 0] % 2)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
     images, labels = batch
     return F.cross_entropy(model(images), labels)
@@ -254,9 +304,11 @@ def count_parameters(model: nn.Module) -> int:
 def describe(w: Workload) -> str:
     """One line describing the workload."""
     if w.kind == "gpt":
+        kind = "GPT" if w.causal else "encoder"
+        kind += " with activation checkpointing" if w.checkpointing else ""
         return (
-            f"GPT d_model={w.d_model} layers={w.layers} heads={w.heads} vocab={w.vocab} seq={w.seq_len},"
+            f"{kind} d_model={w.d_model} layers={w.layers} heads={w.heads} vocab={w.vocab} seq={w.seq_len},"
             f"{f' validation seq={w.val_seq_len},' if w.val_seq_len else ''} {w.num_samples} random-token samples"
         )
-    model = "ResNet-50" if w.kind == "resnet" else "tiny CNN"
+    model = {"resnet": "ResNet-50", "vit": "ViT-B/16 (timm)"}.get(w.kind, "tiny CNN")
     return f"{model} {w.image_size}x{w.image_size}, {w.num_classes} classes, {w.num_samples} random images"

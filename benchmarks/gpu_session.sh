@@ -4,7 +4,13 @@
 #
 #   bash benchmarks/gpu_session.sh [PART]...   (default: tests monitor microbatch)
 #   PART: tests, monitor, microbatch, microbatch-gpt, microbatch-gpt-profile, profile, tuner, tuner-gpt, tuner-resnet,
-#         tuner-resnet-12, tuner-longval
+#         tuner-resnet-12, tuner-longval, plan, plan-expandable, tuner-predict, tuner-predict-12
+#
+# plan: MemoryPlanner's predictions against measured peaks on six workloads (benchmarks/plan.py) -> plan.json, .log;
+# plan-expandable: the same for the two GPTs with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; tuner-predict:
+# BatchSizeTuner (predict, then validate; headroom 0 and 0.05) against BatchSizeFinder(mode="binsearch") and the
+# true maximum (a 4-step fit + 1 validation batch in a fresh process) at 24 GiB on gpt, gpt124, vit and resnet
+# (TUNER_MODELS overrides) -> tuner-predict-24gib.json; tuner-predict-12: gpt, gpt-ckpt, encoder at 12 GiB.
 #
 # microbatch-gpt: AutoMicrobatch (never splitting) and MemoryMonitor against no callback on a 253.5M-parameter GPT,
 # 7 interleaved rounds (about 2 min) -> microbatch-gpt-overhead.json, .log; microbatch-gpt-profile: torch.profiler
@@ -52,6 +58,16 @@ for part in "${parts[@]}"; do
       timeout ${TUNER_LONGVAL_S:-240} python3 benchmarks/tuner.py --models gpt-longval --budget-gib 12 --parallel 10 \
       --finders ours,binsearch --headroom 0.05,0.02 --time-limit 200 --json "$OUT/tuner-12gib-longval.json" \
       > "$OUT/tuner-12gib-longval.log" 2>&1 ;;
+    plan) timeout ${PLAN_S:-330} python3 benchmarks/plan.py --models ${PLAN_MODELS:-gpt124,gpt,resnet,vit,encoder,gpt-ckpt} \
+      --json "$OUT/plan.json" > "$OUT/plan.log" 2>&1 ;;
+    plan-expandable) timeout ${PLAN_S:-200} python3 benchmarks/plan.py --models gpt124,gpt --expandable \
+      --json "$OUT/plan-expandable.json" > "$OUT/plan-expandable.log" 2>&1 ;;
+    tuner-predict) timeout ${TUNER_S:-560} python3 benchmarks/tuner.py --models ${TUNER_MODELS:-gpt,gpt124,vit,resnet} \
+      --budget-gib 24 --finders predict,binsearch --headroom 0.0,0.05 --fit-steps 4 --fit-val-batches 1 \
+      --time-limit $(( ${TUNER_S:-560} - 40 )) --json "$OUT/tuner-predict-24gib.json" > "$OUT/tuner-predict-24gib.log" 2>&1 ;;
+    tuner-predict-12) timeout ${TUNER_S:-400} python3 benchmarks/tuner.py --models ${TUNER_MODELS:-gpt,gpt-ckpt,encoder} \
+      --budget-gib 12 --parallel 10 --finders predict,binsearch --headroom 0.0 --fit-steps 4 --fit-val-batches 1 \
+      --time-limit $(( ${TUNER_S:-400} - 40 )) --json "$OUT/tuner-predict-12gib.json" > "$OUT/tuner-predict-12gib.log" 2>&1 ;;
     *) echo "unknown part: $part" >&2; false ;;
   esac
   status=$?

@@ -86,11 +86,12 @@ import _harness as H
 import _tuner_models as M
 
 GIB = H.GIB
-FINDERS = ("binsearch", "power", "ours")  # table order
+FINDERS = ("binsearch", "power", "ours", "predict")  # table order
 FINDER_LABELS = {
     "binsearch": "Lightning `BatchSizeFinder(mode='binsearch')`",
     "power": "Lightning `BatchSizeFinder(mode='power')`",
-    "ours": "lightning_gpumem `BatchSizeTuner(budget=B)`",
+    "ours": "lightning_gpumem `BatchSizeTuner(budget=B, method='search')`",
+    "predict": "lightning_gpumem `BatchSizeTuner(budget=B)` (predict, then validate)",
 }
 CONTEXT_BYTES = GIB  # per-process CUDA context and slack, when deciding how many probes fit the card at once
 MIN_START_SECONDS = 20.0  # do not start a subprocess with less time left than this
@@ -313,8 +314,9 @@ def finder_worker(args: argparse.Namespace) -> int:
         if device.type == "cuda":
             model.budget_fraction = min(1.0, args.budget_bytes / torch.cuda.get_device_properties(device).total_memory)
         result["parameters"] = M.count_parameters(model.net)
-        if args.finder_worker == "ours":
-            callback = tuner_cls(budget=args.budget_bytes, headroom=float(args.headroom))
+        if args.finder_worker in ("ours", "predict"):
+            method = "search" if args.finder_worker == "ours" else "predict"
+            callback = tuner_cls(budget=args.budget_bytes, headroom=float(args.headroom), method=method)
         elif args.finder_worker == "fixed":  # a true-max candidate: no finder, the size set by hand
             model.batch_size = args.batch_size
             callback = _fixed_size_callback(args.batch_size)
@@ -373,6 +375,7 @@ def _collect_finder_result(
             for t in callback.trials
         ]
         result["tuner_reason"] = None if tuner_result is None else tuner_result.reason
+        result["tuner_note"] = None if tuner_result is None else tuner_result.note
         result["tuner_budget_bytes"] = callback.budget_bytes
         if tuner_result is not None:
             result["num_trials"] = len(tuner_result.trials)
@@ -405,6 +408,8 @@ class Runner:
         self.budget_bytes = budget_bytes
         self.deadline = H.T0 + args.time_limit
         self.env = H.worker_env()
+        if args.expandable:  # before CUDA starts in each worker
+            self.env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         self.log_dir = Path(args.log_dir) if args.log_dir else None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -684,9 +689,11 @@ def _table(model: str, w: M.Workload, entry: dict[str, Any], budget_bytes: int, 
 
 def _label(finder: str, r: dict[str, Any]) -> str:
     headroom = r.get("headroom")
-    if finder.startswith("ours") and headroom is not None and headroom != 0.05:
-        return f"lightning_gpumem `BatchSizeTuner(budget=B, headroom={headroom})`"
-    return FINDER_LABELS["ours" if finder.startswith("ours") else finder]
+    base = next((f for f in ("ours", "predict") if finder.startswith(f)), finder)
+    if base in ("ours", "predict") and headroom is not None and headroom != 0.05:
+        method = ", method='search'" if base == "ours" else ""
+        return f"lightning_gpumem `BatchSizeTuner(budget=B, headroom={headroom}{method})`"
+    return FINDER_LABELS[base]
 
 
 def _true_max_line(true: dict[str, Any]) -> str:
@@ -767,8 +774,10 @@ def orchestrate(args: argparse.Namespace) -> int:
         entry: dict[str, Any] = {"workload": M.describe(w), "finders": {}}
         report["workloads"][model] = entry
         skipped = {"status": "skipped", "error": "--finders"}
-        ours = run_finder(runner, model, "ours", args.headrooms[0]) if "ours" in finders else skipped
-        entry["finders"]["ours"] = ours
+        guide = "predict" if "predict" in finders else "ours"  # the first tuner run guides the true-max search
+        for name in (guide, *(f for f in ("ours",) if f in finders and f != guide)):
+            entry["finders"][name] = run_finder(runner, model, name, args.headrooms[0]) if name in finders else skipped
+        ours = entry["finders"][guide]
         if ours.get("status") == "ok" and len(ours.get("module_trials", [])) != ours.get("num_trials"):
             seen = len(ours["module_trials"])
             H.log(f"{model}: note: the module saw {seen} trials, the tuner reports {ours['num_trials']}")
@@ -776,8 +785,8 @@ def orchestrate(args: argparse.Namespace) -> int:
         hints = [
             (t["batch_size"], t["peak_bytes"]) for t in ours.get("tuner_trials", []) if t["fits"] and t["peak_bytes"]
         ]
-        for headroom in args.headrooms[1:] if "ours" in finders else []:
-            entry["finders"][f"ours-headroom-{headroom}"] = run_finder(runner, model, "ours", headroom)
+        for headroom in args.headrooms[1:] if guide in finders else []:
+            entry["finders"][f"{guide}-headroom-{headroom}"] = run_finder(runner, model, guide, headroom)
         for finder in [f for f in ("binsearch", "power") if f in finders]:
             entry["finders"][finder] = run_finder(runner, model, finder)
         if args.true_max != "none":  # last: under a time limit, the finders run first
@@ -793,7 +802,14 @@ def orchestrate(args: argparse.Namespace) -> int:
 
 def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--models", default="gpt,resnet", help="workloads, comma-separated (gpt, gpt-longval, resnet)")
+    parser.add_argument(
+        "--models",
+        default="gpt,resnet",
+        help="workloads, comma-separated (gpt, gpt-longval, gpt124, gpt-ckpt, encoder, resnet, vit)",
+    )
+    parser.add_argument(
+        "--expandable", action="store_true", help="every worker with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    )
     parser.add_argument("--budget-gib", type=float, default=24.0, help="memory budget per process in GiB")
     parser.add_argument("--parallel", type=int, default=5, help="true-max candidates run at once")
     parser.add_argument(

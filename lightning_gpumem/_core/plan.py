@@ -119,8 +119,9 @@ def probe_verdict(probes: list[ProbePoint], limit: int | None, upper: int) -> tu
     Returns ``("settled", None)`` once every stage's last increment is at least :data:`MIN_INCREMENT` of its peak and
     matches the slope before within :data:`SLOPE_MATCH`; ``("more", size)`` with the next size: double the largest,
     or less where the line through the last two probes reaches :data:`PROBE_CEILING` of ``limit`` (or ``upper``)
-    sooner, as long as it is at least :data:`CLOSEST` times the largest; otherwise ``("settled", None)`` where the last three probes lie on one line (a peak that barely moves
-    is affine too) and ``("not_affine", None)`` where they do not.
+    sooner, as long as it is at least :data:`CLOSEST` times the largest; otherwise ``("settled", None)`` where the
+    last three probes lie on one line (a peak that barely moves is affine too) and ``("not_affine", None)`` where
+    they do not.
 
     >>> probes = [ProbePoint(b, 1000 + 100 * max(b, 4)) for b in (2, 4, 8)]  # a plateau up to 4
     >>> probe_verdict(probes, 10**6, 1000)

@@ -131,6 +131,8 @@ class MemoryPlanner(Callback):
         """One :class:`~lightning_gpumem._core.plan.Prediction` per budget, for the run's batch size."""
         self.seconds: float | None = None
         """Wall time of the last planning, probes and validation trials included."""
+        self.probe_seconds: float | None = None
+        """Wall time of the last planning's probes and plan, before any validation trial."""
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -174,6 +176,7 @@ class MemoryPlanner(Callback):
                     accumulation_for=lambda _: trainer.accumulate_grad_batches,
                 )
                 plan = self._probe(runner, trainer, probe, total, upper)
+                self.probe_seconds = time.perf_counter() - start
                 validated = self._validate(runner, probe, plan, budgets, total, upper) if plan is not None else {}
         finally:
             release_to(probe, baseline, LEFTOVER_BYTES)

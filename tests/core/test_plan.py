@@ -42,7 +42,8 @@ def test_a_plateau_keeps_the_probes_growing_until_activations_dominate():
     curve = lambda b: max(6 * GIB, 2 * GIB + b * 50 * MIB)  # noqa: E731  # the optimizer step's temporaries up to 82
     verdict, sizes = _grow(curve)
     assert verdict == "settled"
-    assert sizes[-1] >= 256 and all(curve(b) == 6 * GIB for b in sizes[:-3])
+    assert sizes[-1] >= 256
+    assert all(curve(b) == 6 * GIB for b in sizes[:-3])
     plan = Plan(_probes(curve, sizes), verdict)
     assert plan.largest_under(24 * GIB) == (24 * GIB - 2 * GIB) // (50 * MIB)  # the line above the plateau
     two = Plan(_probes(curve, [2, 4]), "settled")  # a line through the plateau predicts nothing bounded
@@ -89,11 +90,16 @@ def test_budgets_count_the_memory_outside_pytorch_and_say_whether_the_size_fits(
     curve = lambda b: 2 * GIB + b * 100 * MIB  # noqa: E731
     plan = Plan(_probes(curve, [8, 16, 32]), "settled", outside=GIB, terms=Terms(outside=GIB))
     fits, tight = plan.predict(100, 24 * GIB), plan.predict(100, 12 * GIB)
-    assert fits.limit == 23 * GIB and fits.fits and fits.largest == (21 * GIB) // (100 * MIB)
-    assert not tight.fits and tight.largest == (9 * GIB) // (100 * MIB)
+    assert fits.limit == 23 * GIB
+    assert fits.fits
+    assert fits.largest == (21 * GIB) // (100 * MIB)
+    assert not tight.fits
+    assert tight.largest == (9 * GIB) // (100 * MIB)
     assert fits.peak == curve(100)
     table = format_table(plan, 100, [fits, tight])
-    assert "| 24.0 | 23.00 |" in table and "| no |" in table and "outside PyTorch" in table
+    assert "| 24.0 | 23.00 |" in table
+    assert "| no |" in table
+    assert "outside PyTorch" in table
     assert Plan(_probes(curve, [8, 16, 32]), "not_affine").predict(100, 24 * GIB).largest is None
 
 
@@ -107,7 +113,8 @@ def test_the_band_widens_with_the_distance_from_the_probes_by_the_slopes_disagre
 
 def test_lines_and_bad_input():
     assert Line.through((4, 10.0), (2, 12.0)).slope == 0  # falling: flat, not negative
-    assert Line(5.0, 0.0).largest_under(4.0) == 0 and Line(5.0, 0.0).largest_under(6.0) is None
+    assert Line(5.0, 0.0).largest_under(4.0) == 0
+    assert Line(5.0, 0.0).largest_under(6.0) is None
     with pytest.raises(ValueError, match="at least 2"):
         Plan([ProbePoint(2, GIB)], "settled")
     with pytest.raises(ValueError, match="empty"):

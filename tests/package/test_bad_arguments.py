@@ -174,6 +174,12 @@ HOSTILE = [
     (MemoryBudget, {"budget": (1,)}, TypeError, "budget="),
     (MemoryBudget, {"budget": np.array([2**30])}, TypeError, "budget="),
     (BatchSizeTuner, {"budget": HUGE_SIZE}, ValueError, "budget="),
+    (MemoryPlanner, {"budgets": [HUGE_SIZE]}, ValueError, "budgets="),
+    (MemoryPlanner, {"budgets": [10**400]}, ValueError, "budgets="),
+    (MemoryPlanner, {"budgets": {"24GiB"}}, ValueError, "budgets="),  # a set: not an ordered list of budgets
+    (MemoryPlanner, {"budgets": Endless()}, ValueError, "budgets="),
+    (MemoryPlanner, {"budgets": Foreign("24GiB", 0.5)}, None, ""),  # a Hydra ListConfig: taken
+    (MemoryPlanner, {"init_val": 10**400}, None, ""),
     (BatchSizeTuner, {"budget": 10**400}, ValueError, "budget="),
     (BatchSizeTuner, {"budget": 1e-300}, ValueError, "budget="),
     (BatchSizeTuner, {"budget": 0.5}, None, ""),

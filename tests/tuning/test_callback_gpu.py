@@ -113,9 +113,11 @@ def _fit(tuner: BatchSizeTuner, model: LightningModule, budget: int, **kwargs) -
     return trainer, before, after
 
 
-def test_budget_is_met_in_few_trials_and_the_fit_fits():
+@pytest.mark.parametrize("method", ["search", "predict"])
+def test_budget_is_met_in_few_trials_and_the_fit_fits(method):
     budget = 2 * GIB
-    tuner = BatchSizeTuner(budget="2GiB", headroom=0.05)
+    tolerance = 0.01 if method == "search" else 0.02  # how close each closes in on the boundary
+    tuner = BatchSizeTuner(budget="2GiB", headroom=0.05, method=method)
     model = WideMLP()
     trainer, before, after = _fit(tuner, model, budget)
     size = tuner.optimal_batch_size
@@ -129,7 +131,7 @@ def test_budget_is_met_in_few_trials_and_the_fit_fits():
     assert all(t.peak_bytes <= budget for t in ran)
     failed = [t.batch_size for t in tuner.trials if not t.fits and t.batch_size > largest]
     bracketed = tuner.result.reason == "bracketed" and failed
-    held = min(failed) - 1 if bracketed else largest  # one less than the smallest failure (within 1% above)
+    held = min(failed) - 1 if bracketed else largest  # one less than the smallest failure (within 1-2% above)
     first_choice = min(largest, math.ceil(19 * held / 20))  # at most 5% of it given up
     kept = next(t for t in reversed(tuner.trials) if t.batch_size == size)  # the size kept, run from the fit's state
     assert kept.fits
@@ -140,7 +142,7 @@ def test_budget_is_met_in_few_trials_and_the_fit_fits():
     if tuner.result.reason == "bracketed":  # a larger size ran out of memory under the cap, within 1% above
         assert larger
         assert all(not t.fits for t in larger)
-        assert min(t.batch_size for t in larger) - largest - 1 <= 0.01 * largest
+        assert min(t.batch_size for t in larger) - largest - 1 <= tolerance * largest
     else:  # one more sample was predicted to cross the budget
         assert tuner.result.reason == "predicted", tuner.result
     assert len(tuner.trials) <= 16
