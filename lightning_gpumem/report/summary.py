@@ -34,6 +34,9 @@ class RunSummary:
         headroom: ``budget`` minus the highest peak reserved over the stages; without a budget, ``nvml_total`` minus
             that peak and ``non_torch_peak``.
         batch_size: the last batch size a ``BatchSizeTuner`` logged.
+        plan: what a ``MemoryPlanner`` logged before step 1 (``gpumem/plan_*``): the predicted peak at the run's batch
+            size and its band, the line's fixed part and per-sample slope, the memory outside PyTorch and the largest
+            batch size of its first budget; empty without a planner.
         cache_releases: releases by ``EmptyCacheOnThreshold`` (summed over ranks where logged per rank).
         released: GiB those releases gave back.
         leak_warnings: how many times the monitor warned of a leak.
@@ -62,6 +65,7 @@ class RunSummary:
     budget: float | None = None
     headroom: float | None = None
     batch_size: int | None = None
+    plan: dict[str, float] = field(default_factory=dict)
     cache_releases: int | None = None
     released: float | None = None
     leak_warnings: int = 0
@@ -110,6 +114,7 @@ def summarize(run: Run) -> RunSummary:
         budget=budget,
         headroom=None if headroom is None else headroom / GIB,
         batch_size=None if batch_size is None else round(batch_size),
+        plan={key.name: value for key in PLAN_KEYS if (value := run.last(key.format())) is not None},
         cache_releases=None if releases is None else round(releases),
         released=_per_rank_total(run, keys.RELEASED),
         leak_warnings=len(run.values(keys.LEAK_WARNINGS.format())),
@@ -236,6 +241,8 @@ def rows(summary: RunSummary) -> list[tuple[str, str]]:
         out.append(("headroom at the highest peak", f"{_gib(summary.headroom)}{share}"))
     if summary.batch_size is not None:
         out.append(("tuned batch size", str(summary.batch_size)))
+    if summary.plan:
+        out.append(("memory plan", _plan_text(summary.plan)))
     if summary.cache_releases is not None:
         released = f", {_gib(summary.released)} given back" if summary.released is not None else ""
         out.append(("cache releases", f"{summary.cache_releases}{released}"))
@@ -248,6 +255,31 @@ def rows(summary: RunSummary) -> list[tuple[str, str]]:
         out.append(("host RSS peak", _gib(summary.host_rss_peak)))
     out.extend(("advice", line) for line in summary.advice)
     return out
+
+
+PLAN_KEYS = (
+    keys.PLAN_PEAK,
+    keys.PLAN_BAND,
+    keys.PLAN_FIXED,
+    keys.PLAN_PER_SAMPLE,
+    keys.PLAN_OUTSIDE,
+    keys.PLAN_LARGEST,
+)
+
+
+def _plan_text(plan: dict[str, float]) -> str:
+    """``MemoryPlanner``'s logged plan in a line: the predicted peak, the line, the largest size."""
+    parts = []
+    if keys.PLAN_PEAK.name in plan:
+        band = plan.get(keys.PLAN_BAND.name)
+        parts.append(f"peak {plan[keys.PLAN_PEAK.name]:.2f}" + (f" +- {band:.2f}" if band is not None else "") + " GiB")
+    if keys.PLAN_FIXED.name in plan and keys.PLAN_PER_SAMPLE.name in plan:
+        parts.append(f"{plan[keys.PLAN_FIXED.name]:.2f} GiB + {plan[keys.PLAN_PER_SAMPLE.name]:.1f} MiB per sample")
+    if keys.PLAN_OUTSIDE.name in plan:
+        parts.append(f"{plan[keys.PLAN_OUTSIDE.name]:.2f} GiB outside PyTorch")
+    if keys.PLAN_LARGEST.name in plan:
+        parts.append(f"largest batch size {round(plan[keys.PLAN_LARGEST.name])}")
+    return "; ".join(parts)
 
 
 def format_table(summary: RunSummary) -> str:

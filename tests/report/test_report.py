@@ -470,3 +470,24 @@ def test_the_report_gives_the_fit_end_summarys_advice_and_headroom(tmp_path, ret
     assert summary.advice == fit_advice
     headroom = next(line for line in lines if "headroom" in line).split("headroom ")[1].split(" GiB")[0]
     assert f"{summary.headroom:.1f}" == headroom
+
+
+def test_a_planned_run_shows_its_plan_in_a_row(tmp_path):
+    run_dir = tmp_path / "planned"
+    run_dir.mkdir()
+    columns = {
+        "gpumem/plan_peak_gib": 7.55,
+        "gpumem/plan_band_gib": 0.09,
+        "gpumem/plan_fixed_gib": 2.43,
+        "gpumem/plan_per_sample_mib": 81.3,
+        "gpumem/plan_outside_gib": 0.52,
+        "gpumem/plan_largest_batch_size": 264.0,
+    }
+    (run_dir / "metrics.csv").write_text(
+        "step," + ",".join(columns) + "\n0," + ",".join(str(v) for v in columns.values()) + "\n"
+    )
+    (run,) = load_runs(tmp_path).runs
+    table = dict(rows(summarize(run)))
+    assert table["memory plan"] == (
+        "peak 7.55 +- 0.09 GiB; 2.43 GiB + 81.3 MiB per sample; 0.52 GiB outside PyTorch; largest batch size 264"
+    )
