@@ -133,10 +133,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         entry["process_seconds"] = planned.seconds
         report["workloads"][model] = entry
         H.log(f"{model}: plan {entry.get('status')} in {entry.get('plan_seconds')} s ({entry.get('error') or ''})")
-        workers = [(p, measure(model, p["size"], env, args.timeout, args.quick)) for p in entry.get("predicted", [])]
-        deadline = time.perf_counter() + args.timeout
-        for predicted, worker in workers:
-            worker.wait(deadline)
+        pending = list(entry.get("predicted", []))
+        done_workers: list[tuple[dict[str, Any], H.Worker]] = []
+        while pending:  # at most `parallel` at once: three 48 GiB-plan fits together need a 139 GiB card
+            batch, pending = pending[: args.parallel], pending[args.parallel :]
+            workers = [(p, measure(model, p["size"], env, args.timeout, args.quick)) for p in batch]
+            deadline = time.perf_counter() + args.timeout
+            for _, worker in workers:
+                worker.wait(deadline)
+            done_workers += workers
+        for predicted, worker in done_workers:
             done = worker.result() or {}
             fit = done.get("fit") or {}
             predicted["measured_allocated"] = fit.get("peak_allocated")
@@ -215,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="gpt124,gpt,resnet,vit,encoder,gpt-ckpt")
     parser.add_argument("--expandable", action="store_true", help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     parser.add_argument("--timeout", type=float, default=150.0)
+    parser.add_argument(
+        "--parallel", type=int, default=None, help="measuring fits at once (default: 3 on a card of 120 GiB or more)"
+    )
     parser.add_argument("--json")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--plan-worker", action="store_true", help=argparse.SUPPRESS)
@@ -222,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.plan_worker:
         return plan_worker(args)
+    if args.parallel is None:
+        big = torch.cuda.is_available() and torch.cuda.get_device_properties(0).total_memory >= 120 * GIB
+        args.parallel = 3 if big or args.quick else 1
     report = run(args)
     print(table(report))
     print("\nsummary: " + json.dumps(report["summary"]))
