@@ -15,6 +15,7 @@ is made of. Its band at ``B`` is the two last slopes' disagreement carried from 
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -75,6 +76,22 @@ class Line:
         if self.slope <= 0:
             return None if self.intercept <= limit else 0
         return max(0, math.floor((limit - self.intercept) / self.slope + 1e-9))
+
+
+def _along(points: list[tuple[int, float]], line: Line, size: float) -> float:
+    """``size`` on the measured ``points`` (by size).
+
+    Between two points, the straight line between them; beyond the largest, ``line``; below the smallest, the
+    smallest's value (the peak of a plateau holds below it).
+    """
+    if size >= points[-1][0]:
+        return max(line.at(size), points[-1][1])
+    if size <= points[0][0]:
+        return points[0][1]
+    for (b1, p1), (b2, p2) in itertools.pairwise(points):
+        if b1 <= size <= b2:
+            return p1 + (p2 - p1) * (size - b1) / (b2 - b1)
+    return points[-1][1]  # pragma: no cover - the points cover the range
 
 
 def _slopes(values: list[tuple[int, float]]) -> tuple[float, float]:
@@ -142,8 +159,8 @@ def probe_verdict(probes: list[ProbePoint], limit: int | None, upper: int) -> tu
         bounds = [b for b in (line.largest_under(PROBE_CEILING * limit) for line in lines) if b is not None]
         nxt = min([nxt, *bounds])
         within = nxt >= CLOSEST * largest
-    elif within and limit is not None:
-        within = probes[-1].need * 2 <= PROBE_CEILING * limit
+    elif within and limit is not None:  # one probe: no slope yet; fixed memory does not grow with the size
+        within = probes[-1].need <= PROBE_CEILING * limit
     if within:
         return "more", nxt
     if len(probes) >= 3 and all(collinear(points) for points in stages):
@@ -239,18 +256,26 @@ class Plan:
         return max(line.slope for line in self.lines)
 
     def need(self, size: float) -> float:
-        """Live tensors at ``size``: the larger stage's line, and at least what a probe at or below it measured.
+        """Live tensors at ``size`` (the larger stage).
 
-        Live memory never falls as the batch grows, so below the line's settled part (the plateau of the optimizer
-        step's temporaries) a probe's measurement holds; under the smallest probe, the smallest probe's.
+        Between two probes the straight line between them, beyond the largest the last two probes' line, below the
+        smallest the smallest's measurement.
         """
-        measured = [p.need for p in self.probes if p.size <= size] or [self.probes[0].need]
-        return max(max(line.at(size) for line in self.lines), max(measured))
+        stages = zip(_stage_points(self.probes), self.lines, strict=True)
+        return max(_along(points, line, size) for points, line in stages)
 
     def reserved(self, size: float) -> float:
-        """Predicted reserved peak at ``size``: the last probe's, plus the growth of the need times ``growth``."""
-        base = self.last.reserved_bytes if self.last.reserved_bytes is not None else self.last.need
-        return base + self.growth * (self.need(size) - self.last.need)
+        """Predicted reserved peak at ``size``.
+
+        Between probes that measured it, the straight line between them; beyond the largest, its reserved peak plus
+        the growth of the need times ``growth``.
+        """
+        last = self.last
+        if size < last.size and all(p.reserved_bytes is not None for p in self.probes):
+            points = [(p.size, float(p.reserved_bytes or 0)) for p in self.probes]
+            return _along(points, Line.through(*points[-2:]), size)
+        base = last.reserved_bytes if last.reserved_bytes is not None else last.need
+        return base + self.growth * (self.need(size) - last.need)
 
     def band(self, size: float) -> float:
         """Half-width of the band at ``size``, in bytes: the slopes' disagreement carried out, plus 1% of the peak."""
@@ -264,20 +289,20 @@ class Plan:
     def largest_under(self, limit: float, *, live_only: bool = False) -> int | None:
         """The largest size whose predicted reserved peak (or, ``live_only``, live tensors) is at most ``limit``.
 
-        ``None``: no stage grows with the batch size and it fits, so memory does not bound the size.
+        ``None``: no stage grows with the batch size and it fits, so memory does not bound the size; 0: not even 1.
         """
-        if live_only:
-            room = float(limit)
-        else:
-            base = self.last.reserved_bytes if self.last.reserved_bytes is not None else self.last.need
-            room = (limit - base) / self.growth + self.last.need  # reserved(b) <= limit  <=>  need(b) <= room
-        bounds = [line.largest_under(room) for line in self.lines]
-        known = [b for b in bounds if b is not None]
-        largest = min(known) if known else None
-        below = [p.size for p in self.probes if p.need > room]  # a probe measured more: no size from it on fits
-        if below:
-            largest = min(largest if largest is not None else below[0], below[0] - 1)
-        return largest
+        peak = self.need if live_only else self.reserved
+        if peak(1) > limit:
+            return 0
+        if self.per_sample <= 0:
+            return None
+        lo, hi = 1, 2
+        while peak(hi) <= limit:  # the peak never falls as the size grows: double, then bisect
+            lo, hi = hi, 2 * hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if peak(mid) <= limit else (lo, mid)
+        return lo
 
     def limit_for(self, budget: int) -> int:
         """What the allocator may reserve on a card of ``budget`` bytes: the budget less the memory outside PyTorch."""
@@ -326,7 +351,7 @@ def format_table(plan: Plan, size: int, predictions: list[Prediction], name: str
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for p in predictions:
-        largest = "unbounded" if p.largest is None else str(p.largest)
+        largest = str(p.largest) if p.largest is not None else "unbounded" if plan.verdict == "settled" else "-"
         lines.append(
             f"| {p.budget / gib:.1f} | {p.limit / gib:.2f} | {p.peak / gib:.2f} +- {p.band / gib:.2f}"
             f" | {'yes' if p.fits else 'no'} | {largest} | {'validated' if p.validated else 'predicted'} |"

@@ -177,7 +177,13 @@ class MemoryPlanner(Callback):
                 )
                 plan = self._probe(runner, trainer, probe, total, upper)
                 self.probe_seconds = time.perf_counter() - start
-                validated = self._validate(runner, probe, plan, budgets, total, upper) if plan is not None else {}
+                validated: dict[int, int] = {}
+                if plan is not None:
+                    validated, measured = self._validate(runner, probe, plan, budgets, total, upper)
+                    if measured:  # the sizes that ran far out refine the line: between them it interpolates
+                        sizes = {p.size for p in plan.probes}
+                        extra = [p for p in measured if p.size not in sizes]
+                        plan = Plan([*plan.probes, *extra], plan.verdict, plan.outside, plan.terms)
         finally:
             release_to(probe, baseline, LEFTOVER_BYTES)
         self.seconds = time.perf_counter() - start
@@ -241,11 +247,12 @@ class MemoryPlanner(Callback):
 
     def _validate(
         self, runner: TrialRunner, probe: Any, plan: Plan, budgets: list[int], total: int, upper: int
-    ) -> dict[int, int]:
-        """Run each budget's largest size under that budget; the size that ran per budget."""
+    ) -> tuple[dict[int, int], list[ProbePoint]]:
+        """Run each budget's largest size under that budget; the size that ran per budget, and what those measured."""
         if not self.validate or plan.verdict != "settled":
-            return {}
+            return {}, []
         ran: dict[int, int] = {}
+        measured: list[ProbePoint] = []
         for budget in budgets:
             limit = plan.limit_for(budget)
             size = plan.largest_under(limit)
@@ -256,8 +263,11 @@ class MemoryPlanner(Callback):
             try:
                 step = BACK_OFF
                 for _ in range(VALIDATION_TRIES):
-                    if accepted(runner(size), limit):
+                    trial = runner(size)
+                    if accepted(trial, limit):
                         ran[budget] = size
+                        point = probe_point(trial)
+                        measured += [point] if point is not None and trial.retries in (None, 0) else []
                         break
                     smaller = plan.largest_under(plan.need(size) * (1 - step), live_only=True)
                     if smaller is None or smaller < 1 or smaller >= size:
@@ -265,7 +275,7 @@ class MemoryPlanner(Callback):
                     size, step = smaller, 2 * step
             finally:
                 probe.set_memory_fraction(previous)
-        return ran
+        return ran, measured
 
     def _report(self, trainer: pl.Trainer, plan: Plan, size: int) -> None:
         name = self.batch_arg_name

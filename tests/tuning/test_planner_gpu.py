@@ -16,9 +16,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:`weights_only`
 
 
 class MLP(LightningModule):
-    """~38M parameters (AdamW: ~0.6 GiB fixed) and ~0.1 MiB of activations per sample."""
+    """~38M parameters (AdamW: ~0.6 GiB fixed) on 64 tokens a sample: a few MiB of activations per sample."""
 
-    def __init__(self, batch_size: int = 256) -> None:
+    def __init__(self, batch_size: int = 64) -> None:
         super().__init__()
         self.batch_size = batch_size
         self.net = nn.Sequential(
@@ -26,15 +26,15 @@ class MLP(LightningModule):
             nn.Linear(4096, 10),
         )  # fmt: skip
         generator = torch.Generator().manual_seed(0)
-        self.data = TensorDataset(torch.randn(32768, 1024, generator=generator), torch.randint(0, 10, (32768,)))
+        self.data = TensorDataset(torch.randn(2048, 64, 1024, generator=generator), torch.randint(0, 10, (2048,)))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
+        return nn.functional.cross_entropy(self.net(x).mean(dim=1), y)
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y))
+        self.log("val_loss", nn.functional.cross_entropy(self.net(x).mean(dim=1), y))
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
@@ -72,15 +72,15 @@ def _fit(model, *callbacks, **kwargs):
 
 
 def test_the_plan_predicts_the_real_fits_peak_and_each_budgets_largest_size_runs_under_it():
-    planner, peaks = MemoryPlanner(budgets=["4GiB", "2GiB"]), Peaks()
-    model = MLP(batch_size=1024)
+    planner, peaks = MemoryPlanner(budgets=["8GiB", "4GiB"]), Peaks()
+    model = MLP(batch_size=96)
     _fit(model, planner, peaks)
     plan = planner.plan
     print(
         f"\nplan: probes {[p.size for p in plan.probes]}, predictions {planner.predictions}, seconds {planner.seconds}"
     )
     assert plan.verdict == "settled"
-    assert plan.need(1024) == pytest.approx(peaks.allocated, rel=0.05)  # the fit at the user's size, planned
+    assert plan.need(96) == pytest.approx(peaks.allocated, rel=0.05)  # the fit at the user's size, planned
     assert plan.outside is None or 0 < plan.outside < 4 * GIB  # the CUDA context, as NVML sees it
     four, two = planner.predictions
     assert four.validated
@@ -94,7 +94,7 @@ def test_the_plan_predicts_the_real_fits_peak_and_each_budgets_largest_size_runs
 
 
 def test_stop_is_a_dry_run_on_the_gpu():
-    planner = MemoryPlanner(budgets=["2GiB"], validate=False, stop=True)
+    planner = MemoryPlanner(budgets=["4GiB"], validate=False, stop=True)
     trainer = _fit(MLP(), planner)
     assert planner.plan is not None
     assert trainer.global_step == 0
@@ -103,11 +103,11 @@ def test_stop_is_a_dry_run_on_the_gpu():
 
 
 def test_the_tuner_predicts_validates_and_closes_in_with_real_out_of_memory_errors():
-    tuner = BatchSizeTuner(budget="2GiB", headroom=0.0)
+    tuner = BatchSizeTuner(budget="4GiB", headroom=0.0)
     model = MLP()
-    trainer = _fit(model, tuner, Peaks(cap=2 * GIB))
+    trainer = _fit(model, tuner, Peaks(cap=4 * GIB))
     result = tuner.result
-    print(f"\n2 GiB: {result.batch_size}, {result.reason}, {[(t.batch_size, t.fits) for t in result.trials]}")
+    print(f"\n4 GiB: {result.batch_size}, {result.reason}, {[(t.batch_size, t.fits) for t in result.trials]}")
     assert result.plan is not None
     assert result.note == ""
     kept = next(t for t in reversed(result.trials) if t.batch_size == result.batch_size)
