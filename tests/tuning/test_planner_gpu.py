@@ -112,7 +112,7 @@ def test_the_tuner_predicts_validates_and_closes_in_with_real_out_of_memory_erro
     assert result.note == ""
     kept = next(t for t in reversed(result.trials) if t.batch_size == result.batch_size)
     assert kept.fits
-    assert kept.peak_bytes <= 2 * GIB
+    assert kept.peak_bytes <= 4 * GIB
     near = [t for t in result.trials if t.batch_size > max(p.size for p in result.plan.probes)]
     assert len(near) <= 5
     failed = [t.batch_size for t in result.trials if not t.fits and t.batch_size > result.batch_size]
