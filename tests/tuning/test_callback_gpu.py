@@ -145,7 +145,7 @@ def test_budget_is_met_in_few_trials_and_the_fit_fits(method):
         assert min(t.batch_size for t in larger) - largest - 1 <= tolerance * largest
     else:  # one more sample was predicted to cross the budget
         assert tuner.result.reason == "predicted", tuner.result
-    assert len(tuner.trials) <= 16
+    assert len(tuner.trials) <= (16 if method == "search" else 20)  # predict: up to 12 cheap probes of small sizes
     assert after.allocated - before.allocated < 2**20  # nothing left behind (the logged val_loss is a few bytes)
     assert trainer.global_step == 5  # the real fit ran under the same 2 GiB cap without OOM
     big = torch.empty(3 * GIB, dtype=torch.uint8, device="cuda")  # the cap was lifted afterwards
