@@ -621,7 +621,7 @@ def test_the_benchmark_trials_replay_exactly():
     for path in sorted(results.glob("tuner-*gib*.json")):
         data = json.loads(path.read_text())
         for workload in data["workloads"].values():
-            for finder in workload["finders"].values():
+            for name, finder in workload["finders"].items():
                 keys = ("peak_bytes", "allocated_bytes", "train_peak_bytes", "val_peak_bytes", "retries")
                 measured = {
                     t["batch_size"]: tuple(t.get(k) for k in keys) if t["fits"] else None
@@ -631,11 +631,12 @@ def test_the_benchmark_trials_replay_exactly():
                     continue
                 search = list(measured)  # the sizes in the order tried; the headroom's own trial, if any, is last
                 budget = data["settings"]["budget_bytes"]
-                result = search_batch_size(_replay(measured), init_val=2, upper=16384, limit_bytes=budget)
+                search_fn = search_by_plan if name.startswith("predict") else search_batch_size
+                result = search_fn(_replay(measured), init_val=2, upper=16384, limit_bytes=budget)
                 assert [t.batch_size for t in result.trials] == search[: len(result.trials)], path.name
                 assert len(result.trials) >= len(search) - 1, path.name
                 replayed += 1
-    assert replayed >= 9
+    assert replayed >= 12
 
 
 def test_each_move_is_named_in_the_docs_by_its_value_and_printed_with_its_reason():
