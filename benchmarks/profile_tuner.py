@@ -27,6 +27,7 @@ import tuner as bench
 
 from lightning_gpumem._hw import allocator as allocator_module
 from lightning_gpumem.tuning import callback as tuner_module
+from lightning_gpumem.tuning import measure as measure_module
 from lightning_gpumem.tuning import model_state as _state
 from lightning_gpumem.tuning import trials as _session
 
@@ -39,8 +40,9 @@ STAGES = [  # (owner, attribute, label)
     (_state.ModelState, "reset_for_trial", "  of which: optimizer reset"),
     (allocator_module, "start_clean", "clean start (workspaces, empty_cache)"),
     (_session.TrialSession, "run", "trial run (fit loop)"),
-    (tuner_module, "release_to", "release"),
-    (tuner_module, "gather_named", "peak agreement"),
+    (measure_module, "release_to", "release (before each trial)"),
+    (tuner_module, "release_to", "release (after the search)"),
+    (measure_module, "gather_named", "peak agreement"),
 ]
 
 
