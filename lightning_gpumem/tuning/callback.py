@@ -264,7 +264,7 @@ class BatchSizeTuner(Callback):
         if trainer.limit_train_batches == 0:
             rank_zero_warn("BatchSizeTuner: skipped because `limit_train_batches=0` runs no training step.")
             return None
-        self._check_setup(trainer)
+        _session.require_settable_batch(trainer, self.batch_arg_name, "BatchSizeTuner")
         length = loaders.train_dataset_length(trainer)
         if length is None and self.max_val is None:
             raise ValueError(
@@ -347,21 +347,6 @@ class BatchSizeTuner(Callback):
         return result.batch_size
 
     # ------------------------------------------------------------------ helpers
-    def _check_setup(self, trainer: pl.Trainer) -> None:
-        """Refuse set-ups where a batch size cannot be applied, before any trial runs."""
-        if not _session.has_batch_arg(trainer, self.batch_arg_name):
-            raise AttributeError(
-                f"`BatchSizeTuner(batch_arg_name={self.batch_arg_name!r})`: neither the LightningModule, its hparams,"
-                f" the datamodule nor its hparams has an attribute `{self.batch_arg_name}`. Add it (and use it in your"
-                " dataloaders), or pass the name your code uses."
-            )
-        if not loaders.train_source_is_module(trainer):
-            raise ValueError(
-                "BatchSizeTuner cannot change the batch size of dataloaders passed straight to `trainer.fit(...)`:"
-                " they are built already. Build them in `train_dataloader()` / `val_dataloader()` of your"
-                f" LightningModule or LightningDataModule from `{self.batch_arg_name}`, or remove the tuner."
-            )
-
     def _accumulation_for(self, size: int) -> int:
         original_size, original_accumulation = self._original
         if not self.keep_effective_batch:

@@ -8,6 +8,7 @@ the validation step apart, nothing left behind) and the plan is the pure :class:
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Sequence
@@ -31,7 +32,7 @@ from lightning_gpumem._pl.peers import budget_bytes
 from lightning_gpumem.tuning import loaders
 from lightning_gpumem.tuning import trials as _session
 from lightning_gpumem.tuning.measure import LEFTOVER_BYTES, TrialRunner, plan_builder
-from lightning_gpumem.tuning.search import BACK_OFF, accepted, probe_point
+from lightning_gpumem.tuning.search import accepted, back_off_sizes, probe_point, probe_until_line
 from lightning_gpumem.tuning.trials import TrialSession
 
 CARDS_GIB = (16, 24, 40, 48, 80)
@@ -137,18 +138,7 @@ class MemoryPlanner(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         require_trainer("MemoryPlanner", trainer)
-        if not _session.has_batch_arg(trainer, self.batch_arg_name):
-            raise AttributeError(
-                f"`MemoryPlanner(batch_arg_name={self.batch_arg_name!r})`: neither the LightningModule, its hparams,"
-                f" the datamodule nor its hparams has an attribute `{self.batch_arg_name}`. Add it (and use it in your"
-                " dataloaders), or pass the name your code uses."
-            )
-        if not loaders.train_source_is_module(trainer):
-            raise ValueError(
-                "MemoryPlanner cannot change the batch size of dataloaders passed straight to `trainer.fit(...)`:"
-                " they are built already. Build them in `train_dataloader()` / `val_dataloader()` from"
-                f" `{self.batch_arg_name}`, or remove the planner."
-            )
+        _session.require_settable_batch(trainer, self.batch_arg_name, "MemoryPlanner")
         if trainer.fast_dev_run or trainer.limit_train_batches == 0:  # type: ignore[attr-defined]
             rank_zero_warn("MemoryPlanner: skipped: the fit runs no training step to plan (fast_dev_run, limit 0).")
             return
@@ -162,7 +152,7 @@ class MemoryPlanner(Callback):
             return
         start = time.perf_counter()
         size = _session.get_batch_size(trainer, self.batch_arg_name)
-        budgets = self._budgets(trainer, probe.usable_bytes() or total, total)
+        budgets = self._budgets(trainer, total)
         length = loaders.train_dataset_length(trainer)
         upper = max(1, length) if length is not None else 2**20
         baseline = probe.allocated_bytes()
@@ -203,7 +193,7 @@ class MemoryPlanner(Callback):
             rank_zero_info("MemoryPlanner: `stop=True`: the fit ends after planning (a dry run).")
 
     # ------------------------------------------------------------------ helpers
-    def _budgets(self, trainer: pl.Trainer, usable: int, total: int) -> list[int]:
+    def _budgets(self, trainer: pl.Trainer, total: int) -> list[int]:
         if self.budgets is None:
             own = budget_bytes(trainer) or total
             cards = [gib * GIB for gib in CARDS_GIB if gib * GIB < own]
@@ -213,29 +203,22 @@ class MemoryPlanner(Callback):
 
     def _probe(self, runner: TrialRunner, trainer: pl.Trainer, probe: Any, total: int, upper: int) -> Plan | None:
         """Probe from ``init_val``, doubling, until the line settles; the plan, or ``None`` with a warning."""
-        size = max(1, min(self.init_val, upper))
-        points: list[ProbePoint] = []
         limit = probe.usable_bytes() or total
-        while True:
-            trial = runner(size)
-            point = probe_point(trial)
-            if not trial.fits or point is None:
-                rank_zero_warn(
-                    f"MemoryPlanner: the probe at {self.batch_arg_name}={size} "
-                    + ("ran out of memory" if not trial.fits else "measured no peak")
-                    + "; no plan. Lower `init_val`."
-                )
-                return None
-            points.append(point)
-            verdict, nxt = probe_verdict(points, limit, upper)
-            if verdict != "more" or nxt is None:
-                break
-            size = nxt
+        probed = probe_until_line(runner, init_val=self.init_val, upper=upper, limit=limit)
+        points, verdict, size = probed.points, probed.verdict, probed.size
+        if probed.stop in ("rejected", "unmeasured"):
+            what = "ran out of memory" if probed.stop == "rejected" else "measured no peak"
+            rank_zero_warn(
+                f"MemoryPlanner: the probe at {self.batch_arg_name}={size} {what}; no plan. Lower `init_val`."
+            )
+            return None
         if len(points) < 2:
             rank_zero_warn(
                 f"MemoryPlanner: one probe ({self.batch_arg_name}={size}) left no room for another; no plan."
             )
             return None
+        if verdict is None:  # probing reached the dataset's size: the verdict on what it measured
+            verdict = probe_verdict(points, limit, upper)[0]
         plan = plan_builder(trainer, probe, runner, self)(points, verdict)
         if verdict == "not_affine":
             rank_zero_warn(
@@ -261,18 +244,14 @@ class MemoryPlanner(Callback):
             size = min(size, upper)
             previous = probe.set_memory_fraction(min(1.0, limit / total))
             try:
-                step = BACK_OFF
-                for _ in range(VALIDATION_TRIES):
+                tries = itertools.islice(itertools.chain([size], back_off_sizes(plan, size, 0)), VALIDATION_TRIES)
+                for size in tries:  # the prediction, then 6%, 12%... less live memory than it
                     trial = runner(size)
                     if accepted(trial, limit):
                         ran[budget] = size
                         point = probe_point(trial)
                         measured += [point] if point is not None and trial.retries in (None, 0) else []
                         break
-                    smaller = plan.largest_under(plan.need(size) * (1 - step), live_only=True)
-                    if smaller is None or smaller < 1 or smaller >= size:
-                        break
-                    size, step = smaller, 2 * step
             finally:
                 probe.set_memory_fraction(previous)
         return ran, measured

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Literal
@@ -574,6 +574,65 @@ def probe_point(trial: Trial) -> ProbePoint | None:
     return ProbePoint(trial.batch_size, train, trial.val_peak_bytes, trial.peak_bytes)
 
 
+@dataclass(frozen=True)
+class Probed:
+    """What :func:`probe_until_line` measured.
+
+    Attributes:
+        points: the accepted probes, by size.
+        verdict: the probes' verdict (``None`` where probing stopped first).
+        stop: why probing stopped before a verdict: ``"rejected"`` (the last size ran out of memory or peaked over
+            the limit), ``"unmeasured"`` (it measured no peak, as on a CPU), ``"upper"`` (it reached ``upper``), or
+            ``""``.
+        size: the last size probed.
+    """
+
+    points: list[ProbePoint]
+    verdict: Verdict | None
+    stop: str
+    size: int
+
+
+def probe_until_line(
+    run: Callable[[int], Trial],
+    *,
+    init_val: int,
+    upper: int,
+    limit: int,
+    on_move: Callable[[Proposal], None] | None = None,
+) -> Probed:
+    """Probe from ``init_val``, doubling, while :func:`~lightning_gpumem._core.plan.probe_verdict` asks for more."""
+    size = max(1, min(init_val, upper))
+    points: list[ProbePoint] = []
+    while True:
+        if on_move is not None:
+            on_move(Proposal(Move.PROBE, size, "a probe of the plan: small sizes until memory is a line"))
+        trial = run(size)
+        point = probe_point(trial)
+        if not accepted(trial, limit):
+            return Probed(points, None, "rejected", size)
+        if point is None:
+            return Probed(points, None, "unmeasured", size)
+        points.append(point)
+        if size >= upper:
+            return Probed(points, None, "upper", size)
+        verdict, nxt = probe_verdict(points, limit, upper)
+        if verdict != "more" or nxt is None:
+            return Probed(points, verdict, "", size)
+        size = nxt
+
+
+def back_off_sizes(plan: Plan, size: int, floor: int) -> Iterator[int]:
+    """After ``size`` ran out of memory: the sizes needing 6%, 12%, 24%... less live memory than it, above ``floor``."""
+    need, step = plan.need(size), BACK_OFF
+    while True:
+        smaller = plan.largest_under(need * (1 - step), live_only=True)
+        if smaller is None or smaller <= floor:
+            return
+        yield smaller
+        step *= 2
+
+
 def search_by_plan(
     run_trial: Callable[[int], Trial],
     *,
@@ -649,25 +708,15 @@ def search_by_plan(
 
     if limit_bytes is None:
         return searched("no memory to measure: searched")
-    size = max(1, min(init_val, upper))
-    points: list[ProbePoint] = []
-    while True:
-        if on_move is not None:
-            on_move(Proposal(Move.PROBE, size, "a probe of the plan: small sizes until memory is a line"))
-        trial = run(size)
-        point = probe_point(trial)
-        if not accepted(trial, limit_bytes):
-            return searched(f"the probe at {size} did not fit the budget: searched below it")
-        if point is None:
-            return searched("the probes measured no peaks: searched")
-        points.append(point)
-        if size >= upper:
-            return SearchResult(size, tuple(trials.values()), "upper_bound")
-        verdict, nxt = probe_verdict(points, limit_bytes, upper)
-        if verdict != "more" or nxt is None:
-            break
-        size = nxt
-    if len(points) < 2:
+    probed = probe_until_line(run, init_val=init_val, upper=upper, limit=limit_bytes, on_move=on_move)
+    points, verdict, size = probed.points, probed.verdict, probed.size
+    if probed.stop == "rejected":
+        return searched(f"the probe at {size} did not fit the budget: searched below it")
+    if probed.stop == "unmeasured":
+        return searched("the probes measured no peaks: searched")
+    if probed.stop == "upper":
+        return SearchResult(size, tuple(trials.values()), "upper_bound")
+    if len(points) < 2 or verdict is None:
         return searched(f"{size} already needs half the budget: no room for probes, searched")
     plan = make_plan(points, verdict) if make_plan is not None else Plan(points, verdict)
     lo = max(p.size for p in points)
@@ -707,18 +756,17 @@ def _validate_and_close(
     predicted = plan.largest_under(limit)
     if predicted is None or predicted > lo:
         size = upper if predicted is None else min(predicted, upper)
-        need, step, move = plan.need(size), BACK_OFF, Move.PREDICTED
-        reason = "the plan's largest size under the budget"
-        while True:
-            if trial(move, size, reason):
-                lo = size
-                break
+        if trial(Move.PREDICTED, size, "the plan's largest size under the budget"):
+            lo = size
+        else:
             hi = size
-            smaller = plan.largest_under(need * (1 - step), live_only=True)  # 6%, 12%, 24%... below the prediction
-            if smaller is None or smaller <= lo or len(trials) >= max_trials:
-                break
-            reason = f"{size} ran out of memory: {step:.0%} less live memory than the prediction"
-            size, step, move = smaller, 2 * step, Move.BACK_OFF
+            for smaller in back_off_sizes(plan, size, lo):  # 6%, 12%, 24%... less live memory than the prediction
+                if len(trials) >= max_trials:
+                    break
+                if trial(Move.BACK_OFF, smaller, f"{hi} ran out of memory: less live memory than it"):
+                    lo = smaller
+                    break
+                hi = smaller
     while True:
         bound = min(top + 1, hi) if hi is not None else top + 1  # sizes from ``bound`` on are not expected to fit
         if lo >= upper:

@@ -33,6 +33,7 @@ from lightning_gpumem.tuning.loaders import (
     join_workers,
     reload_dataloaders,
     set_sampler_epochs,
+    train_source_is_module,
     unload_dataloaders,
 )
 from lightning_gpumem.tuning.model_state import ModelState, keeps_whole_model
@@ -317,6 +318,27 @@ def batch_arg_in_hparams(trainer: pl.Trainer, name: str) -> bool:
     """Whether the module's or the datamodule's ``hparams`` (what Lightning logs as hyperparameters) hold ``name``."""
     module, datamodule = trainer.lightning_module, getattr(trainer, "datamodule", None)
     return any(name in getattr(owner, "hparams", {}) for owner in (module, datamodule) if owner is not None)
+
+
+def require_settable_batch(trainer: pl.Trainer, name: str, owner: str) -> None:
+    """Refuse, before any trial, a fit whose batch size cannot be set: no attribute ``name``, or built dataloaders.
+
+    Raises:
+        AttributeError: neither the module, its hparams, the datamodule nor its hparams has ``name``.
+        ValueError: the dataloaders were passed straight to ``trainer.fit``.
+    """
+    if not has_batch_arg(trainer, name):
+        raise AttributeError(
+            f"`{owner}(batch_arg_name={name!r})`: neither the LightningModule, its hparams, the datamodule nor its"
+            f" hparams has an attribute `{name}`. Add it (and use it in your dataloaders), or pass the name your code"
+            " uses."
+        )
+    if not train_source_is_module(trainer):
+        raise ValueError(
+            f"{owner} cannot change the batch size of dataloaders passed straight to `trainer.fit(...)`: they are"
+            " built already. Build them in `train_dataloader()` / `val_dataloader()` of your LightningModule or"
+            f" LightningDataModule from `{name}`, or remove the {owner}."
+        )
 
 
 def get_batch_size(trainer: pl.Trainer, name: str) -> int:
