@@ -51,8 +51,9 @@ class MemoryPlanner(Callback):
     batch size that fits (the budget less the memory outside PyTorch, which NVML measures). With ``validate=True``
     the largest size of each budget runs in a trial under that budget (the allocator capped with
     ``torch.cuda.set_per_process_memory_fraction``) and is marked *validated*; one that runs out of memory backs off
-    (6%, 12%, 24% less live memory) until one runs. Trials leave nothing behind: the fit then runs as without the
-    planner (``tests/tuning/test_conformance.py``'s guarantee, which the planner shares with ``BatchSizeTuner``).
+    (6%, then 12% less live memory than the prediction) until one runs. Trials leave nothing behind: they run in
+    ``BatchSizeTuner``'s trial session, and the fit then equals the fit without the planner
+    (``tests/tuning/test_planner.py``).
 
     The plan is printed on rank zero, sent to every logger as a table (TensorBoard text, a W&B table, an MLflow
     artifact, else ``gpumem_memory_plan.csv``), logged as the scalars below and kept in :attr:`plan` and
