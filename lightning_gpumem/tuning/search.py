@@ -655,7 +655,8 @@ def search_by_plan(
     4. **Close**: until the sizes between the largest accepted and the smallest rejected (or, where none was
        rejected, the size where live tensors alone fill the limit) are at most ``tolerance`` of the former: while
        nothing ran out of memory, the size the line gives from the largest accepted size's own reserved peak
-       (``near_cap``); after an OOM, bisection.
+       (``near_cap``), where that is more than half the tolerance above it; else (a reserved peak squeezed against
+       the cap says little), and after an OOM, bisection.
 
     Where the probes are not affine (:func:`~lightning_gpumem._core.plan.probe_verdict`), the search's moves
     (:func:`next_move`) go on from the largest probe, to within 1%; where they measured nothing (a CPU), or a probe
@@ -782,7 +783,7 @@ def _validate_and_close(
         if kept.peak_bytes is not None and hi is None:
             room = (limit - kept.peak_bytes) / plan.growth + plan.need(lo)
             guess = plan.largest_under(room, live_only=True)
-        if guess is not None and lo < guess < bound:
+        if guess is not None and lo + tolerance * lo / 2 < guess < bound:  # else a crawl: bisect
             size, move, reason = (
                 guess,
                 Move.NEAR_CAP,
