@@ -4,13 +4,17 @@
 #
 #   bash benchmarks/gpu_session.sh [PART]...   (default: tests monitor microbatch)
 #   PART: tests, monitor, microbatch, microbatch-gpt, microbatch-gpt-profile, profile, tuner, tuner-gpt, tuner-resnet,
-#         tuner-resnet-12, tuner-longval, plan, plan-expandable, tuner-predict, tuner-predict-12
+#         tuner-resnet-12, tuner-longval, plan, plan-expandable, tuner-predict, tuner-predict-12, token-budget
 #
 # plan: MemoryPlanner's predictions against measured peaks on six workloads (benchmarks/plan.py) -> plan.json, .log;
 # plan-expandable: the same for the two GPTs with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; tuner-predict:
 # BatchSizeTuner (predict, then validate; headroom 0 and 0.05) against BatchSizeFinder(mode="binsearch") and the
 # true maximum (a 4-step fit + 1 validation batch in a fresh process) at 24 GiB on gpt, gpt124, vit and resnet
 # (TUNER_MODELS overrides) -> tuner-predict-24gib.json; tuner-predict-12: gpt, gpt-ckpt, encoder at 12 GiB.
+#
+# token-budget: TokenBudgetSampler with a tuned max_tokens against BatchSizeFinder, the worst-case batch size and a
+# hand-set budget, one epoch each (benchmarks/token_budget.py; TOKEN_ATTENTION, TOKEN_DATASETS, TOKEN_CONFIGS,
+# TOKEN_SAMPLES, TOKEN_S) -> token-budget-<attention>.json, .log.
 #
 # microbatch-gpt: AutoMicrobatch (never splitting) and MemoryMonitor against no callback on a 253.5M-parameter GPT,
 # 7 interleaved rounds (about 2 min) -> microbatch-gpt-overhead.json, .log; microbatch-gpt-profile: torch.profiler
@@ -68,6 +72,10 @@ for part in "${parts[@]}"; do
     tuner-predict-12) timeout ${TUNER_S:-400} python3 benchmarks/tuner.py --models ${TUNER_MODELS:-gpt,gpt-ckpt,encoder} \
       --budget-gib 12 --parallel 10 --finders predict,binsearch --headroom 0.0 --fit-steps 4 --fit-val-batches 1 \
       --time-limit $(( ${TUNER_S:-400} - 40 )) --json "$OUT/tuner-predict-12gib.json" > "$OUT/tuner-predict-12gib.log" 2>&1 ;;
+    token-budget) timeout ${TOKEN_S:-420} python3 benchmarks/token_budget.py --attention ${TOKEN_ATTENTION:-sdpa} \
+      --datasets ${TOKEN_DATASETS:-zipf,skewed} --configs ${TOKEN_CONFIGS:-worst,tuned,hand,finder} \
+      --samples ${TOKEN_SAMPLES:-3000} --time-limit $(( ${TOKEN_S:-420} - 20 )) --json "$OUT/token-budget-${TOKEN_ATTENTION:-sdpa}.json" \
+      > "$OUT/token-budget-${TOKEN_ATTENTION:-sdpa}.log" 2>&1 ;;
     *) echo "unknown part: $part" >&2; false ;;
   esac
   status=$?

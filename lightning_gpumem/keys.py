@@ -109,7 +109,19 @@ RELEASE_SECONDS = _key(
     "release_seconds", "s", "time spent releasing (`gc` + `empty_cache`), summed", "EmptyCacheOnThreshold", "per_rank"
 )
 
-BATCH_SIZE = _key("batch_size", "count", "the batch size chosen, at the step where tuning ran", "BatchSizeTuner")
+BATCH_SIZE = _key(
+    "batch_size", "count", "the batch size (or token budget) chosen, at the step where tuning ran", "BatchSizeTuner"
+)
+TOKEN_BUDGET = _key(
+    "token_budget",
+    "count",
+    "the `TokenBudgetSampler` budget chosen (where it was tuned), at that step",
+    "BatchSizeTuner",
+)
+PADDING = _key(
+    "padding_fraction", "%", "padded positions in the epoch's batches at the budget chosen (where a budget was tuned)",
+    "BatchSizeTuner",
+)  # fmt: skip
 BATCH_SIZE_TRIALS = _key(
     "batch_size_trials", "table", "one row per trial: size, outcome, peaks (GiB), seconds", "BatchSizeTuner"
 )
@@ -171,6 +183,8 @@ KEYS: tuple[Key, ...] = (
     RELEASED,
     RELEASE_SECONDS,
     BATCH_SIZE,
+    TOKEN_BUDGET,
+    PADDING,
     BATCH_SIZE_TRIALS,
     TRIAL_OOMS,
     TRIAL_RETRIES,

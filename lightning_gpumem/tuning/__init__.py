@@ -1,7 +1,8 @@
 """Batch-size tuning and memory planning, driven by real trials run through Lightning.
 
 A pure search and plan (``search.py``, ``_core/plan.py``); ``callback.py`` (BatchSizeTuner) and ``planner.py``
-(MemoryPlanner) run the trials.
+(MemoryPlanner) run the trials; ``token_budget.py`` (TokenBudgetSampler) batches variable-length data under a budget
+the tuner can tune, and ``lengths.py`` scans samples' lengths so that trials run the longest first.
 
 The names are imported on first use (PEP 562), so ``lightning_gpumem.tuning.search`` loads neither torch nor
 Lightning.
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
     from lightning_gpumem.tuning.callback import BatchSizeTuner
     from lightning_gpumem.tuning.planner import MemoryPlanner
     from lightning_gpumem.tuning.search import SearchResult, Trial, search_batch_size, search_by_plan
+    from lightning_gpumem.tuning.token_budget import TokenBudgetSampler
 
 _EXPORTS = {
     "BatchSizeTuner": "lightning_gpumem.tuning.callback",
@@ -24,8 +26,17 @@ _EXPORTS = {
     "SearchResult": "lightning_gpumem.tuning.search",
     "Trial": "lightning_gpumem.tuning.search",
     "search_batch_size": "lightning_gpumem.tuning.search",
+    "TokenBudgetSampler": "lightning_gpumem.tuning.token_budget",
 }
-__all__ = ["BatchSizeTuner", "MemoryPlanner", "SearchResult", "Trial", "search_batch_size", "search_by_plan"]
+__all__ = [
+    "BatchSizeTuner",
+    "MemoryPlanner",
+    "SearchResult",
+    "TokenBudgetSampler",
+    "Trial",
+    "search_batch_size",
+    "search_by_plan",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_gpumem import keys
+from lightning_gpumem._core.batching import batch_cost
 from lightning_gpumem._core.checks import require_flags, require_int, require_trainer
 from lightning_gpumem._core.files import unique_path, write_atomic
 from lightning_gpumem._core.units import GIB, check_budget, format_gib, parse_budget
@@ -31,6 +34,7 @@ from lightning_gpumem._pl.logging import log_table, log_to_loggers, run_dir
 from lightning_gpumem._pl.peers import budget_bytes
 from lightning_gpumem.tuning import loaders
 from lightning_gpumem.tuning import trials as _session
+from lightning_gpumem.tuning.lengths import LengthFn, sample_length, scan_lengths
 from lightning_gpumem.tuning.measure import LEFTOVER_BYTES, TrialRunner, plan_builder
 from lightning_gpumem.tuning.search import (
     SearchResult,
@@ -40,6 +44,7 @@ from lightning_gpumem.tuning.search import (
     search_by_plan,
     walk_down,
 )
+from lightning_gpumem.tuning.token_budget import TokenBudgetSampler, heaviest_batches_first
 from lightning_gpumem.tuning.trials import TrialSession
 
 MAX_TRIALS = 25
@@ -126,6 +131,19 @@ class BatchSizeTuner(Callback):
             (:func:`~lightning_gpumem.tuning.search.search_by_plan`; where the probes are not on a line or measure
             nothing, as on a CPU, it searches and says why in :attr:`result`'s ``note``). ``"search"``: the bracket
             search from ``init_val`` alone, to within 1%.
+        length_fn: how a training or validation sample's size is measured, for data whose batches change shape
+            (text, speech): a function of the sample, or the key (or attribute) of a field holding the length or
+            the sequence itself (``"input_ids"``). The datasets' lengths are scanned once (at most 30 s; past that,
+            the samples scanned so far, and a warning says so) and every trial draws the longest samples first,
+            collated by the loader's own ``collate_fn``, so the size found fits the longest batch the data can
+            make. Without it, a warning says when the trials' batches changed shape. Not needed for a
+            :class:`~lightning_gpumem.TokenBudgetSampler`, whose trials always run its heaviest batches.
+
+    **Token budgets.** Where ``batch_arg_name`` is the ``max_tokens`` of the training loader's
+    :class:`~lightning_gpumem.TokenBudgetSampler` (``BatchSizeTuner(batch_arg_name="max_tokens")``), the tuner tunes
+    that budget instead of a batch size: trials run the sampler's heaviest batches (the costliest, the one with the
+    longest sample, the one with the most samples), the search starts at the longest sample's own cost, and the
+    budget chosen is logged as ``gpumem/token_budget`` with the epoch's padding fraction.
 
     Raises:
         ValueError: on an invalid argument, or (at fit start) a budget larger than the device, dataloaders passed
@@ -155,6 +173,7 @@ class BatchSizeTuner(Callback):
         keep_effective_batch: bool = False,
         retune_on_resume: bool = False,
         method: str = "predict",
+        length_fn: LengthFn | None = None,
     ) -> None:
         if budget is not None:
             check_budget(budget, "BatchSizeTuner")  # type and format now; the size against the device at fit
@@ -171,6 +190,11 @@ class BatchSizeTuner(Callback):
             raise ValueError(f"`BatchSizeTuner(batch_arg_name={batch_arg_name!r})` is not valid. Expected a name.")
         if method not in METHODS:
             raise ValueError(f"`BatchSizeTuner(method={method!r})` is not valid. Expected one of {METHODS}.")
+        if not (length_fn is None or callable(length_fn) or (isinstance(length_fn, str) and length_fn)):
+            raise TypeError(
+                f"`BatchSizeTuner(length_fn={length_fn!r})` is not valid. Expected None, a function of a sample"
+                " returning its length, or the key of a sample's length field (a non-empty string)."
+            )
         require_flags(
             "BatchSizeTuner",
             include_validation=include_validation,
@@ -187,6 +211,7 @@ class BatchSizeTuner(Callback):
         self.keep_effective_batch = keep_effective_batch
         self.retune_on_resume = retune_on_resume
         self.method = method
+        self.length_fn = length_fn
 
         self.optimal_batch_size: int | None = None
         """The batch size chosen by the last search (or restored from a checkpoint; ``None`` before either)."""
@@ -200,6 +225,9 @@ class BatchSizeTuner(Callback):
         self._size_due = False  # a size was chosen or restored and is not logged yet
         self._accumulation: int | None = None
         self._restored: dict[str, Any] | None = None
+        self._orders: dict[tuple[Any, ...], list[int]] = {}  # a dataset's indices, longest first (once per fit)
+        self._scan_error: Exception | None = None  # length_fn's error in a dataloader hook, raised after the trial
+        self._tokens: TokenBudgetSampler | None = None  # the sampler whose budget the last search tuned
 
     @property
     def trials(self) -> tuple[Trial, ...]:
@@ -265,16 +293,25 @@ class BatchSizeTuner(Callback):
             rank_zero_warn("BatchSizeTuner: skipped because `limit_train_batches=0` runs no training step.")
             return None
         _session.require_settable_batch(trainer, self.batch_arg_name, "BatchSizeTuner")
-        length = loaders.train_dataset_length(trainer)
-        if length is None and self.max_val is None:
-            raise ValueError(
-                "`BatchSizeTuner(max_val=None)`: the training dataset has no length (an `IterableDataset`), so no"
-                " batch size is known to exist in it. Pass `max_val`, the largest batch size the dataset can fill."
-            )
+        self._orders, self._scan_error = {}, None
+        built = loaders.train_loaders(trainer)
+        self._tokens = tokens = self._token_sampler(trainer, built)
+        init_val = self.init_val
+        if tokens is not None:  # a token budget: from the longest sample's own cost to the whole dataset's
+            init_val, upper = self._token_bounds(tokens)
+        else:
+            length = loaders.dataset_length(built)
+            if length is None and self.max_val is None:
+                raise ValueError(
+                    "`BatchSizeTuner(max_val=None)`: the training dataset has no length (an `IterableDataset`), so"
+                    " no batch size is known to exist in it. Pass `max_val`, the largest batch size the dataset can"
+                    " fill."
+                )
+            upper = self._upper_bound(trainer, length)
+        del built
         probe = make_probe(trainer.strategy.root_device, self)
         baseline = probe.allocated_bytes()  # what each trial starts from, and the search ends at
         limit = self._limit_bytes(probe, trainer)  # budget
-        upper = self._upper_bound(trainer, length)
         start = time.perf_counter()
         total = probe.total_bytes() if limit is not None and probe.device.type == "cuda" else None
         previous_fraction = None
@@ -290,14 +327,14 @@ class BatchSizeTuner(Callback):
                     steps=self.steps_per_trial,
                     validate=self.include_validation,
                     accumulation_for=self._accumulation_for,
-                    check_batches=self._check_batches,
+                    check_batches=self._check_batches if tokens is None else None,
                 )
                 try:
-                    with expecting_oom():  # trials that run out of memory are the search's plan, not failures
+                    with expecting_oom(), self._heaviest_first(trainer, tokens):  # OOMs are the search's plan
                         if self.method == "predict":  # probe, predict, validate, close in
                             result = search_by_plan(
-                                runner,
-                                init_val=self.init_val,
+                                self._raising_scan_errors(runner),
+                                init_val=init_val,
                                 upper=upper,
                                 limit_bytes=limit,
                                 max_trials=MAX_TRIALS,
@@ -305,7 +342,11 @@ class BatchSizeTuner(Callback):
                             )
                         else:  # search: the largest size that runs in the budget
                             result = search_batch_size(
-                                runner, init_val=self.init_val, upper=upper, limit_bytes=limit, max_trials=MAX_TRIALS
+                                self._raising_scan_errors(runner),
+                                init_val=init_val,
+                                upper=upper,
+                                limit_bytes=limit,
+                                max_trials=MAX_TRIALS,
                             )
                         result = self._leave_headroom(runner, result, limit)  # then give up the headroom
                 finally:
@@ -313,6 +354,7 @@ class BatchSizeTuner(Callback):
                         probe.set_memory_fraction(previous_fraction)
                 if result.batch_size is not None:  # apply (when the session is left)
                     session.choose(result.batch_size, self._accumulation_for(result.batch_size))
+                shapes = sorted(session.shapes)
         finally:
             release_to(probe, baseline, LEFTOVER_BYTES)
             counters = probe.read(nvml=False, host=False)  # the trials' planned OOMs are not the run's
@@ -343,8 +385,92 @@ class BatchSizeTuner(Callback):
                 f" effective batch near {self._original[0] * self._original[1]} (now {result.batch_size} x"
                 f" {self._accumulation} = {result.batch_size * self._accumulation})."
             )
+        if len(shapes) > 1 and tokens is None and self.length_fn is None:
+            rank_zero_warn(
+                f"BatchSizeTuner: the trials' training batches changed shape ({_shown(shapes[0])} and"
+                f" {_shown(shapes[-1])}, less the batch dimension), so the size was tuned on the batches the trials"
+                " happened to draw; a longer batch later in the fit may not fit. Pass `length_fn` (e.g."
+                ' `BatchSizeTuner(length_fn="input_ids")`) so that trials run the longest samples, or batch by'
+                " tokens with `TokenBudgetSampler` and tune its `max_tokens`."
+            )
         self._report(trainer, result, seconds, upper)
         return result.batch_size
+
+    # ------------------------------------------------------------------ variable-length data
+    def _token_sampler(self, trainer: pl.Trainer, built: Any) -> TokenBudgetSampler | None:
+        """The training loader's TokenBudgetSampler where ``batch_arg_name`` is its ``max_tokens``, else ``None``."""
+        sampler = loaders.token_sampler(built)
+        if sampler is None or sampler.max_tokens != _session.get_batch_size(trainer, self.batch_arg_name):
+            return None
+        return sampler
+
+    def _token_bounds(self, tokens: TokenBudgetSampler) -> tuple[int, int]:
+        """The first budget tried (the longest sample's own cost at least) and the largest one that may be tried."""
+        first = max(self.init_val, math.ceil(tokens.min_tokens))
+        whole = math.ceil(batch_cost(tokens.lengths, cost=tokens.cost, quadratic=tokens.quadratic))
+        if self.max_val is not None and self.max_val < first:
+            raise ValueError(
+                f"`BatchSizeTuner(max_val={self.max_val})` is below the cost of the longest sample alone"
+                f" ({first}): no budget up to it holds every sample. Raise `max_val` or leave it None."
+            )
+        return first, max(first, whole if self.max_val is None else min(self.max_val, whole))
+
+    def _heaviest_first(self, trainer: pl.Trainer, tokens: TokenBudgetSampler | None) -> Any:
+        """Within the block, trials draw the heaviest batches the data can make (where that is known)."""
+        if tokens is not None:
+            return heaviest_batches_first()
+        if self.length_fn is not None:
+            return self._longest_first(trainer)
+        return nullcontext()
+
+    @contextmanager
+    def _longest_first(self, trainer: pl.Trainer) -> Iterator[None]:
+        with loaders.longest_first(trainer, self._order_for) as skipped:
+            yield
+        for reason in dict.fromkeys(skipped):
+            rank_zero_warn(f"BatchSizeTuner: `length_fn` was not applied: {reason}; its trials drew the first batches.")
+
+    def _order_for(self, dataset: Any) -> list[int] | None:
+        """The indices of ``dataset``, longest first (scanned once per fit).
+
+        Called from within Lightning's dataloader request, which leaves Lightning's patches of ``DataLoader`` and
+        ``BatchSampler`` in place when an exception passes through it: an error of ``length_fn`` is kept and raised
+        once the trial has ended (:meth:`_raising_scan_errors`).
+        """
+        assert self.length_fn is not None
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            rank_zero_warn(f"BatchSizeTuner: `length_fn` needs a dataset with `len` and `[]`; {dataset!r} has not.")
+            return None
+        try:
+            key = _fingerprint(dataset, self.length_fn)  # hooks may build a new dataset object for every loader
+            if key not in self._orders:
+                self._orders[key] = self._scan(dataset)
+        except Exception as error:  # the user's length_fn or dataset: raised after the trial, not swallowed
+            self._scan_error = self._scan_error or error
+            return None
+        return self._orders[key]
+
+    def _raising_scan_errors(self, runner: TrialRunner) -> Any:
+        def run(size: int) -> Trial:
+            trial = runner(size)
+            if self._scan_error is not None:
+                error, self._scan_error = self._scan_error, None
+                raise error
+            return trial
+
+        return run
+
+    def _scan(self, dataset: Any) -> list[int]:
+        assert self.length_fn is not None
+        found = scan_lengths(dataset, self.length_fn)
+        if not found.complete:
+            rank_zero_warn(
+                f"BatchSizeTuner: scanned the lengths of {found.scanned} of {found.total} samples in"
+                f" {found.seconds:.0f} s, a random subset; the trials run the longest of those ({found.longest})."
+                " A longer sample may exist: pass a faster `length_fn` (a length field, not the sample's"
+                " tokenization)."
+            )
+        return found.order
 
     # ------------------------------------------------------------------ helpers
     def _accumulation_for(self, size: int) -> int:
@@ -468,7 +594,7 @@ class BatchSizeTuner(Callback):
             else "no memory measured"
         )
         rank_zero_info(
-            f"BatchSizeTuner: batch_size={result.batch_size} ({peak}, {len(result.trials)} trials,"
+            f"BatchSizeTuner: {self.batch_arg_name}={result.batch_size} ({peak}, {len(result.trials)} trials,"
             f" {result.num_ooms} OOM, {seconds:.1f} s)"
         )
         if result.reason == "upper_bound":
@@ -534,9 +660,12 @@ class BatchSizeTuner(Callback):
         if not self._size_due or not trainer.is_global_zero:
             return
         self._size_due = False
-        log_to_loggers(
-            trainer, {keys.BATCH_SIZE.format(): float(self.optimal_batch_size or 0)}, step=trainer.global_step
-        )
+        scalars = {keys.BATCH_SIZE.format(): float(self.optimal_batch_size or 0)}
+        tokens = self._tokens
+        if tokens is not None and self.optimal_batch_size is not None:  # a token budget was tuned
+            scalars[keys.TOKEN_BUDGET.format()] = float(self.optimal_batch_size)
+            scalars[keys.PADDING.format()] = 100.0 * tokens.padding_fraction(self.optimal_batch_size)
+        log_to_loggers(trainer, scalars, step=trainer.global_step)
         if not _session.batch_arg_in_hparams(trainer, self.batch_arg_name):
             return
         for logger in trainer.loggers:
@@ -571,6 +700,17 @@ class BatchSizeTuner(Callback):
             self._yaml_path = path
         except OSError as error:
             rank_zero_warn(f"BatchSizeTuner: could not write {path} ({error!r}).")
+
+
+def _fingerprint(dataset: Any, length_fn: Any) -> tuple[Any, ...]:
+    """What tells a dataset apart from another: its type, length and the lengths of eight samples spread over it."""
+    n = len(dataset)
+    spread = sorted({i * (n - 1) // 7 for i in range(8)}) if n else []
+    return (type(dataset).__qualname__, n, tuple(sample_length(dataset[i], length_fn) for i in spread))
+
+
+def _shown(shapes: tuple[tuple[int, ...], ...]) -> str:
+    return ", ".join("x".join(map(str, shape)) or "scalar" for shape in shapes)
 
 
 def _largest_size_with_batches(samples: int, limit: int | float, need: int) -> int:

@@ -1,21 +1,27 @@
 """The fit's dataloaders as the trials need them: built, dropped, rebuilt at a new size, their workers stopped.
 
+Where the samples' lengths are known, the trials' loaders draw the longest samples first.
+
 Lightning has no public API to drop a fit loop's loaders and build them again at another batch size, and torch none
 to stop a ``DataLoader``'s workers without waiting for them: this module reaches into the fit loop's
 ``_data_source``, ``_combined_loader`` and ``_data_fetcher``, Lightning's ``_ModeIterator`` and torch's
-``_MultiProcessingDataLoaderIter``. Each access carries a ``# private:`` comment;
+``_MultiProcessingDataLoaderIter``, and rebuilds a loader with another sampler by Lightning's
+``_update_dataloader``. Each access carries a ``# private:`` comment;
 ``tests/pl/test_lightning_internals.py`` fails loudly when an upgrade breaks one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import suppress
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager, suppress
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.data import _set_sampler_epoch
+
+from lightning_gpumem._pl.patching import patched
 
 
 def train_source_is_module(trainer: pl.Trainer) -> bool:
@@ -159,3 +165,74 @@ def _flatten_loaders(loaders: Any) -> Iterator[Any]:
         yield from loaders.flattened
     elif loaders is not None:
         yield loaders
+
+
+class _InOrder(torch.utils.data.Sampler[int]):
+    """Yields the given indices in order (a trial's longest samples first)."""
+
+    def __init__(self, order: list[int]) -> None:
+        self.order = order
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.order)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+
+@contextmanager
+def longest_first(trainer: pl.Trainer, order_for: Callable[[Any], list[int] | None]) -> Iterator[list[str]]:
+    """While in the block, the fit's train and val dataloaders draw their samples in ``order_for(dataset)``.
+
+    The user's ``*_dataloader`` hook builds each loader as usual; a ``DataLoader`` with a batch size and a map-style
+    dataset is then built again with the same arguments but a sampler yielding ``order_for(dataset)`` (Lightning's
+    own re-instantiation, the one that injects its ``DistributedSampler``; under DDP it then splits that order
+    between the ranks). Loaders with a custom batch sampler, iterable datasets and datasets ``order_for`` gives no
+    order for are left as they are. Yields the reasons loaders were left as they are (one per loader, for a warning).
+    """
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    skipped: list[str] = []
+
+    def reorder(loader: Any) -> Any:
+        if not isinstance(loader, torch.utils.data.DataLoader) or loader.batch_size is None:
+            return loader  # no batch size, or a batch sampler of its own: it decides the batches
+        dataset = loader.dataset
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            return loader
+        order = order_for(dataset)
+        if order is None:
+            return loader
+        try:
+            return _update_dataloader(loader, _InOrder(order))  # private: Lightning's re-instantiation
+        except Exception as error:  # a loader Lightning cannot rebuild: its trials draw what it yields first
+            skipped.append(f"{type(loader).__name__} could not be rebuilt ({error!r})")
+            return loader
+
+    def wrap(source: Any) -> Callable[[], Any]:
+        built = source.dataloader
+
+        def dataloader() -> Any:
+            return apply_to_collection(built(), torch.utils.data.DataLoader, reorder)
+
+        return dataloader
+
+    sources = [trainer.fit_loop._data_source, trainer.fit_loop.epoch_loop.val_loop._data_source]  # private
+    with ExitStack() as stack:
+        for source in sources:
+            if source.is_module():
+                stack.enter_context(patched(source, "dataloader", wrap(source)))
+        yield skipped
+
+
+def token_sampler(loaders: Any) -> Any:
+    """The :class:`~lightning_gpumem.tuning.token_budget.TokenBudgetSampler` of the first of ``loaders``, if any."""
+    from lightning_gpumem.tuning.token_budget import TokenBudgetSampler
+
+    sampler = getattr(_first_loader(loaders), "batch_sampler", None)
+    return sampler if isinstance(sampler, TokenBudgetSampler) else None
+
+
+def train_loaders(trainer: pl.Trainer) -> Any:
+    """The user's training dataloaders, built by their hook now (``None``: they cannot be built)."""
+    return trainer.fit_loop._data_source.dataloader()  # private, see `train_source_is_module`

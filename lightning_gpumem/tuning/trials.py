@@ -18,6 +18,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
@@ -107,6 +108,8 @@ class TrialSession:
         self._state: ModelState | None = None
         self._patches = Patches(collapse_leftovers=False)  # the module's hooks and `log`, put back exactly after
         self._stopping: list[Any] = []  # dataloader iterators whose workers were told to exit
+        self.shapes: set[tuple[tuple[int, ...], ...]] = set()
+        """The shapes of the training batches' tensors (less the first dimension) that trials saw."""
 
     # ------------------------------------------------------------------ life cycle
     def __enter__(self) -> TrialSession:
@@ -205,6 +208,8 @@ class TrialSession:
             if trainer.world_size > 1:
                 trainer.strategy.reduce_boolean_decision(False, all=True)  # matches the peers' `agree_or_raise`
         finally:
+            if self.callback is not None:
+                self.shapes.update(self.callback.shapes)
             for optimizer in trainer.optimizers:
                 optimizer.zero_grad(set_to_none=True)
             _drop_trial_references(trainer)
@@ -255,6 +260,7 @@ class _TrialCallback(Callback):
         self.validate = validate
         self.after_training = after_training  # e.g. read the training steps' peaks, then reset them
         self.batch_sizes: list[int] = []
+        self.shapes: list[tuple[tuple[int, ...], ...]] = []  # each batch's tensor shapes, less the first dimension
         self.dataset_samples: int | None = None  # samples in the trial's training dataset
         self.validated = False
 
@@ -265,6 +271,7 @@ class _TrialCallback(Callback):
         if not self.batch_sizes:
             self.dataset_samples = dataset_length(trainer.train_dataloader)
         self.batch_sizes.append(_batch_size(batch))
+        self.shapes.append(_shapes(batch))
 
     @override
     def on_train_batch_end(
@@ -306,6 +313,13 @@ def _batch_size(batch: Any) -> int:
         return int(extract_batch_size(batch))
     except Exception:  # a batch without tensors: nothing to count
         return -1
+
+
+def _shapes(batch: Any) -> tuple[tuple[int, ...], ...]:
+    """The shapes of ``batch``'s tensors, less their first (batch) dimension."""
+    shapes: list[tuple[int, ...]] = []
+    apply_to_collection(batch, torch.Tensor, lambda tensor: shapes.append(tuple(tensor.shape[1:])))
+    return tuple(shapes)
 
 
 # ---------------------------------------------------------------------- batch size

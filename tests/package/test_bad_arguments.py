@@ -28,6 +28,7 @@ from lightning_gpumem import (
     MemoryProbe,
     MemorySample,
     OOMSnapshot,
+    TokenBudgetSampler,
 )
 from lightning_gpumem._core.checks import require_trainer
 from lightning_gpumem._core.units import GIB
@@ -63,6 +64,7 @@ _add(BatchSizeTuner, "batch_arg_name", ["", 5, None, True])
 for flag in ("include_validation", "keep_effective_batch", "retune_on_resume"):
     _add(BatchSizeTuner, flag, FLAGS)
 _add(BatchSizeTuner, "method", ["bisect", "", None, 1, True])
+_add(BatchSizeTuner, "length_fn", [5, "", b"input_ids", True, ["input_ids"]])
 
 _add(MemoryPlanner, "budgets", [[b] for b in BUDGETS if b is not None] + ["24GiB", [], 24, None.__class__])
 _add(MemoryPlanner, "init_val", [0, *COUNTS])
@@ -231,6 +233,18 @@ HOSTILE = [
     (AutoMicrobatch, {"max_microbatches": 10**400}, None, ""),
     (AutoMicrobatch, {"max_microbatches": True}, ValueError, "max_microbatches="),
     (AutoMicrobatch, {"max_microbatches": NAN}, ValueError, "max_microbatches="),
+    (BatchSizeTuner, {"length_fn": len}, None, ""),
+    (BatchSizeTuner, {"length_fn": "input_ids"}, None, ""),
+    (TokenBudgetSampler, {"lengths": [3, 5], "max_tokens": 10**400}, None, ""),  # no batch costs that much
+    (TokenBudgetSampler, {"lengths": [3, 5], "max_tokens": 1e303}, ValueError, "max_tokens="),
+    (TokenBudgetSampler, {"lengths": [3, 5], "max_tokens": True}, ValueError, "max_tokens="),
+    (TokenBudgetSampler, {"lengths": [3, 5], "max_tokens": 4}, ValueError, "max_tokens="),  # below the longest
+    (TokenBudgetSampler, {"lengths": [3, 2.5], "max_tokens": 10}, TypeError, "lengths="),
+    (TokenBudgetSampler, {"lengths": [3, -1], "max_tokens": 10}, ValueError, "lengths="),
+    (TokenBudgetSampler, {"lengths": np.array([3, 5]), "max_tokens": 10}, None, ""),
+    (TokenBudgetSampler, {"lengths": Foreign(3, 5), "max_tokens": 10}, None, ""),
+    (TokenBudgetSampler, {"lengths": [3, 5], "max_tokens": 10, "quadratic": NAN}, ValueError, "quadratic="),
+    (TokenBudgetSampler, {"lengths": [3, 5], "max_tokens": 10, "rank": 2, "num_replicas": 2}, ValueError, "rank="),
     (MemoryProbe, {"device": "cpu"}, None, ""),
     (MemoryProbe, {"device": None}, TypeError, "device=None"),
     (MemoryProbe, {"device": True}, TypeError, "device=True"),

@@ -245,6 +245,21 @@ def test_lightning_private_helpers_the_package_imports_exist():
         assert isinstance(getattr(loop, flag, False), bool)
 
 
+def test_lightning_rebuilds_a_hooks_dataloader_with_another_sampler():
+    """`tuning/loaders.longest_first`: `_update_dataloader(loader, sampler)` keeps the loader's arguments (its
+    `collate_fn`, its batch size) and takes the sampler, for a loader built inside Lightning's dataloader request."""
+    from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    trainer = quiet_trainer(max_steps=1, enable_model_summary=None)
+    trainer.fit(BoringModel())
+    loader = _request_dataloader(trainer.fit_loop._data_source)
+    rebuilt = _update_dataloader(loader, list(reversed(range(len(loader.dataset)))))
+    assert rebuilt.batch_size == loader.batch_size
+    assert rebuilt.collate_fn is loader.collate_fn
+    assert list(rebuilt.sampler)[:2] == [len(loader.dataset) - 1, len(loader.dataset) - 2]
+
+
 @pytest.mark.gpu
 def test_cuda_allocator_privates_exist():
     """`_hw/allocator.py`: the OOM observer and the cuBLAS workspace release exist on CUDA builds."""

@@ -7,6 +7,9 @@ and the tuner must agree on 24 on both ranks without leaving rank 0 waiting in a
    collective must not pair with the other rank's logging all-reduce.
 2. Conformance (`rank<N>.pt`): a tuned fit and the same fit with the size set by hand; the size chosen, the OOM
    trials, and what each fit left (`capture` of the test module), for the test to compare.
+3. A token budget (`tokens_rank<N>.json`): a `TokenBudgetSampler` built in the module's hook, which Lightning
+   re-creates with its `DistributedSampler` injected, and its `max_tokens` tuned; rank 1 runs out of memory above
+   600 padded tokens. The budget chosen, the trials and the indices of every batch of the fit's epoch.
 
 Usage: python ddp_conformance_script.py OUT_DIR
 """
@@ -28,7 +31,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
-from lightning_gpumem import BatchSizeTuner
+from lightning_gpumem import BatchSizeTuner, TokenBudgetSampler
 from tests.helpers.fakes import close_process_group
 from tests.helpers.trainer import quiet_trainer
 from tests.tuning.test_conformance import SEED, Net, capture
@@ -89,6 +92,53 @@ def agreement(out: Path) -> None:
     (out / f"tuner_rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
+class TokenNet(BoringModel):
+    """Samples of 4 to 40 tokens (and two of 100); a batch is (padded tokens, indices)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lengths = [4 + (i * 7) % 37 for i in range(301)]
+        self.lengths[17] = self.lengths[200] = 100
+        self.max_tokens = 100
+        self.indices: list[list[int]] = []
+        self.padded: list[int] = []
+
+    def on_train_start(self) -> None:
+        self.indices, self.padded = [], []  # the fit's batches, not the trials'
+
+    def training_step(self, batch, batch_idx):
+        tokens, indices = batch
+        if self.global_rank == 1 and tokens.numel() > 600:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated on rank 1)")
+        self.indices.append(indices.tolist())
+        self.padded.append(tokens.numel())
+        return super().training_step(torch.ones(len(indices), 32), batch_idx)
+
+    def train_dataloader(self):
+        sampler = TokenBudgetSampler(self.lengths, max_tokens=self.max_tokens, seed=3)
+        return DataLoader(range(len(self.lengths)), batch_sampler=sampler, collate_fn=self.collate)
+
+    def collate(self, indices: list[int]):
+        return torch.zeros(len(indices), max(self.lengths[i] for i in indices)), torch.tensor(indices)
+
+
+def tokens(out: Path) -> None:
+    tuner = BatchSizeTuner(batch_arg_name="max_tokens", include_validation=False)
+    model = TokenNet()
+    trainer = quiet_trainer(
+        out / "tokens", devices=2, strategy="ddp", max_epochs=1, limit_val_batches=0, callbacks=[tuner]
+    )
+    trainer.fit(model)
+    result = {
+        "max_tokens": model.max_tokens,
+        "trials": [[t.batch_size, t.fits] for t in tuner.trials],
+        "indices": model.indices,
+        "padded": model.padded,
+        "samples": len(model.lengths),
+    }
+    (out / f"tokens_rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
 def fit(root: Path, batch_size: int, tuner: BatchSizeTuner | None) -> tuple[Trainer, dict]:
     seed_everything(SEED)
     model = RankNet(batch_size=batch_size, train_limit=40, n=128)
@@ -110,6 +160,7 @@ def fit(root: Path, batch_size: int, tuner: BatchSizeTuner | None) -> tuple[Trai
 def main(out_dir: str) -> None:
     out = Path(out_dir)
     agreement(out)
+    tokens(out)
     tuner = BatchSizeTuner()
     trainer, tuned = fit(out / "tuned", INIT, tuner)
     _, by_hand = fit(out / "by_hand", tuner.optimal_batch_size, None)

@@ -50,6 +50,11 @@ def _oom(batch: torch.Tensor, limit: int, where: str) -> None:
         raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (simulated, {where})")
 
 
+def _fake_length(sample: torch.Tensor) -> int:
+    """A length for `RandomDataset`'s samples (all 32 wide): the trials then draw them in another order."""
+    return int(sample[0].abs() * 1000)
+
+
 # ---------------------------------------------------------------------------------------------------- models, data
 class Net(LightningModule):
     """Two layers; runs out of memory above `train_limit` (training step), `val_limit` (validation step) and
@@ -523,6 +528,8 @@ ROWS = [
     pytest.param(Row(**_resume(3, 8)), id="20c-resume-mid-epoch-size-from-tuner-state"),
     pytest.param(Row(**_resume(3, 8), tuner={"retune_on_resume": True}), id="20d-resume-mid-epoch-retune"),
     pytest.param(DdpRow(), id="21-ddp-2-cpu-ranks-oom-on-rank1-only", marks=pytest.mark.ddp),
+    pytest.param(Row(tuner={"length_fn": _fake_length}), id="22a-length-fn-longest-samples-first"),
+    pytest.param(Row(datamodule={}, tuner={"length_fn": _fake_length}), id="22b-length-fn-datamodule"),
 ]
 
 

@@ -25,3 +25,21 @@ def test_tuner_agrees_across_ranks_when_only_one_rank_runs_out_of_memory():
     assert any(size > 24 and not fits for size, fits in rank0["trials"])  # failed on rank 1 only, agreed on both
     assert rank0["global_step"] == rank1["global_step"] == 3
     assert not list(tmp_path.glob(".gpumem_tuner_*.ckpt"))  # the snapshot checkpoint is removed
+
+
+def test_a_token_budget_is_agreed_and_the_ranks_share_one_plan():
+    tmp_path, _ = run_script(Path(__file__).with_name("ddp_conformance_script.py"))
+    rank0 = json.loads((tmp_path / "tokens_rank0.json").read_text())
+    rank1 = json.loads((tmp_path / "tokens_rank1.json").read_text())
+    assert rank0["max_tokens"] == rank1["max_tokens"] <= 600  # rank 1's limit, agreed on both
+    assert rank0["trials"] == rank1["trials"]
+    assert rank0["trials"][0] == [100, True]  # the first budget tried holds the longest sample alone
+    assert len(rank0["indices"]) == len(rank1["indices"]) > 1  # the same number of batches, with no collective
+    assert max(rank0["padded"] + rank1["padded"]) <= rank0["max_tokens"]
+    batches0 = {tuple(b) for b in rank0["indices"]}
+    batches1 = {tuple(b) for b in rank1["indices"]}
+    seen = [i for batch in rank0["indices"] + rank1["indices"] for i in batch]
+    assert set(seen) == set(range(rank0["samples"]))  # every sample in the epoch
+    # an odd number of batches: the plan's first batch runs again, on the other rank, to even out the counts
+    assert len(batches0 & batches1) <= 1
+    assert len(seen) - rank0["samples"] == sum(len(b) for b in batches0 & batches1)

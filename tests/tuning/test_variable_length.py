@@ -1,0 +1,169 @@
+"""BatchSizeTuner on variable-length data: the longest samples first (``length_fn``), a warning without it, and the
+token budget of a ``TokenBudgetSampler``. CPU: a simulated OOM above a number of padded tokens per batch."""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_gpumem import BatchSizeTuner, TokenBudgetSampler
+from lightning_gpumem.tuning.lengths import sample_length, scan_lengths
+from tests.helpers.tuning import tuner_trainer
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:`weights_only` was not set"),
+    pytest.mark.filterwarnings("ignore:BatchSizeTuner. stopped at the upper bound"),
+    pytest.mark.filterwarnings("ignore:.*does not have many workers"),
+]
+
+
+def skewed_lengths(n: int = 600, seed: int = 0) -> list[int]:
+    """Mostly 4 to 32 tokens, and eight samples of 256."""
+    rng = random.Random(seed)
+    lengths = [rng.randint(4, 32) for _ in range(n)]
+    for index in rng.sample(range(n), 8):
+        lengths[index] = 256
+    return lengths
+
+
+class Texts(Dataset):
+    def __init__(self, lengths: list[int]) -> None:
+        self.lengths = lengths
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": torch.ones(self.lengths[index], dtype=torch.long)}
+
+
+def pad(samples: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    return torch.nn.utils.rnn.pad_sequence([s["input_ids"] for s in samples], batch_first=True)
+
+
+class TextModel(LightningModule):
+    """Runs out of (simulated) memory where a batch holds more than ``limit`` padded tokens (``val_limit`` in
+    validation); records the padded tokens of every batch it ran."""
+
+    def __init__(self, lengths: list[int], limit: int = 4096, val_limit: int | None = None, batch_size: int = 2):
+        super().__init__()
+        self.lengths, self.limit, self.val_limit = lengths, limit, val_limit or limit
+        self.batch_size = batch_size
+        self.max_tokens = 0  # for the token budget's tests
+        self.layer = torch.nn.Embedding(2, 4)
+        self.seen: list[int] = []
+
+    def step(self, batch: torch.Tensor, limit: int) -> torch.Tensor:
+        if batch.numel() > limit:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated: too many padded tokens)")
+        return self.layer(batch).sum()
+
+    def on_train_start(self):
+        self.seen = []  # the fit's batches, not the trials' (which skip this hook)
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(batch.numel())
+        return self.step(batch, self.limit)
+
+    def validation_step(self, batch, batch_idx):
+        self.step(batch, self.val_limit)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(Texts(self.lengths), batch_size=self.batch_size, shuffle=True, collate_fn=pad)
+
+    def val_dataloader(self):
+        return DataLoader(Texts(self.lengths[:200]), batch_size=self.batch_size, collate_fn=pad)
+
+
+def test_length_fn_tunes_for_the_longest_batch_and_the_whole_epoch_runs():
+    lengths = skewed_lengths()
+    model = TextModel(lengths)
+    tuner = BatchSizeTuner(length_fn="input_ids")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "changed shape" warning: the trials ran the longest
+        warnings.filterwarnings("ignore", ".*does not have many workers")
+        warnings.filterwarnings("ignore", ".*stopped at the upper bound")
+        tuner_trainer(tuner).fit(model)
+    assert tuner.optimal_batch_size == model.batch_size == 16  # 16 x 256 = 4096 tokens, the limit
+    assert max(model.seen) <= 4096  # a full shuffled epoch: every batch fitted
+    assert len(model.seen) == -(-len(lengths) // 16)
+
+
+def test_a_key_a_function_and_an_attribute_measure_the_same_length():
+    sample = {"input_ids": torch.ones(7)}
+    assert sample_length(sample, "input_ids") == sample_length(sample, lambda s: len(s["input_ids"])) == 7
+    assert sample_length(torch.ones(5, 3), len) == 5
+    assert sample_length({"n": torch.tensor(9)}, "n") == 9
+
+
+@pytest.mark.parametrize(("value", "error"), [(-1, ValueError), (True, TypeError), (object(), TypeError)])
+def test_a_length_fn_giving_no_length_is_refused(value, error):
+    with pytest.raises(error, match="length_fn"):
+        sample_length({}, lambda s: value)
+
+
+def test_a_scan_past_its_time_limit_keeps_the_samples_scanned():
+    found = scan_lengths(list(range(1000)), lambda s: s, max_seconds=0.0)
+    assert found.scanned == 64  # it looks at the clock every 64 samples
+    assert not found.complete
+    assert found.order[:64] == sorted(found.order[:64], key=lambda i: -i)
+    assert sorted(found.order) == list(range(1000))
+
+
+def test_without_length_fn_batches_that_change_shape_are_named_in_a_warning():
+    model = TextModel(skewed_lengths(), limit=10**9)
+    tuner = BatchSizeTuner()
+    with pytest.warns(UserWarning, match=r"changed shape .*Pass `length_fn`"):
+        tuner_trainer(tuner, max_steps=1).fit(model)
+
+
+def test_the_users_error_in_length_fn_reaches_the_user():
+    model = TextModel(skewed_lengths())
+    with pytest.raises(KeyError, match="tokens"):
+        tuner_trainer(BatchSizeTuner(length_fn="tokens"), max_steps=1).fit(model)
+    assert model.batch_size == 2  # the original size is back
+
+
+@pytest.mark.parametrize("length_fn", [5, "", b"x"])
+def test_a_bad_length_fn_is_named(length_fn):
+    with pytest.raises(TypeError, match=r"length_fn="):
+        BatchSizeTuner(length_fn=length_fn)
+
+
+# ---------------------------------------------------------------------- token budget
+class TokenModel(TextModel):
+    def train_dataloader(self):
+        sampler = TokenBudgetSampler(self.lengths, max_tokens=self.max_tokens, seed=1)
+        return DataLoader(Texts(self.lengths), batch_sampler=sampler, collate_fn=pad)
+
+    def val_dataloader(self):
+        sampler = TokenBudgetSampler(self.lengths[:200], max_tokens=self.max_tokens, shuffle=False)
+        return DataLoader(Texts(self.lengths[:200]), batch_sampler=sampler, collate_fn=pad)
+
+
+def test_a_token_budget_is_tuned_on_the_heaviest_batches_and_the_epoch_stays_under_it():
+    lengths = skewed_lengths()
+    model = TokenModel(lengths, limit=6000)
+    model.max_tokens = 512
+    tuner = BatchSizeTuner(batch_arg_name="max_tokens", headroom=0.0)
+    tuner_trainer(tuner).fit(model)
+    assert tuner.optimal_batch_size >= 0.98 * 6000  # the search closes to within 1% on CPU
+    assert model.max_tokens == tuner.optimal_batch_size
+    assert max(model.seen) <= 6000  # every batch fitted
+    assert sum(model.seen) >= sum(lengths)  # a whole epoch
+    assert tuner.trials[0].batch_size == 256  # the first budget tried holds the longest sample alone
+
+
+def test_a_token_budget_below_the_longest_sample_is_refused():
+    model = TokenModel(skewed_lengths())
+    model.max_tokens = 512
+    with pytest.raises(ValueError, match=r"max_val=100.*longest sample alone \(256\)"):
+        tuner_trainer(BatchSizeTuner(batch_arg_name="max_tokens", max_val=100)).fit(model)
