@@ -37,7 +37,8 @@ class Texts(Dataset):
         return len(self.lengths)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": torch.randint(1, 4096, (self.lengths[index],), generator=torch.Generator().manual_seed(index))}
+        generator = torch.Generator().manual_seed(index)
+        return {"input_ids": torch.randint(1, 4096, (self.lengths[index],), generator=generator)}
 
 
 def pad(samples):
