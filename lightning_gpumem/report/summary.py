@@ -34,6 +34,8 @@ class RunSummary:
         headroom: ``budget`` minus the highest peak reserved over the stages; without a budget, ``nvml_total`` minus
             that peak and ``non_torch_peak``.
         batch_size: the last batch size a ``BatchSizeTuner`` logged.
+        token_budget: the last ``TokenBudgetSampler`` budget a ``BatchSizeTuner`` tuned, and the epoch's padding
+            fraction (%) at that budget; ``None`` where no budget was tuned.
         plan: what a ``MemoryPlanner`` logged before step 1 (``gpumem/plan_*``): the predicted peak at the run's batch
             size and its band, the line's fixed part and per-sample slope, the memory outside PyTorch and the largest
             batch size of its first budget; empty without a planner.
@@ -65,6 +67,7 @@ class RunSummary:
     budget: float | None = None
     headroom: float | None = None
     batch_size: int | None = None
+    token_budget: tuple[int, float | None] | None = None
     plan: dict[str, float] = field(default_factory=dict)
     cache_releases: int | None = None
     released: float | None = None
@@ -97,6 +100,7 @@ def summarize(run: Run) -> RunSummary:
     nvml_total = run.last(keys.NVML_TOTAL.format())
     releases = _per_rank_total(run, keys.CACHE_RELEASES)
     batch_size = run.last(keys.BATCH_SIZE.format())
+    token_budget = run.last(keys.TOKEN_BUDGET.format())
     memory = run_memory(run, peaks)
     headroom = memory.headroom_bytes
     return RunSummary(
@@ -113,7 +117,8 @@ def summarize(run: Run) -> RunSummary:
         host_rss_peak=_highest(run, keys.HOST_RSS.format()),
         budget=budget,
         headroom=None if headroom is None else headroom / GIB,
-        batch_size=None if batch_size is None else round(batch_size),
+        batch_size=None if batch_size is None or token_budget is not None else round(batch_size),
+        token_budget=None if token_budget is None else (round(token_budget), run.last(keys.PADDING.format())),
         plan={key.name: value for key in PLAN_KEYS if (value := run.last(key.format())) is not None},
         cache_releases=None if releases is None else round(releases),
         released=_per_rank_total(run, keys.RELEASED),
@@ -241,6 +246,10 @@ def rows(summary: RunSummary) -> list[tuple[str, str]]:
         out.append(("headroom at the highest peak", f"{_gib(summary.headroom)}{share}"))
     if summary.batch_size is not None:
         out.append(("tuned batch size", str(summary.batch_size)))
+    if summary.token_budget is not None:
+        budget, padding = summary.token_budget
+        padded = f" ({padding:.1f}% of the epoch's positions padding)" if padding is not None else ""
+        out.append(("tuned token budget", f"{budget} tokens per batch{padded}"))
     if summary.plan:
         out.append(("memory plan", _plan_text(summary.plan)))
     if summary.cache_releases is not None:

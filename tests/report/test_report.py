@@ -491,3 +491,16 @@ def test_a_planned_run_shows_its_plan_in_a_row(tmp_path):
     assert table["memory plan"] == (
         "peak 7.55 +- 0.09 GiB; 2.43 GiB + 81.3 MiB per sample; 0.52 GiB outside PyTorch; largest batch size 264"
     )
+
+
+def test_a_tuned_token_budget_shows_in_a_row_instead_of_a_batch_size(tmp_path):
+    run_dir = tmp_path / "tokens"
+    run_dir.mkdir()
+    columns = {"gpumem/batch_size": 6144.0, "gpumem/token_budget": 6144.0, "gpumem/padding_fraction": 7.25}
+    (run_dir / "metrics.csv").write_text(
+        "step," + ",".join(columns) + "\n0," + ",".join(str(v) for v in columns.values()) + "\n"
+    )
+    (run,) = load_runs(tmp_path).runs
+    table = dict(rows(summarize(run)))
+    assert table["tuned token budget"] == "6144 tokens per batch (7.2% of the epoch's positions padding)"
+    assert "tuned batch size" not in table

@@ -167,3 +167,24 @@ def test_a_token_budget_below_the_longest_sample_is_refused():
     model.max_tokens = 512
     with pytest.raises(ValueError, match=r"max_val=100.*longest sample alone \(256\)"):
         tuner_trainer(BatchSizeTuner(batch_arg_name="max_tokens", max_val=100)).fit(model)
+
+
+def test_the_tuned_budget_and_its_padding_are_logged(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from tests.helpers.fakes import read_csv_metrics
+
+    lengths = skewed_lengths()
+    model = TokenModel(lengths, limit=6000)
+    model.max_tokens = 512
+    tuner = BatchSizeTuner(batch_arg_name="max_tokens")
+    tuner_trainer(tuner, logger=CSVLogger(tmp_path, name="run", version=0), max_steps=2).fit(model)
+    logged = {
+        key: float(value)
+        for row in read_csv_metrics(tmp_path / "run" / "version_0")
+        for key, value in row.items()
+        if value
+    }
+    assert logged["gpumem/token_budget"] == logged["gpumem/batch_size"] == model.max_tokens
+    expected = TokenBudgetSampler(lengths, max_tokens=model.max_tokens, seed=1).padding_fraction()
+    assert logged["gpumem/padding_fraction"] == pytest.approx(100 * expected)
