@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -226,7 +226,8 @@ class BatchSizeTuner(Callback):
         self._accumulation: int | None = None
         self._restored: dict[str, Any] | None = None
         self._orders: dict[tuple[Any, ...], list[int]] = {}  # a dataset's indices, longest first (once per fit)
-        self._scan_error: Exception | None = None  # length_fn's error in a dataloader hook, raised after the trial
+        self._scan_error: BaseException | None = None  # length_fn's error in a dataloader hook, raised after
+        self._skipped: list[str] = []  # why length_fn was not applied to a loader
         self._tokens: TokenBudgetSampler | None = None  # the sampler whose budget the last search tuned
 
     @property
@@ -293,12 +294,12 @@ class BatchSizeTuner(Callback):
             rank_zero_warn("BatchSizeTuner: skipped because `limit_train_batches=0` runs no training step.")
             return None
         _session.require_settable_batch(trainer, self.batch_arg_name, "BatchSizeTuner")
-        self._orders, self._scan_error = {}, None
+        self._orders, self._scan_error, self._skipped = {}, None, []
         built = loaders.train_loaders(trainer)
         self._tokens = tokens = self._token_sampler(trainer, built)
         init_val = self.init_val
         if tokens is not None:  # a token budget: from the longest sample's own cost to the whole dataset's
-            init_val, upper = self._token_bounds(tokens)
+            init_val, upper = self._token_bounds(trainer, tokens)
         else:
             length = loaders.dataset_length(built)
             if length is None and self.max_val is None:
@@ -348,7 +349,7 @@ class BatchSizeTuner(Callback):
                                 limit_bytes=limit,
                                 max_trials=MAX_TRIALS,
                             )
-                        result = self._leave_headroom(runner, result, limit)  # then give up the headroom
+                        result = self._leave_headroom(self._raising_scan_errors(runner), result, limit)
                 finally:
                     if previous_fraction is not None:
                         probe.set_memory_fraction(previous_fraction)
@@ -404,8 +405,12 @@ class BatchSizeTuner(Callback):
             return None
         return sampler
 
-    def _token_bounds(self, tokens: TokenBudgetSampler) -> tuple[int, int]:
-        """The first budget tried (the longest sample's own cost at least) and the largest one that may be tried."""
+    def _token_bounds(self, trainer: pl.Trainer, tokens: TokenBudgetSampler) -> tuple[int, int]:
+        """The first budget tried (the longest sample's own cost at least) and the largest one that may be tried.
+
+        The largest: the whole dataset's cost, ``max_val``, and the largest budget whose epoch still has the batches
+        ``limit_train_batches`` and an integer ``val_check_interval`` need, whichever is smallest.
+        """
         first = max(self.init_val, math.ceil(tokens.min_tokens))
         whole = math.ceil(batch_cost(tokens.lengths, cost=tokens.cost, quadratic=tokens.quadratic))
         if self.max_val is not None and self.max_val < first:
@@ -413,7 +418,26 @@ class BatchSizeTuner(Callback):
                 f"`BatchSizeTuner(max_val={self.max_val})` is below the cost of the longest sample alone"
                 f" ({first}): no budget up to it holds every sample. Raise `max_val` or leave it None."
             )
-        return first, max(first, whole if self.max_val is None else min(self.max_val, whole))
+        top = max(first, whole if self.max_val is None else min(self.max_val, whole))
+        need, limit = self._batches_needed(trainer), trainer.limit_train_batches
+
+        def batches(budget: int) -> float:
+            length = len(tokens.plan(budget)) // tokens.num_replicas
+            return int(length * limit) if isinstance(limit, float) else min(length, limit)  # Lightning's rule
+
+        if batches(top) >= need or batches(first) < need:
+            return first, top
+        lo, hi = first, top  # batches(lo) >= need > batches(hi): fewer batches as the budget grows
+        while hi - lo > max(1, lo // 1000):
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if batches(mid) >= need else (lo, mid)
+        return first, lo
+
+    def _batches_needed(self, trainer: pl.Trainer) -> int:
+        interval = trainer.val_check_interval
+        if isinstance(interval, int) and trainer.check_val_every_n_epoch is not None and trainer.enable_validation:
+            return interval  # Lightning refuses an epoch with fewer batches than `val_check_interval`
+        return 1
 
     def _heaviest_first(self, trainer: pl.Trainer, tokens: TokenBudgetSampler | None) -> Any:
         """Within the block, trials draw the heaviest batches the data can make (where that is known)."""
@@ -427,7 +451,7 @@ class BatchSizeTuner(Callback):
     def _longest_first(self, trainer: pl.Trainer) -> Iterator[None]:
         with loaders.longest_first(trainer, self._order_for) as skipped:
             yield
-        for reason in dict.fromkeys(skipped):
+        for reason in dict.fromkeys([*skipped, *self._skipped]):
             rank_zero_warn(f"BatchSizeTuner: `length_fn` was not applied: {reason}; its trials drew the first batches.")
 
     def _order_for(self, dataset: Any) -> list[int] | None:
@@ -439,18 +463,18 @@ class BatchSizeTuner(Callback):
         """
         assert self.length_fn is not None
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-            rank_zero_warn(f"BatchSizeTuner: `length_fn` needs a dataset with `len` and `[]`; {dataset!r} has not.")
+            self._skipped.append(f"{type(dataset).__name__} has no `len` and `[]` to measure its samples by")
             return None
         try:
             key = _fingerprint(dataset, self.length_fn)  # hooks may build a new dataset object for every loader
             if key not in self._orders:
                 self._orders[key] = self._scan(dataset)
-        except Exception as error:  # the user's length_fn or dataset: raised after the trial, not swallowed
+        except BaseException as error:  # length_fn's error, or Ctrl-C in the scan: raised after the trial
             self._scan_error = self._scan_error or error
             return None
         return self._orders[key]
 
-    def _raising_scan_errors(self, runner: TrialRunner) -> Any:
+    def _raising_scan_errors(self, runner: TrialRunner) -> Callable[[int], Trial]:
         def run(size: int) -> Trial:
             trial = runner(size)
             if self._scan_error is not None:
@@ -488,8 +512,9 @@ class BatchSizeTuner(Callback):
             trainer, self.batch_arg_name, size, accumulation, rebuild_optimizers=current != (size, accumulation)
         )
         self.optimal_batch_size, self._accumulation = size, accumulation
+        self._tokens = self._token_sampler(trainer, loaders.train_loaders(trainer))  # a budget: its keys too
         rank_zero_info(
-            f"BatchSizeTuner: batch_size={size} restored from the checkpoint; no trials ran"
+            f"BatchSizeTuner: {self.batch_arg_name}={size} restored from the checkpoint; no trials ran"
             " (`retune_on_resume=True` tunes again)."
         )
         self._record(trainer)
@@ -519,10 +544,7 @@ class BatchSizeTuner(Callback):
         candidates = [] if self.max_val is None else [self.max_val]
         if length is not None:
             per_rank = math.ceil(length / max(1, trainer.world_size))  # Lightning's DistributedSampler pads
-            need = 1
-            interval = trainer.val_check_interval
-            if isinstance(interval, int) and trainer.check_val_every_n_epoch is not None and trainer.enable_validation:
-                need = interval  # Lightning refuses an epoch with fewer batches than `val_check_interval`
+            need = self._batches_needed(trainer)
             candidates.append(_largest_size_with_batches(per_rank, trainer.limit_train_batches, need))
         return max(1, min(candidates))
 
@@ -562,7 +584,7 @@ class BatchSizeTuner(Callback):
         kept = math.ceil(round((1.0 - self.headroom) * largest, 9))  # 0.95 * 40 is 38, not 38.000000000000004
         return max(1, min(largest, kept))
 
-    def _leave_headroom(self, runner: TrialRunner, result: SearchResult, limit: int | None) -> SearchResult:
+    def _leave_headroom(self, runner: Callable[[int], Trial], result: SearchResult, limit: int | None) -> SearchResult:
         """Give up ``headroom`` of the largest size the budget holds, and run the size kept once.
 
         That largest size is one less than the smallest size that failed where the search closed in on it (within

@@ -167,11 +167,16 @@ def _flatten_loaders(loaders: Any) -> Iterator[Any]:
         yield loaders
 
 
-class _InOrder(torch.utils.data.Sampler[int]):
-    """Yields the given indices in order (a trial's longest samples first)."""
+class _InOrder(torch.utils.data.DistributedSampler):
+    """Yields the given indices in order (a trial's longest samples first): this rank's every ``num_replicas``-th.
 
-    def __init__(self, order: list[int]) -> None:
-        self.order = order
+    A ``DistributedSampler``, so that Lightning takes it as the loader's distributed sampler and does not wrap it in
+    its own, which shuffles a training loader's order.
+    """
+
+    def __init__(self, dataset: Any, order: list[int], num_replicas: int = 1, rank: int = 0) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
+        self.order = order[rank::num_replicas]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.order)
@@ -186,25 +191,40 @@ def longest_first(trainer: pl.Trainer, order_for: Callable[[Any], list[int] | No
 
     The user's ``*_dataloader`` hook builds each loader as usual; a ``DataLoader`` with a batch size and a map-style
     dataset is then built again with the same arguments but a sampler yielding ``order_for(dataset)`` (Lightning's
-    own re-instantiation, the one that injects its ``DistributedSampler``; under DDP it then splits that order
-    between the ranks). Loaders with a custom batch sampler, iterable datasets and datasets ``order_for`` gives no
-    order for are left as they are. Yields the reasons loaders were left as they are (one per loader, for a warning).
+    own re-instantiation). Only the indices the loader's own sampler yields are drawn (a ``SubsetRandomSampler``'s
+    split, a ``DistributedSampler``'s share); under DDP, where the loader's sampler is not distributed yet, each rank
+    takes every ``world_size``-th of that order, so every rank's trials run some of the longest samples. Loaders with
+    a batch sampler of their own, iterable datasets and datasets ``order_for`` gives no order for are left as they
+    are. Yields why loaders were left as they are, for a warning.
     """
     from lightning.pytorch.utilities.data import _update_dataloader
 
     skipped: list[str] = []
+    kwargs = trainer.distributed_sampler_kwargs or {}  # what Lightning gives its DistributedSampler
+    replicas, rank = int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
 
     def reorder(loader: Any) -> Any:
-        if not isinstance(loader, torch.utils.data.DataLoader) or loader.batch_size is None:
-            return loader  # no batch size, or a batch sampler of its own: it decides the batches
+        if not isinstance(loader, torch.utils.data.DataLoader):
+            return loader
+        if loader.batch_size is None:
+            skipped.append(f"{type(loader.batch_sampler).__name__}, the loader's batch sampler, decides its batches")
+            return loader
         dataset = loader.dataset
         if isinstance(dataset, torch.utils.data.IterableDataset):
+            skipped.append(f"{type(dataset).__name__} is an iterable dataset: its order is its own")
             return loader
         order = order_for(dataset)
         if order is None:
             return loader
+        base = loader.sampler
+        split = isinstance(base, torch.utils.data.DistributedSampler)
+        whole = isinstance(base, (torch.utils.data.SequentialSampler, torch.utils.data.RandomSampler))
+        if not (whole and len(base) == len(dataset)):  # type: ignore[arg-type]  # a split: only its samples
+            allowed = set(iter(base))  # the session puts back the RNG streams this draws from
+            order = [i for i in order if i in allowed]
+        sampler = _InOrder(dataset, order) if split else _InOrder(dataset, order, replicas, rank)
         try:
-            return _update_dataloader(loader, _InOrder(order))  # private: Lightning's re-instantiation
+            return _update_dataloader(loader, sampler)  # private: Lightning's re-instantiation
         except Exception as error:  # a loader Lightning cannot rebuild: its trials draw what it yields first
             skipped.append(f"{type(loader).__name__} could not be rebuilt ({error!r})")
             return loader

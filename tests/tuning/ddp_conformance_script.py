@@ -10,6 +10,7 @@ and the tuner must agree on 24 on both ranks without leaving rank 0 waiting in a
 3. A token budget (`tokens_rank<N>.json`): a `TokenBudgetSampler` built in the module's hook, which Lightning
    re-creates with its `DistributedSampler` injected, and its `max_tokens` tuned; rank 1 runs out of memory above
    600 padded tokens. The budget chosen, the trials and the indices of every batch of the fit's epoch.
+4. `length_fn` (`longest_rank<N>.json`): the same samples at a fixed batch size, the trials on the longest.
 
 Usage: python ddp_conformance_script.py OUT_DIR
 """
@@ -122,6 +123,29 @@ class TokenNet(BoringModel):
         return torch.zeros(len(indices), max(self.lengths[i] for i in indices)), torch.tensor(indices)
 
 
+class LongestNet(TokenNet):
+    """A fixed batch size over the same samples; rank 1 runs out of memory above 600 padded tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch_size = 2
+
+    def train_dataloader(self):
+        return DataLoader(range(len(self.lengths)), batch_size=self.batch_size, shuffle=True, collate_fn=self.collate)
+
+
+def longest(out: Path) -> None:
+    """`length_fn` under DDP: the training loader's longest-first order is not reshuffled by Lightning's sampler."""
+    model = LongestNet()
+    tuner = BatchSizeTuner(length_fn=lambda i: model.lengths[i], include_validation=False)
+    trainer = quiet_trainer(
+        out / "longest", devices=2, strategy="ddp", max_epochs=1, limit_val_batches=0, callbacks=[tuner]
+    )
+    trainer.fit(model)  # a batch holding a 100-token sample on rank 1 above 6 samples ends the fit
+    result = {"batch_size": model.batch_size, "padded": model.padded}
+    (out / f"longest_rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
 def tokens(out: Path) -> None:
     tuner = BatchSizeTuner(batch_arg_name="max_tokens", include_validation=False)
     model = TokenNet()
@@ -161,6 +185,7 @@ def main(out_dir: str) -> None:
     out = Path(out_dir)
     agreement(out)
     tokens(out)
+    longest(out)
     tuner = BatchSizeTuner()
     trainer, tuned = fit(out / "tuned", INIT, tuner)
     _, by_hand = fit(out / "by_hand", tuner.optimal_batch_size, None)

@@ -43,3 +43,13 @@ def test_a_token_budget_is_agreed_and_the_ranks_share_one_plan():
     # an odd number of batches: the plan's first batch runs again, on the other rank, to even out the counts
     assert len(batches0 & batches1) <= 1
     assert len(seen) - rank0["samples"] == sum(len(b) for b in batches0 & batches1)
+
+
+def test_length_fn_trials_run_the_longest_samples_on_every_rank():
+    # Lightning wraps a training loader's sampler in a shuffling DistributedSamplerWrapper: the longest-first order
+    # must not be shuffled away, or rank 1's trials never meet the two 100-token samples.
+    tmp_path, _ = run_script(Path(__file__).with_name("ddp_conformance_script.py"))
+    rank0 = json.loads((tmp_path / "longest_rank0.json").read_text())
+    rank1 = json.loads((tmp_path / "longest_rank1.json").read_text())
+    assert rank0["batch_size"] == rank1["batch_size"] <= 6  # 6 x 100 padded tokens: rank 1's limit
+    assert max(rank1["padded"]) <= 600  # the whole epoch ran on rank 1

@@ -188,3 +188,53 @@ def test_the_tuned_budget_and_its_padding_are_logged(tmp_path):
     assert logged["gpumem/token_budget"] == logged["gpumem/batch_size"] == model.max_tokens
     expected = TokenBudgetSampler(lengths, max_tokens=model.max_tokens, seed=1).padding_fraction()
     assert logged["gpumem/padding_fraction"] == pytest.approx(100 * expected)
+
+
+def test_length_fn_draws_only_the_samples_the_loaders_own_sampler_yields():
+    from torch.utils.data import SubsetRandomSampler
+
+    lengths = skewed_lengths()
+    keep = [i for i, n in enumerate(lengths) if n <= 32]  # the 256-long samples are not in this split
+
+    class Split(TextModel):
+        def training_step(self, batch, batch_idx):
+            if batch.shape[1] > 64:
+                raise IndexError(f"a sequence of {batch.shape[1]} tokens: longer than the model's 64 positions")
+            return super().training_step(batch, batch_idx)
+
+        def train_dataloader(self):
+            return DataLoader(Texts(self.lengths), batch_size=self.batch_size, sampler=SubsetRandomSampler(keep),
+                              collate_fn=pad)  # fmt: skip
+
+    model = Split(lengths)
+    tuner_trainer(BatchSizeTuner(length_fn="input_ids"), limit_val_batches=0).fit(model)
+    assert 0.95 * 128 <= model.batch_size <= 4096 // 32  # the split's longest samples, 32 tokens, bound the size
+
+
+def test_a_token_budget_leaves_the_epoch_the_batches_val_check_interval_needs():
+    model = TokenModel(skewed_lengths(), limit=6000)
+    model.max_tokens = 512
+    trainer = tuner_trainer(BatchSizeTuner(batch_arg_name="max_tokens"), val_check_interval=5)
+    trainer.fit(model)  # a budget whose epoch has fewer than 5 batches would make Lightning refuse the fit
+    assert len(model.seen) >= 5
+
+
+def test_a_resumed_token_budget_logs_its_keys_again(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from tests.helpers.fakes import read_csv_metrics
+
+    lengths = skewed_lengths()
+    first = TokenModel(lengths, limit=6000)
+    first.max_tokens = 512
+    trainer = tuner_trainer(BatchSizeTuner(batch_arg_name="max_tokens"), max_steps=2)
+    trainer.fit(first)
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    resumed = TokenModel(lengths, limit=6000)
+    resumed.max_tokens = 512
+    logger = CSVLogger(tmp_path, name="resumed", version=0)
+    tuner = BatchSizeTuner(batch_arg_name="max_tokens")
+    tuner_trainer(tuner, logger=logger, max_epochs=2).fit(resumed, ckpt_path=tmp_path / "last.ckpt")
+    assert resumed.max_tokens == first.max_tokens
+    logged = {key for row in read_csv_metrics(tmp_path / "resumed") for key, value in row.items() if value}
+    assert {"gpumem/token_budget", "gpumem/padding_fraction"} <= logged
