@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu_session.sh [PART]...   (default: tests monitor microbatch)
 #   PART: tests, monitor, microbatch, microbatch-gpt, microbatch-gpt-profile, profile, tuner, tuner-gpt, tuner-resnet,
-#         tuner-resnet-12, tuner-longval, plan, plan-expandable, tuner-predict, tuner-predict-12, token-budget
+#         tuner-resnet-12, tuner-longval, plan, plan-expandable, tuner-predict, tuner-predict-12, token-budget, ddp2
 #
 # plan: MemoryPlanner's predictions against measured peaks on six workloads (benchmarks/plan.py) -> plan.json, .log;
 # plan-expandable: the same for the two GPTs with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; tuner-predict:
@@ -76,6 +76,8 @@ for part in "${parts[@]}"; do
       --datasets ${TOKEN_DATASETS:-zipf,skewed} --configs ${TOKEN_CONFIGS:-worst,tuned,hand,finder} \
       --samples ${TOKEN_SAMPLES:-3000} --time-limit $(( ${TOKEN_S:-420} - 20 )) --json "$OUT/token-budget-${TOKEN_ATTENTION:-sdpa}.json" \
       > "$OUT/token-budget-${TOKEN_ATTENTION:-sdpa}.log" 2>&1 ;;
+    ddp2) timeout ${DDP2_S:-560} python3 benchmarks/ddp2.py --time-limit $(( ${DDP2_S:-560} - 20 )) \
+      --json "$OUT/ddp2.json" > "$OUT/ddp2.log" 2>&1 ;;  # two GPUs (issue 30); --cpu: the gloo dry run
     *) echo "unknown part: $part" >&2; false ;;
   esac
   status=$?
