@@ -481,6 +481,7 @@ def _collect(
         result["num_trial_ooms"] = tuner.num_ooms if tuner is not None else None
         result["tuner_reason"] = None if tuner is None else tuner.reason
         result["tuner_note"] = None if tuner is None else tuner.note
+        result["shape_margin"] = getattr(callback, "_margin", None)  # the budget's fraction the trials left free
         result["trials"] = [
             {
                 "value": t.batch_size,

@@ -8,12 +8,22 @@ cuBLAS workspace release), each guarded by ``tests/pl/test_lightning_internals.p
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from lightning_gpumem._hw.probe import Probe
+
+
+def expandable_segments() -> bool:
+    """Whether the CUDA allocator was configured with ``expandable_segments:True`` (by the environment)."""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        settings = os.environ.get(name, "").replace(" ", "")
+        if "expandable_segments:True" in settings.split(","):
+            return True
+    return False
 
 
 def start_history(max_entries: int) -> None:

@@ -9,7 +9,6 @@ the validation step apart, nothing left behind) and the plan is the pure :class:
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -23,7 +22,7 @@ from lightning_gpumem import keys
 from lightning_gpumem._core.checks import require_flags, require_int, require_trainer
 from lightning_gpumem._core.plan import Plan, Prediction, ProbePoint, format_table, probe_verdict
 from lightning_gpumem._core.units import GIB, check_budget, format_gib, parse_budget
-from lightning_gpumem._hw.allocator import release_to
+from lightning_gpumem._hw.allocator import expandable_segments, release_to
 from lightning_gpumem._hw.oom import expecting_oom
 from lightning_gpumem._hw.probe import make_probe
 from lightning_gpumem._pl.compat import Callback
@@ -309,7 +308,7 @@ class MemoryPlanner(Callback):
         if precision.startswith("32") or precision.startswith("64"):
             tips.append("precision='bf16-mixed' roughly halves the activations")
         tips.append("activation checkpointing trades compute for activation memory")
-        if plan.growth > 1.05 and "expandable_segments:True" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        if plan.growth > 1.05 and not expandable_segments():
             tips.append(
                 f"reserved memory grew {plan.growth:.2f}x as fast as live tensors: PYTORCH_CUDA_ALLOC_CONF="
                 "expandable_segments:True (set before CUDA starts: in the shell, or before the first CUDA call)"

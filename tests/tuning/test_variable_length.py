@@ -238,3 +238,72 @@ def test_a_resumed_token_budget_logs_its_keys_again(tmp_path):
     assert resumed.max_tokens == first.max_tokens
     logged = {key for row in read_csv_metrics(tmp_path / "resumed") for key, value in row.items() if value}
     assert {"gpumem/token_budget", "gpumem/padding_fraction"} <= logged
+
+
+# ---------------------------------------------------------------------- shape margin (fragmentation)
+class CappedTokens(TokenModel):
+    """Needs ``per_token`` bytes of the fake allocator per padded token of a batch, over its cap: OOM."""
+
+    def __init__(self, probe, per_token: int, **kwargs) -> None:
+        super().__init__(skewed_lengths(), **kwargs)
+        self.fake, self.per_token = probe, per_token
+
+    def step(self, batch: torch.Tensor, limit: int) -> torch.Tensor:
+        need = batch.numel() * self.per_token
+        if self.fake.allocated + need > self.fake.cap:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake allocator)")
+        self.fake.spike(need)
+        return self.layer(batch).sum()
+
+
+class CappedTexts(CappedTokens):
+    def train_dataloader(self):
+        return TextModel.train_dataloader(self)
+
+    def val_dataloader(self):
+        return TextModel.val_dataloader(self)
+
+
+@pytest.mark.parametrize(
+    ("mode", "env", "shape_margin", "margin"),
+    [
+        ("tokens", "", None, 0.2),  # PyTorch's default allocator: a fifth of the budget left for fragmentation
+        ("tokens", "expandable_segments:True", None, 0.02),
+        ("length_fn", "max_split_size_mb:64,expandable_segments:True", None, 0.02),
+        ("length_fn", "", None, 0.2),
+        ("tokens", "", 0.1, 0.1),  # the user's own
+        # neither: the tuner cannot know that shapes vary before the trials: the whole budget (and a warning after)
+        pytest.param("plain", "", None, 0.0, marks=pytest.mark.filterwarnings("ignore:.*changed shape")),
+    ],
+)
+def test_trials_leave_a_margin_of_the_budget_where_shapes_vary(monkeypatch, mode, env, shape_margin, margin):
+    from lightning_gpumem._core.units import GIB, MIB
+    from tests.helpers.tuning import CappedFakeProbe, FakeTuner
+
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", env)
+    probe = CappedFakeProbe(base=2 * GIB, total=80 * GIB)
+    per_token = MIB
+    model = (CappedTokens if mode == "tokens" else CappedTexts)(probe, per_token)
+    model.max_tokens = 512
+    arguments = {"batch_arg_name": "max_tokens"} if mode == "tokens" else {}
+    if mode == "length_fn":
+        arguments["length_fn"] = "input_ids"
+    tuner = FakeTuner(probe, budget="24GiB", headroom=0.0, shape_margin=shape_margin, **arguments)
+    tuner_trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
+    assert probe.fractions[0] == pytest.approx((1 - margin) * 24 / 80)  # the trials' cap
+    assert probe.fractions[-1] == 1.0  # the fit's own, put back
+    held = (1 - margin) * 24 * GIB - 2 * GIB  # what a batch may take under the trials' cap
+    if mode == "plain":
+        return
+    fitted = [t.peak_bytes for t in tuner.trials if t.fits]
+    assert max(fitted) <= 2 * GIB + held  # no trial ran past the trials' cap
+    value = tuner.optimal_batch_size
+    worst = 256 * value if mode == "length_fn" else value  # the padded tokens of the heaviest batch
+    assert worst * per_token <= held < 1.05 * (worst + 256) * per_token  # close under it
+
+
+def test_shape_margin_is_checked():
+    for bad in (-0.1, 1.0, True, "0.2"):
+        with pytest.raises(ValueError, match=rf"shape_margin={bad!r}.*Expected None or a number in \[0, 1\)"):
+            BatchSizeTuner(shape_margin=bad)
