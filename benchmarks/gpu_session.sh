@@ -14,8 +14,8 @@
 #
 # token-budget: TokenBudgetSampler with a tuned max_tokens against BatchSizeFinder, the worst-case batch size and a
 # hand-set budget, one epoch each (benchmarks/token_budget.py; TOKEN_ATTENTION, TOKEN_DATASETS, TOKEN_CONFIGS,
-# TOKEN_SAMPLES, TOKEN_S; TOKEN_EXPANDABLE=1: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) ->
-# token-budget-<attention>[-expandable].json, .log.
+# TOKEN_SAMPLES, TOKEN_S; TOKEN_EXPANDABLE=1: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; TOKEN_SHAPE_MARGIN:
+# the tuner's shape_margin) -> token-budget-<attention>[-expandable][-margin<m>].json, .log.
 #
 # microbatch-gpt: AutoMicrobatch (never splitting) and MemoryMonitor against no callback on a 253.5M-parameter GPT,
 # 7 interleaved rounds (about 2 min) -> microbatch-gpt-overhead.json, .log; microbatch-gpt-profile: torch.profiler
@@ -73,10 +73,11 @@ for part in "${parts[@]}"; do
     tuner-predict-12) timeout ${TUNER_S:-400} python3 benchmarks/tuner.py --models ${TUNER_MODELS:-gpt,gpt-ckpt,encoder} \
       --budget-gib 12 --parallel 10 --finders predict,binsearch --headroom 0.0 --fit-steps 4 --fit-val-batches 1 \
       --time-limit $(( ${TUNER_S:-400} - 40 )) --json "$OUT/tuner-predict-12gib.json" > "$OUT/tuner-predict-12gib.log" 2>&1 ;;
-    token-budget) name=token-budget-${TOKEN_ATTENTION:-sdpa}${TOKEN_EXPANDABLE:+-expandable}
+    token-budget) name=token-budget-${TOKEN_ATTENTION:-sdpa}${TOKEN_EXPANDABLE:+-expandable}${TOKEN_SHAPE_MARGIN:+-margin$TOKEN_SHAPE_MARGIN}
       timeout ${TOKEN_S:-420} python3 benchmarks/token_budget.py --attention ${TOKEN_ATTENTION:-sdpa} \
       --datasets ${TOKEN_DATASETS:-zipf,skewed} --configs ${TOKEN_CONFIGS:-worst,tuned,hand,finder} \
       --samples ${TOKEN_SAMPLES:-3000} --time-limit $(( ${TOKEN_S:-420} - 20 )) ${TOKEN_EXPANDABLE:+--expandable} \
+      ${TOKEN_SHAPE_MARGIN:+--shape-margin $TOKEN_SHAPE_MARGIN} \
       --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 ;;
     ddp2) timeout ${DDP2_S:-560} python3 benchmarks/ddp2.py --time-limit $(( ${DDP2_S:-560} - 20 )) \
       --json "$OUT/ddp2.json" > "$OUT/ddp2.log" 2>&1 ;;  # two GPUs (issue 30); --cpu: the gloo dry run

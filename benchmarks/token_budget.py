@@ -400,9 +400,9 @@ def config_worker(args: argparse.Namespace) -> int:
         if args.worker == "finder":
             callback = finder_cls(mode="binsearch", steps_per_trial=3)
         elif args.worker == "worst":
-            callback = tuner_cls(budget=args.budget_bytes, length_fn="input_ids")
+            callback = tuner_cls(budget=args.budget_bytes, length_fn="input_ids", shape_margin=args.shape_margin)
         elif args.worker == "tuned":
-            callback = tuner_cls(budget=args.budget_bytes, batch_arg_name="max_tokens")
+            callback = tuner_cls(budget=args.budget_bytes, batch_arg_name="max_tokens", shape_margin=args.shape_margin)
         else:
             assert hand is not None
             model.max_tokens = hand["max_tokens"]
@@ -585,6 +585,8 @@ class Runner:
         argv = [sys.executable, str(Path(__file__).resolve()), "--worker", worker, "--dataset", dataset]
         argv += ["--attention", attention, "--budget-bytes", str(self.budget_bytes), "--samples", str(self.s.samples)]
         argv += ["--max-len", str(self.s.max_len), "--zipf-a", str(self.s.zipf_a), "--quadratic", self.args.quadratic]
+        if self.args.shape_margin is not None:
+            argv += ["--shape-margin", str(self.args.shape_margin)]
         return [*argv, "--quick"] if self.args.quick else argv
 
     def run(self, argv: list[str], name: str) -> H.Worker:
@@ -894,6 +896,11 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--expandable", action="store_true", help="every worker with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    )
+    parser.add_argument(
+        "--shape-margin",
+        type=float,
+        help="BatchSizeTuner(shape_margin=...) for worst and tuned (default: the tuner's own, 0.2 or 0.02)",
     )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a subprocess is killed")
     parser.add_argument("--time-limit", type=float, default=1500.0, help="no subprocess starts after this (seconds)")
