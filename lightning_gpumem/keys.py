@@ -122,6 +122,12 @@ PADDING = _key(
     "padding_fraction", "%", "padded positions in the epoch's batches at the budget chosen (where a budget was tuned)",
     "BatchSizeTuner",
 )  # fmt: skip
+TUNED_BUDGET = _key(
+    "batch_size_budget_gib",
+    "GiB",
+    "the memory budget the size (or token budget) was tuned for, where a search ran",
+    "BatchSizeTuner",
+)
 BATCH_SIZE_TRIALS = _key(
     "batch_size_trials", "table", "one row per trial: size, outcome, peaks (GiB), seconds", "BatchSizeTuner"
 )
@@ -185,6 +191,7 @@ KEYS: tuple[Key, ...] = (
     BATCH_SIZE,
     TOKEN_BUDGET,
     PADDING,
+    TUNED_BUDGET,
     BATCH_SIZE_TRIALS,
     TRIAL_OOMS,
     TRIAL_RETRIES,

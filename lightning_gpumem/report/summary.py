@@ -36,6 +36,10 @@ class RunSummary:
         batch_size: the last batch size a ``BatchSizeTuner`` logged.
         token_budget: the last ``TokenBudgetSampler`` budget a ``BatchSizeTuner`` tuned, and the epoch's padding
             fraction (%) at that budget; ``None`` where no budget was tuned.
+        tuned_budget: the memory budget the ``BatchSizeTuner`` tuned for (``gpumem/batch_size_budget_gib``).
+        step_peaks_over_budget: the logged training steps' peak reserved (the highest over ranks where logged)
+            over ``budget``, else over ``tuned_budget``: p50, p99 and max, and how many steps; ``None`` without a
+            budget or per-step peaks.
         plan: what a ``MemoryPlanner`` logged before step 1 (``gpumem/plan_*``): the predicted peak at the run's batch
             size and its band, the line's fixed part and per-sample slope, the memory outside PyTorch and the largest
             batch size of its first budget; empty without a planner.
@@ -68,6 +72,8 @@ class RunSummary:
     headroom: float | None = None
     batch_size: int | None = None
     token_budget: tuple[int, float | None] | None = None
+    tuned_budget: float | None = None
+    step_peaks_over_budget: tuple[float, float, float, int] | None = None
     plan: dict[str, float] = field(default_factory=dict)
     cache_releases: int | None = None
     released: float | None = None
@@ -101,6 +107,7 @@ def summarize(run: Run) -> RunSummary:
     releases = _per_rank_total(run, keys.CACHE_RELEASES)
     batch_size = run.last(keys.BATCH_SIZE.format())
     token_budget = run.last(keys.TOKEN_BUDGET.format())
+    tuned_budget = run.last(keys.TUNED_BUDGET.format())
     memory = run_memory(run, peaks)
     headroom = memory.headroom_bytes
     return RunSummary(
@@ -119,6 +126,8 @@ def summarize(run: Run) -> RunSummary:
         headroom=None if headroom is None else headroom / GIB,
         batch_size=None if batch_size is None or token_budget is not None else round(batch_size),
         token_budget=None if token_budget is None else (round(token_budget), run.last(keys.PADDING.format())),
+        tuned_budget=tuned_budget,
+        step_peaks_over_budget=_step_peaks_over(run, budget if budget is not None else tuned_budget),
         plan={key.name: value for key in PLAN_KEYS if (value := run.last(key.format())) is not None},
         cache_releases=None if releases is None else round(releases),
         released=_per_rank_total(run, keys.RELEASED),
@@ -170,6 +179,24 @@ def _rate_when_flagged(run: Run) -> float | None:
         return None
     rates = run.series.get(keys.LEAK_RATE.format(), [])
     return next((value for step, value in rates if step >= min(flagged) and in_range(value)), None)
+
+
+def _step_peaks_over(run: Run, budget: float | None) -> tuple[float, float, float, int] | None:
+    """p50, p99 and max of the training steps' peak reserved over ``budget`` (GiB), and the number of steps."""
+    key = keys.PEAK_RESERVED.format("train")
+    peaks = run.values(f"{key}_max") or run.values(key)  # under DDP/FSDP the highest rank's: each rank has the budget
+    if not peaks or budget is None or budget <= 0:
+        return None
+    ratios = sorted(peak / budget for peak in peaks)
+    return _percentile(ratios, 50), _percentile(ratios, 99), ratios[-1], len(ratios)
+
+
+def _percentile(ordered: list[float], q: float) -> float:
+    """The ``q``-th percentile of sorted values, interpolated linearly between the closest ranks (numpy's default)."""
+    position = (len(ordered) - 1) * q / 100
+    below = int(position)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
 
 
 def _bytes(gib: float | None) -> int | None:
@@ -244,12 +271,22 @@ def rows(summary: RunSummary) -> list[tuple[str, str]]:
         what = "budget" if summary.budget is not None else "device"
         share = f" ({summary.headroom / of:.0%} of the {what})" if of else ""
         out.append(("headroom at the highest peak", f"{_gib(summary.headroom)}{share}"))
+    tuned_for = f", for {_gib(summary.tuned_budget, 1)}" if summary.tuned_budget is not None else ""
     if summary.batch_size is not None:
-        out.append(("tuned batch size", str(summary.batch_size)))
+        out.append(("tuned batch size", f"{summary.batch_size}{tuned_for}"))
     if summary.token_budget is not None:
         budget, padding = summary.token_budget
         padded = f" ({padding:.1f}% of the epoch's positions padding)" if padding is not None else ""
-        out.append(("tuned token budget", f"{budget} tokens per batch{padded}"))
+        out.append(("tuned token budget", f"{budget} tokens per batch{padded}{tuned_for}"))
+    if summary.step_peaks_over_budget is not None:
+        p50, p99, highest, steps = summary.step_peaks_over_budget
+        whose = "the budget" if summary.budget is not None else "the tuner's budget"
+        out.append(
+            (
+                "step peak reserved / budget",
+                f"p50 {p50:.2f}, p99 {p99:.2f}, max {highest:.2f} over {steps} logged training steps ({whose})",
+            )
+        )
     if summary.plan:
         out.append(("memory plan", _plan_text(summary.plan)))
     if summary.cache_releases is not None:

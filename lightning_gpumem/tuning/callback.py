@@ -287,7 +287,11 @@ class BatchSizeTuner(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"batch_size": self.optimal_batch_size, "accumulate_grad_batches": self._accumulation}
+        return {
+            "batch_size": self.optimal_batch_size,
+            "accumulate_grad_batches": self._accumulation,
+            "budget_bytes": self.budget_bytes,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -543,6 +547,8 @@ class BatchSizeTuner(Callback):
             trainer, self.batch_arg_name, size, accumulation, rebuild_optimizers=current != (size, accumulation)
         )
         self.optimal_batch_size, self._accumulation = size, accumulation
+        budget = state.get("budget_bytes")  # None in checkpoints of versions before it was saved
+        self.budget_bytes = None if budget is None else int(budget)
         self._tokens = self._token_sampler(trainer, loaders.train_loaders(trainer))  # a budget: its keys too
         rank_zero_info(
             f"BatchSizeTuner: {self.batch_arg_name}={size} restored from the checkpoint; no trials ran"
@@ -725,6 +731,8 @@ class BatchSizeTuner(Callback):
             return
         self._size_due = False
         scalars = {keys.BATCH_SIZE.format(): float(self.optimal_batch_size or 0)}
+        if self.budget_bytes is not None:  # what the run's per-step peaks are measured against
+            scalars[keys.TUNED_BUDGET.format()] = self.budget_bytes / GIB
         tokens = self._tokens
         if tokens is not None and self.optimal_batch_size is not None:  # a token budget was tuned
             scalars[keys.TOKEN_BUDGET.format()] = float(self.optimal_batch_size)

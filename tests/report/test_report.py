@@ -504,3 +504,45 @@ def test_a_tuned_token_budget_shows_in_a_row_instead_of_a_batch_size(tmp_path):
     table = dict(rows(summarize(run)))
     assert table["tuned token budget"] == "6144 tokens per batch (7.2% of the epoch's positions padding)"
     assert "tuned batch size" not in table
+
+
+def _csv(run_dir: Path, rows_: list[dict[str, float]]) -> None:
+    run_dir.mkdir()
+    columns = sorted({key for row in rows_ for key in row})
+    lines = ["step," + ",".join(columns)]
+    lines += [f"{step}," + ",".join(str(row.get(c, "")) for c in columns) for step, row in enumerate(rows_)]
+    (run_dir / "metrics.csv").write_text("\n".join(lines) + "\n")
+
+
+def test_step_peaks_over_the_tuners_budget_are_a_row(tmp_path):
+    peaks = [float(p) for p in range(11, 21)]  # 11..20 GiB over a budget of 20 GiB: 0.55..1.00
+    rows_ = [{"gpumem/batch_size": 8.0, "gpumem/batch_size_budget_gib": 20.0}]
+    rows_ += [{"gpumem/train_peak_reserved_gib": p} for p in peaks]
+    _csv(tmp_path / "tuned", rows_)
+    (run,) = load_runs(tmp_path).runs
+    summary = summarize(run)
+    p50, p99, highest, steps = summary.step_peaks_over_budget
+    assert (steps, highest) == (10, 1.0)
+    assert p50 == pytest.approx(0.775)  # numpy's linear percentiles of 0.55..1.00
+    assert p99 == pytest.approx(0.9955)
+    table = dict(rows(summary))
+    assert table["tuned batch size"] == "8, for 20.0 GiB"
+    assert table["step peak reserved / budget"] == (
+        "p50 0.78, p99 1.00, max 1.00 over 10 logged training steps (the tuner's budget)"
+    )
+
+
+def test_step_peaks_are_over_a_memory_budget_first_and_the_highest_rank(tmp_path):
+    rows_ = [{"gpumem/budget_gib": 10.0, "gpumem/batch_size_budget_gib": 20.0}]
+    rows_ += [{"gpumem/train_peak_reserved_gib": 4.0, "gpumem/train_peak_reserved_gib_max": 5.0} for _ in range(3)]
+    _csv(tmp_path / "ddp", rows_)
+    (run,) = load_runs(tmp_path).runs
+    assert summarize(run).step_peaks_over_budget == (0.5, 0.5, 0.5, 3)
+    assert dict(rows(summarize(run)))["step peak reserved / budget"].endswith("(the budget)")
+
+
+def test_no_budget_no_step_peak_row(tmp_path):
+    _csv(tmp_path / "plain", [{"gpumem/train_peak_reserved_gib": 4.0}])
+    (run,) = load_runs(tmp_path).runs
+    assert summarize(run).step_peaks_over_budget is None
+    assert "step peak reserved / budget" not in dict(rows(summarize(run)))

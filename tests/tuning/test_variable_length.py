@@ -307,3 +307,34 @@ def test_shape_margin_is_checked():
     for bad in (-0.1, 1.0, True, "0.2"):
         with pytest.raises(ValueError, match=rf"shape_margin={bad!r}.*Expected None or a number in \[0, 1\)"):
             BatchSizeTuner(shape_margin=bad)
+
+
+def test_the_budget_tuned_for_is_logged_and_restored_on_resume(tmp_path, monkeypatch):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_gpumem._core.units import GIB, MIB
+    from tests.helpers.fakes import read_csv_metrics
+    from tests.helpers.tuning import CappedFakeProbe, FakeTuner
+
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+
+    def fit(name: str, ckpt_path=None) -> FakeTuner:
+        probe = CappedFakeProbe(base=2 * GIB, total=80 * GIB)
+        model = CappedTokens(probe, MIB)
+        model.max_tokens = 512
+        tuner = FakeTuner(probe, budget="24GiB", batch_arg_name="max_tokens")
+        logger = CSVLogger(tmp_path, name=name, version=0)
+        steps = {"max_steps": 2, "max_epochs": 2} if ckpt_path else {"max_steps": 1}
+        trainer = tuner_trainer(tuner, logger=logger, limit_val_batches=0, **steps)
+        trainer.fit(model, ckpt_path=ckpt_path)
+        if ckpt_path is None:
+            trainer.save_checkpoint(tmp_path / "last.ckpt")
+        return tuner
+
+    for name, ckpt_path in (("first", None), ("resumed", tmp_path / "last.ckpt")):
+        tuner = fit(name, ckpt_path)
+        assert tuner.state_dict()["budget_bytes"] == 24 * GIB
+        logged = [float(row["gpumem/batch_size_budget_gib"]) for row in read_csv_metrics(tmp_path / name / "version_0")
+                  if row.get("gpumem/batch_size_budget_gib")]  # fmt: skip
+        assert logged == [24.0], name
