@@ -145,7 +145,7 @@ class BatchSizeTuner(Callback):
         shape_margin: fraction of the budget the trials leave free where batches change shape (``length_fn`` or
             a token budget), in [0, 1): trials run with the allocator capped at ``(1 - shape_margin) * budget``
             and the fit at the whole budget. PyTorch's caching allocator fragments as shapes change: a size whose
-            heaviest batch filled the budget in a trial ran out of memory 2 to 30 steps into a shuffled epoch with
+            heaviest batch filled the budget in a trial ran out of memory 6 to 12 steps into a shuffled epoch with
             up to a quarter of the budget cached but unusable. ``None``: ``0.2`` with PyTorch's default allocator,
             ``0.02`` with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (read from the environment), which
             does not fragment that way; ``0`` where shapes do not change. See ``docs/variable_length.md``.
