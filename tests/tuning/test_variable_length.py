@@ -338,3 +338,21 @@ def test_the_budget_tuned_for_is_logged_and_restored_on_resume(tmp_path, monkeyp
         logged = [float(row["gpumem/batch_size_budget_gib"]) for row in read_csv_metrics(tmp_path / name / "version_0")
                   if row.get("gpumem/batch_size_budget_gib")]  # fmt: skip
         assert logged == [24.0], name
+
+
+@pytest.mark.parametrize(("env", "said", "tip"), [("", "80%", True), ("expandable_segments:True", "98%", False)])
+def test_the_report_line_says_the_margin_and_suggests_expandable_segments(monkeypatch, caplog, env, said, tip):
+    from lightning_gpumem._core.units import GIB, MIB
+    from tests.helpers.tuning import CappedFakeProbe, FakeTuner
+
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", env)
+    probe = CappedFakeProbe(base=2 * GIB, total=80 * GIB)
+    model = CappedTokens(probe, MIB)
+    model.max_tokens = 512
+    with caplog.at_level("INFO"):
+        tuner_trainer(FakeTuner(probe, budget="24GiB", batch_arg_name="max_tokens"), max_steps=1,
+                      limit_val_batches=0).fit(model)  # fmt: skip
+    line = next(r.getMessage() for r in caplog.records if "`shape_margin`" in r.getMessage())
+    assert f"the trials ran under {said} of the budget" in line
+    assert ("expandable_segments:True (set before CUDA starts)" in line) is tip
