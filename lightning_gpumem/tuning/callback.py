@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +31,12 @@ from lightning_gpumem._hw.allocator import expandable_segments, release_to
 from lightning_gpumem._hw.oom import expecting_oom
 from lightning_gpumem._hw.probe import Probe, make_probe
 from lightning_gpumem._pl.compat import Callback, either
+from lightning_gpumem._pl.distributed import gather_values
 from lightning_gpumem._pl.logging import log_table, log_to_loggers, run_dir
 from lightning_gpumem._pl.peers import budget_bytes
 from lightning_gpumem.tuning import loaders
 from lightning_gpumem.tuning import trials as _session
-from lightning_gpumem.tuning.lengths import LengthFn, sample_length, scan_lengths
+from lightning_gpumem.tuning.lengths import LengthFn, Lengths, sample_length, scan_lengths
 from lightning_gpumem.tuning.measure import LEFTOVER_BYTES, TrialRunner, plan_builder
 from lightning_gpumem.tuning.search import (
     SearchResult,
@@ -484,30 +486,56 @@ class BatchSizeTuner(Callback):
 
     @contextmanager
     def _longest_first(self, trainer: pl.Trainer) -> Iterator[None]:
-        with loaders.longest_first(trainer, self._order_for) as skipped:
+        with loaders.longest_first(trainer, partial(self._order_for, trainer)) as skipped:
             yield
         for reason in dict.fromkeys([*skipped, *self._skipped]):
             rank_zero_warn(f"BatchSizeTuner: `length_fn` was not applied: {reason}; its trials drew the first batches.")
 
-    def _order_for(self, dataset: Any) -> list[int] | None:
+    def _order_for(self, trainer: pl.Trainer, dataset: Any) -> list[int] | None:
         """The indices of ``dataset``, longest first (scanned once per fit).
 
         Called from within Lightning's dataloader request, which leaves Lightning's patches of ``DataLoader`` and
         ``BatchSampler`` in place when an exception passes through it: an error of ``length_fn`` is kept and raised
-        once the trial has ended (:meth:`_raising_scan_errors`).
+        once the trial has ended (:meth:`_raising_scan_errors`). Under DDP the ranks agree on the samples scanned
+        (:meth:`_agreed`), so a scan cut short by its time limit gives every rank the same order.
         """
         assert self.length_fn is not None
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
             self._skipped.append(f"{type(dataset).__name__} has no `len` and `[]` to measure its samples by")
             return None
+        key, found = None, None
         try:
             key = _fingerprint(dataset, self.length_fn)  # hooks may build a new dataset object for every loader
-            if key not in self._orders:
-                self._orders[key] = self._scan(dataset)
+            if key in self._orders:
+                return self._orders[key]
+            found = scan_lengths(dataset, self.length_fn)
         except BaseException as error:  # length_fn's error, or Ctrl-C in the scan: raised after the trial
             self._scan_error = self._scan_error or error
+        try:
+            found = self._agreed(trainer, found)  # collective: every rank that scans gets here, failed or not
+        except BaseException as error:
+            self._scan_error = self._scan_error or error
             return None
-        return self._orders[key]
+        if key is None or found is None:
+            return None
+        if not found.complete:
+            rank_zero_warn(
+                f"BatchSizeTuner: scanned the lengths of {found.scanned} of {found.total} samples in"
+                f" {found.seconds:.0f} s, a random subset; the trials run the longest of those ({found.longest})."
+                " A longer sample may exist: pass a faster `length_fn` (a length field, not the sample's"
+                " tokenization)."
+            )
+        self._orders[key] = found.order
+        return found.order
+
+    @staticmethod
+    def _agreed(trainer: pl.Trainer, found: Lengths | None) -> Lengths | None:
+        """Under DDP, the first samples of the scan that every rank scanned (the scan order is the same on all)."""
+        if trainer.world_size <= 1:
+            return found
+        counts = [row[0] for row in gather_values(trainer, [None if found is None else found.scanned])]
+        fewest = min((int(count) for count in counts if count is not None), default=None)
+        return found if found is None or fewest is None else found.first(fewest)
 
     def _raising_scan_errors(self, runner: TrialRunner) -> Callable[[int], Trial]:
         def run(size: int) -> Trial:
@@ -518,18 +546,6 @@ class BatchSizeTuner(Callback):
             return trial
 
         return run
-
-    def _scan(self, dataset: Any) -> list[int]:
-        assert self.length_fn is not None
-        found = scan_lengths(dataset, self.length_fn)
-        if not found.complete:
-            rank_zero_warn(
-                f"BatchSizeTuner: scanned the lengths of {found.scanned} of {found.total} samples in"
-                f" {found.seconds:.0f} s, a random subset; the trials run the longest of those ({found.longest})."
-                " A longer sample may exist: pass a faster `length_fn` (a length field, not the sample's"
-                " tokenization)."
-            )
-        return found.order
 
     # ------------------------------------------------------------------ helpers
     def _accumulation_for(self, size: int) -> int:

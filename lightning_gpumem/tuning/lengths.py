@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 LengthFn = Callable[[Any], int] | str
@@ -31,6 +31,7 @@ class Lengths:
         scanned: samples scanned.
         total: samples in the dataset.
         seconds: time the scan took.
+        measured: each scanned index's length, in the order scanned.
     """
 
     order: list[int]
@@ -38,11 +39,27 @@ class Lengths:
     scanned: int
     total: int
     seconds: float
+    measured: dict[int, int] = field(default_factory=dict, repr=False)
 
     @property
     def complete(self) -> bool:
         """Whether every sample was scanned."""
         return self.scanned == self.total
+
+    def first(self, count: int) -> Lengths:
+        """What the scan would have found had it stopped after ``count`` samples.
+
+        The scan order depends on the seed alone, so ranks that scanned different numbers of samples agree on the
+        first ``count`` of them (the fewest any rank scanned).
+
+        >>> found = scan_lengths([[1], [1, 2, 3], [1, 2]], len, seed=0)
+        >>> found.first(1).scanned, found.first(1).total, found.first(5) is found
+        (1, 3, True)
+        """
+        if count >= self.scanned:
+            return self
+        kept = dict(list(self.measured.items())[: max(0, count)])
+        return _found(kept, self.total, self.seconds)
 
 
 def sample_length(sample: Any, length_fn: LengthFn) -> int:
@@ -102,6 +119,10 @@ def scan_lengths(
         lengths[index] = sample_length(dataset[index], length_fn)
         if count % 64 == 63 and time.perf_counter() - start > max_seconds:
             break
+    return _found(lengths, total, time.perf_counter() - start)
+
+
+def _found(lengths: dict[int, int], total: int, seconds: float) -> Lengths:
     scanned = sorted(lengths, key=lambda i: (-lengths[i], i))
     rest = [i for i in range(total) if i not in lengths] if len(lengths) < total else []
     return Lengths(
@@ -109,5 +130,6 @@ def scan_lengths(
         longest=lengths[scanned[0]] if scanned else 0,
         scanned=len(lengths),
         total=total,
-        seconds=time.perf_counter() - start,
+        seconds=seconds,
+        measured=lengths,
     )

@@ -11,6 +11,7 @@ and the tuner must agree on 24 on both ranks without leaving rank 0 waiting in a
    re-creates with its `DistributedSampler` injected, and its `max_tokens` tuned; rank 1 runs out of memory above
    600 padded tokens. The budget chosen, the trials and the indices of every batch of the fit's epoch.
 4. `length_fn` (`longest_rank<N>.json`): the same samples at a fixed batch size, the trials on the longest.
+5. A length scan cut short on rank 1 alone (`partial_rank<N>.json`): the order each rank's trials drew from.
 
 Usage: python ddp_conformance_script.py OUT_DIR
 """
@@ -146,6 +147,30 @@ def longest(out: Path) -> None:
     (out / f"longest_rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
+def partial(out: Path) -> None:
+    """Rank 1's length scan stops after its first 64 samples (its time limit), rank 0's scans them all."""
+    from lightning_gpumem.tuning import callback
+
+    scan = callback.scan_lengths
+
+    def cut_on_rank1(dataset, length_fn):
+        rank = torch.distributed.get_rank()
+        return scan(dataset, length_fn, max_seconds=0.0 if rank == 1 else 60.0)
+
+    callback.scan_lengths = cut_on_rank1  # type: ignore[assignment]
+    try:
+        model = LongestNet()
+        tuner = BatchSizeTuner(length_fn=lambda i: model.lengths[i], include_validation=False, max_val=8)
+        trainer = quiet_trainer(
+            out / "partial", devices=2, strategy="ddp", max_steps=1, limit_val_batches=0, callbacks=[tuner]
+        )
+        trainer.fit(model)
+    finally:
+        callback.scan_lengths = scan  # type: ignore[assignment]
+    result = {"orders": list(tuner._orders.values()), "full": scan(range(301), lambda i: model.lengths[i]).order}
+    (out / f"partial_rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
 def tokens(out: Path) -> None:
     tuner = BatchSizeTuner(batch_arg_name="max_tokens", include_validation=False)
     model = TokenNet()
@@ -186,6 +211,7 @@ def main(out_dir: str) -> None:
     agreement(out)
     tokens(out)
     longest(out)
+    partial(out)
     tuner = BatchSizeTuner()
     trainer, tuned = fit(out / "tuned", INIT, tuner)
     _, by_hand = fit(out / "by_hand", tuner.optimal_batch_size, None)

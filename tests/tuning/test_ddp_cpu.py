@@ -53,3 +53,14 @@ def test_length_fn_trials_run_the_longest_samples_on_every_rank():
     rank1 = json.loads((tmp_path / "longest_rank1.json").read_text())
     assert rank0["batch_size"] == rank1["batch_size"] <= 6  # 6 x 100 padded tokens: rank 1's limit
     assert max(rank1["padded"]) <= 600  # the whole epoch ran on rank 1
+
+
+def test_a_length_scan_cut_short_on_one_rank_gives_every_rank_the_same_order():
+    # The ranks agree on the samples every rank scanned (the first 64 of the seeded scan order), not each its own.
+    tmp_path, _ = run_script(Path(__file__).with_name("ddp_conformance_script.py"))
+    rank0 = json.loads((tmp_path / "partial_rank0.json").read_text())
+    rank1 = json.loads((tmp_path / "partial_rank1.json").read_text())
+    assert len(rank0["orders"]) == 1
+    assert rank0["orders"] == rank1["orders"]
+    assert sorted(rank0["orders"][0]) == list(range(301))
+    assert rank0["orders"][0] != rank0["full"]  # rank 0 scanned all 301 but kept the 64 rank 1 scanned
