@@ -197,7 +197,8 @@ class Prediction:
 
     Attributes:
         budget: the card or budget, in bytes.
-        limit: what the allocator may reserve in it: the budget less the memory outside PyTorch.
+        limit: what the allocator may reserve in it: the budget less the memory outside PyTorch (and the plan's
+            margin).
         largest: the largest batch size whose predicted reserved peak fits ``limit`` (``None``: unbounded).
         validated: a trial ran ``largest`` under this budget.
         peak: predicted reserved peak at the batch size asked about, and its band (``peak - band`` to ``peak + band``).
@@ -225,12 +226,15 @@ class Plan:
         growth: reserved bytes per byte of live tensors, from the last two probes, in [1, :data:`MAX_GROWTH`].
         outside: memory outside PyTorch's allocator, in bytes (``None``: not measured).
         terms: the parts of the memory (:class:`Terms`).
+        margin: the fraction of each budget's allocator limit left free (for the fragmentation of batches whose
+            shapes vary), in [0, 1).
     """
 
     probes: list[ProbePoint]
     verdict: Verdict
     outside: int | None = None
     terms: Terms = field(default_factory=Terms)
+    margin: float = 0.0
     lines: list[Line] = field(init=False)
     growth: float = field(init=False)
 
@@ -305,8 +309,11 @@ class Plan:
         return lo
 
     def limit_for(self, budget: int) -> int:
-        """What the allocator may reserve on a card of ``budget`` bytes: the budget less the memory outside PyTorch."""
-        return max(0, budget - (self.outside or 0))
+        """What the allocator may reserve on a card of ``budget`` bytes: the budget less the memory outside PyTorch.
+
+        Less :attr:`margin` of that.
+        """
+        return max(0, int((budget - (self.outside or 0)) * (1.0 - self.margin)))
 
     def predict(self, size: int, budget: int) -> Prediction:
         """The plan for ``budget``: the largest size that fits, and whether ``size`` does (with its band)."""

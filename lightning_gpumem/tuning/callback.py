@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
-from functools import partial
+from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +26,22 @@ from lightning_gpumem._core.batching import batch_cost
 from lightning_gpumem._core.checks import require_flags, require_int, require_trainer
 from lightning_gpumem._core.files import unique_path, write_atomic
 from lightning_gpumem._core.units import GIB, check_budget, format_gib, parse_budget
-from lightning_gpumem._hw.allocator import expandable_segments, release_to
+from lightning_gpumem._hw.allocator import release_to
 from lightning_gpumem._hw.oom import expecting_oom
 from lightning_gpumem._hw.probe import Probe, make_probe
 from lightning_gpumem._pl.compat import Callback, either
-from lightning_gpumem._pl.distributed import gather_values
 from lightning_gpumem._pl.logging import log_table, log_to_loggers, run_dir
 from lightning_gpumem._pl.peers import budget_bytes
 from lightning_gpumem.tuning import loaders
 from lightning_gpumem.tuning import trials as _session
-from lightning_gpumem.tuning.lengths import LengthFn, Lengths, sample_length, scan_lengths
+from lightning_gpumem.tuning.lengths import LengthFn
+from lightning_gpumem.tuning.longest import (
+    LongestFirst,
+    check_length_fn,
+    check_shape_margin,
+    margin_for,
+    margin_tip,
+)
 from lightning_gpumem.tuning.measure import LEFTOVER_BYTES, TrialRunner, plan_builder
 from lightning_gpumem.tuning.search import (
     SearchResult,
@@ -50,10 +55,6 @@ from lightning_gpumem.tuning.token_budget import TokenBudgetSampler, heaviest_ba
 from lightning_gpumem.tuning.trials import TrialSession
 
 MAX_TRIALS = 25
-SHAPE_MARGIN = 0.2
-"""The budget's fraction trials leave free where shapes vary, with PyTorch's default allocator (``shape_margin``)."""
-SHAPE_MARGIN_EXPANDABLE = 0.02
-"""The same with ``expandable_segments:True``, which maps pages instead of caching whole segments."""
 METHODS = ("predict", "search")
 
 
@@ -204,17 +205,8 @@ class BatchSizeTuner(Callback):
             raise ValueError(f"`BatchSizeTuner(batch_arg_name={batch_arg_name!r})` is not valid. Expected a name.")
         if method not in METHODS:
             raise ValueError(f"`BatchSizeTuner(method={method!r})` is not valid. Expected one of {METHODS}.")
-        if not (length_fn is None or callable(length_fn) or (isinstance(length_fn, str) and length_fn)):
-            raise TypeError(
-                f"`BatchSizeTuner(length_fn={length_fn!r})` is not valid. Expected None, a function of a sample"
-                " returning its length, or the key of a sample's length field (a non-empty string)."
-            )
-        if shape_margin is not None and (
-            isinstance(shape_margin, bool) or not isinstance(shape_margin, (int, float)) or not 0 <= shape_margin < 1
-        ):
-            raise ValueError(
-                f"`BatchSizeTuner(shape_margin={shape_margin!r})` is not valid. Expected None or a number in [0, 1)."
-            )
+        check_length_fn("BatchSizeTuner", length_fn)
+        check_shape_margin("BatchSizeTuner", shape_margin)
         require_flags(
             "BatchSizeTuner",
             include_validation=include_validation,
@@ -246,9 +238,7 @@ class BatchSizeTuner(Callback):
         self._size_due = False  # a size was chosen or restored and is not logged yet
         self._accumulation: int | None = None
         self._restored: dict[str, Any] | None = None
-        self._orders: dict[tuple[Any, ...], list[int]] = {}  # a dataset's indices, longest first (once per fit)
-        self._scan_error: BaseException | None = None  # length_fn's error in a dataloader hook, raised after
-        self._skipped: list[str] = []  # why length_fn was not applied to a loader
+        self._longest: LongestFirst | None = None  # the trials' longest-first order (`length_fn`), per search
         self._tokens: TokenBudgetSampler | None = None  # the sampler whose budget the last search tuned
         self._margin = 0.0  # the fraction of the budget the last search's trials left free (shapes that vary)
 
@@ -320,7 +310,7 @@ class BatchSizeTuner(Callback):
             rank_zero_warn("BatchSizeTuner: skipped because `limit_train_batches=0` runs no training step.")
             return None
         _session.require_settable_batch(trainer, self.batch_arg_name, "BatchSizeTuner")
-        self._orders, self._scan_error, self._skipped = {}, None, []
+        self._longest = LongestFirst("BatchSizeTuner", self.length_fn) if self.length_fn is not None else None
         built = loaders.train_loaders(trainer)
         self._tokens = tokens = self._token_sampler(trainer, built)
         init_val = self.init_val
@@ -339,7 +329,7 @@ class BatchSizeTuner(Callback):
         probe = make_probe(trainer.strategy.root_device, self)
         baseline = probe.allocated_bytes()  # what each trial starts from, and the search ends at
         limit = self._limit_bytes(probe, trainer)  # budget
-        self._margin = self._margin_for(tokens is not None or self.length_fn is not None) if limit else 0.0
+        self._margin = margin_for(self.shape_margin, tokens is not None or self.length_fn is not None) if limit else 0.0
         if limit is not None:  # trials leave the margin free for the fragmentation of shapes that vary
             limit = int(limit * (1.0 - self._margin))
         start = time.perf_counter()
@@ -363,7 +353,7 @@ class BatchSizeTuner(Callback):
                     with expecting_oom(), self._heaviest_first(trainer, tokens):  # OOMs are the search's plan
                         if self.method == "predict":  # probe, predict, validate, close in
                             result = search_by_plan(
-                                self._raising_scan_errors(runner),
+                                self._raising(runner),
                                 init_val=init_val,
                                 upper=upper,
                                 limit_bytes=limit,
@@ -372,13 +362,13 @@ class BatchSizeTuner(Callback):
                             )
                         else:  # search: the largest size that runs in the budget
                             result = search_batch_size(
-                                self._raising_scan_errors(runner),
+                                self._raising(runner),
                                 init_val=init_val,
                                 upper=upper,
                                 limit_bytes=limit,
                                 max_trials=MAX_TRIALS,
                             )
-                        result = self._leave_headroom(self._raising_scan_errors(runner), result, limit)
+                        result = self._leave_headroom(self._raising(runner), result, limit)
                 finally:
                     if previous_fraction is not None:
                         probe.set_memory_fraction(previous_fraction)
@@ -468,84 +458,16 @@ class BatchSizeTuner(Callback):
             return interval  # Lightning refuses an epoch with fewer batches than `val_check_interval`
         return 1
 
-    def _margin_for(self, varying: bool) -> float:
-        """The fraction of the budget trials leave free: ``shape_margin`` where shapes vary (or its default)."""
-        if not varying:
-            return 0.0
-        if self.shape_margin is not None:
-            return self.shape_margin
-        return SHAPE_MARGIN_EXPANDABLE if expandable_segments() else SHAPE_MARGIN
-
     def _heaviest_first(self, trainer: pl.Trainer, tokens: TokenBudgetSampler | None) -> Any:
         """Within the block, trials draw the heaviest batches the data can make (where that is known)."""
         if tokens is not None:
             return heaviest_batches_first()
-        if self.length_fn is not None:
-            return self._longest_first(trainer)
+        if self._longest is not None:
+            return self._longest.drawing(trainer)
         return nullcontext()
 
-    @contextmanager
-    def _longest_first(self, trainer: pl.Trainer) -> Iterator[None]:
-        with loaders.longest_first(trainer, partial(self._order_for, trainer)) as skipped:
-            yield
-        for reason in dict.fromkeys([*skipped, *self._skipped]):
-            rank_zero_warn(f"BatchSizeTuner: `length_fn` was not applied: {reason}; its trials drew the first batches.")
-
-    def _order_for(self, trainer: pl.Trainer, dataset: Any) -> list[int] | None:
-        """The indices of ``dataset``, longest first (scanned once per fit).
-
-        Called from within Lightning's dataloader request, which leaves Lightning's patches of ``DataLoader`` and
-        ``BatchSampler`` in place when an exception passes through it: an error of ``length_fn`` is kept and raised
-        once the trial has ended (:meth:`_raising_scan_errors`). Under DDP the ranks agree on the samples scanned
-        (:meth:`_agreed`), so a scan cut short by its time limit gives every rank the same order.
-        """
-        assert self.length_fn is not None
-        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-            self._skipped.append(f"{type(dataset).__name__} has no `len` and `[]` to measure its samples by")
-            return None
-        key, found = None, None
-        try:
-            key = _fingerprint(dataset, self.length_fn)  # hooks may build a new dataset object for every loader
-            if key in self._orders:
-                return self._orders[key]
-            found = scan_lengths(dataset, self.length_fn)
-        except BaseException as error:  # length_fn's error, or Ctrl-C in the scan: raised after the trial
-            self._scan_error = self._scan_error or error
-        try:
-            found = self._agreed(trainer, found)  # collective: every rank that scans gets here, failed or not
-        except BaseException as error:
-            self._scan_error = self._scan_error or error
-            return None
-        if key is None or found is None:
-            return None
-        if not found.complete:
-            rank_zero_warn(
-                f"BatchSizeTuner: scanned the lengths of {found.scanned} of {found.total} samples in"
-                f" {found.seconds:.0f} s, a random subset; the trials run the longest of those ({found.longest})."
-                " A longer sample may exist: pass a faster `length_fn` (a length field, not the sample's"
-                " tokenization)."
-            )
-        self._orders[key] = found.order
-        return found.order
-
-    @staticmethod
-    def _agreed(trainer: pl.Trainer, found: Lengths | None) -> Lengths | None:
-        """Under DDP, the first samples of the scan that every rank scanned (the scan order is the same on all)."""
-        if trainer.world_size <= 1:
-            return found
-        counts = [row[0] for row in gather_values(trainer, [None if found is None else found.scanned])]
-        fewest = min((int(count) for count in counts if count is not None), default=None)
-        return found if found is None or fewest is None else found.first(fewest)
-
-    def _raising_scan_errors(self, runner: TrialRunner) -> Callable[[int], Trial]:
-        def run(size: int) -> Trial:
-            trial = runner(size)
-            if self._scan_error is not None:
-                error, self._scan_error = self._scan_error, None
-                raise error
-            return trial
-
-        return run
+    def _raising(self, runner: TrialRunner) -> Callable[[int], Trial]:
+        return runner if self._longest is None else self._longest.raising(runner)
 
     # ------------------------------------------------------------------ helpers
     def _accumulation_for(self, size: int) -> int:
@@ -673,15 +595,10 @@ class BatchSizeTuner(Callback):
             f" {result.num_ooms} OOM, {seconds:.1f} s)"
         )
         if self._margin > 0:
-            tip = (
-                ""
-                if self.shape_margin is not None or expandable_segments()
-                else "; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before CUDA starts) fragments less and"
-                f" needs {SHAPE_MARGIN_EXPANDABLE:.0%}"
-            )
             rank_zero_info(
                 f"BatchSizeTuner: the batches vary in shape, so the trials ran under {1 - self._margin:.0%} of the"
-                f" budget and left {self._margin:.0%} free for the allocator's fragmentation (`shape_margin`){tip}."
+                f" budget and left {self._margin:.0%} free for the allocator's fragmentation (`shape_margin`)"
+                f"{margin_tip(self.shape_margin)}."
             )
         if result.reason == "upper_bound":
             more = (
@@ -788,13 +705,6 @@ class BatchSizeTuner(Callback):
             self._yaml_path = path
         except OSError as error:
             rank_zero_warn(f"BatchSizeTuner: could not write {path} ({error!r}).")
-
-
-def _fingerprint(dataset: Any, length_fn: Any) -> tuple[Any, ...]:
-    """What tells a dataset apart from another: its type, length and the lengths of eight samples spread over it."""
-    n = len(dataset)
-    spread = sorted({i * (n - 1) // 7 for i in range(8)}) if n else []
-    return (type(dataset).__qualname__, n, tuple(sample_length(dataset[i], length_fn) for i in spread))
 
 
 def _shown(shapes: tuple[tuple[int, ...], ...]) -> str:

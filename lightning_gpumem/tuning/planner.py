@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
 
@@ -30,8 +31,10 @@ from lightning_gpumem._pl.logging import log_table, log_to_loggers
 from lightning_gpumem._pl.peers import budget_bytes
 from lightning_gpumem.tuning import loaders
 from lightning_gpumem.tuning import trials as _session
+from lightning_gpumem.tuning.lengths import LengthFn
+from lightning_gpumem.tuning.longest import LongestFirst, check_length_fn, check_shape_margin, margin_for, margin_tip
 from lightning_gpumem.tuning.measure import LEFTOVER_BYTES, TrialRunner, plan_builder
-from lightning_gpumem.tuning.search import accepted, back_off_sizes, probe_point, probe_until_line
+from lightning_gpumem.tuning.search import Trial, accepted, back_off_sizes, probe_point, probe_until_line
 from lightning_gpumem.tuning.trials import TrialSession
 
 CARDS_GIB = (16, 24, 40, 48, 80)
@@ -62,6 +65,10 @@ class MemoryPlanner(Callback):
 
     Where the probes are not on a line (batches whose shapes vary, data-dependent padding, routing), the plan says
     so and predicts nothing; on a device without an allocator to measure (CPU) the planner warns and does nothing.
+    For variable-length data, ``length_fn`` makes every probe and trial draw the longest samples first (as
+    ``BatchSizeTuner(length_fn=...)`` does, see ``docs/variable_length.md``): the plan is then the plan of the
+    heaviest batches the data can make, and each budget's allocator limit leaves ``shape_margin`` free for the
+    fragmentation of an epoch of varying shapes.
 
     **Logged metrics** (from :mod:`lightning_gpumem.keys`):
 
@@ -78,9 +85,15 @@ class MemoryPlanner(Callback):
         steps_per_trial: optimizer steps per probe (the first step also creates the optimizer state).
         include_validation: also run one validation batch per probe where the fit validates.
         batch_arg_name: attribute holding the batch size, looked up like Lightning's ``BatchSizeFinder`` does.
+        length_fn: how a training or validation sample's size is measured, for data whose batches change shape: a
+            function of a sample (``dataset[i]``) returning its length, or the key (or attribute) of a length field.
+            The probes then run the longest samples first, collated by the loader's own ``collate_fn``.
+        shape_margin: with ``length_fn``, the fraction of each budget's allocator limit the plan leaves free for
+            fragmentation, in [0, 1) (``None``: 0.2, or 0.02 with ``expandable_segments:True``, as the tuner).
 
     Raises:
         ValueError: on an invalid argument, or (at fit start) dataloaders passed to ``trainer.fit``.
+        TypeError: on a ``length_fn`` that is neither a function nor a key.
         AttributeError: (at fit start) if nothing holds an attribute named ``batch_arg_name``.
 
     Example::
@@ -102,6 +115,8 @@ class MemoryPlanner(Callback):
         steps_per_trial: int = 3,
         include_validation: bool = True,
         batch_arg_name: str = "batch_size",
+        length_fn: LengthFn | None = None,
+        shape_margin: float | None = None,
     ) -> None:
         if budgets is not None:
             if isinstance(budgets, (str, bytes)) or not isinstance(budgets, Sequence) or not budgets:
@@ -118,6 +133,8 @@ class MemoryPlanner(Callback):
         require_int("MemoryPlanner", "steps_per_trial", steps_per_trial, 1)
         if not isinstance(batch_arg_name, str) or not batch_arg_name:
             raise ValueError(f"`MemoryPlanner(batch_arg_name={batch_arg_name!r})` is not valid. Expected a name.")
+        check_length_fn("MemoryPlanner", length_fn)
+        check_shape_margin("MemoryPlanner", shape_margin)
         self.budgets = list(budgets) if budgets is not None else None
         self.validate = validate
         self.stop = stop
@@ -125,6 +142,8 @@ class MemoryPlanner(Callback):
         self.steps_per_trial = steps_per_trial
         self.include_validation = include_validation
         self.batch_arg_name = batch_arg_name
+        self.length_fn = length_fn
+        self.shape_margin = None if shape_margin is None else float(shape_margin)
 
         self.plan: Plan | None = None
         """The last plan (``None`` before one, or where nothing could be measured)."""
@@ -156,8 +175,10 @@ class MemoryPlanner(Callback):
         length = loaders.train_dataset_length(trainer)
         upper = max(1, length) if length is not None else 2**20
         baseline = probe.allocated_bytes()
+        longest = LongestFirst("MemoryPlanner", self.length_fn) if self.length_fn is not None else None
+        drawing = longest.drawing(trainer) if longest is not None else nullcontext()
         try:
-            with TrialSession(trainer, self.batch_arg_name, owner=self) as session, expecting_oom():
+            with TrialSession(trainer, self.batch_arg_name, owner=self) as session, expecting_oom(), drawing:
                 runner = TrialRunner(
                     session,
                     probe,
@@ -165,15 +186,16 @@ class MemoryPlanner(Callback):
                     validate=self.include_validation,
                     accumulation_for=lambda _: trainer.accumulate_grad_batches,
                 )
-                plan = self._probe(runner, trainer, probe, total, upper)
+                run = longest.raising(runner) if longest is not None else runner
+                plan = self._probe(run, runner, trainer, probe, total, upper)
                 self.probe_seconds = time.perf_counter() - start
                 validated: dict[int, int] = {}
                 if plan is not None:
-                    validated, measured = self._validate(runner, probe, plan, budgets, total, upper)
+                    validated, measured = self._validate(run, probe, plan, budgets, total, upper)
                     if measured:  # the sizes that ran far out refine the line: between them it interpolates
                         sizes = {p.size for p in plan.probes}
                         extra = [p for p in measured if p.size not in sizes]
-                        plan = Plan([*plan.probes, *extra], plan.verdict, plan.outside, plan.terms)
+                        plan = Plan([*plan.probes, *extra], plan.verdict, plan.outside, plan.terms, plan.margin)
         finally:
             release_to(probe, baseline, LEFTOVER_BYTES)
         self.seconds = time.perf_counter() - start
@@ -201,10 +223,12 @@ class MemoryPlanner(Callback):
         parsed = [parse_budget(b, total, "MemoryPlanner", "budgets") for b in self.budgets]
         return sorted(dict.fromkeys(int(b) for b in parsed), reverse=True)
 
-    def _probe(self, runner: TrialRunner, trainer: pl.Trainer, probe: Any, total: int, upper: int) -> Plan | None:
+    def _probe(
+        self, run: Callable[[int], Trial], runner: TrialRunner, trainer: pl.Trainer, probe: Any, total: int, upper: int
+    ) -> Plan | None:
         """Probe from ``init_val``, doubling, until the line settles; the plan, or ``None`` with a warning."""
         limit = probe.usable_bytes() or total
-        probed = probe_until_line(runner, init_val=self.init_val, upper=upper, limit=limit)
+        probed = probe_until_line(run, init_val=self.init_val, upper=upper, limit=limit)
         points, verdict, size = probed.points, probed.verdict, probed.size
         if probed.stop in ("rejected", "unmeasured"):
             what = "ran out of memory" if probed.stop == "rejected" else "measured no peak"
@@ -220,16 +244,18 @@ class MemoryPlanner(Callback):
         if verdict is None:  # probing reached the dataset's size: the verdict on what it measured
             verdict = probe_verdict(points, limit, upper)[0]
         plan = plan_builder(trainer, probe, runner, self)(points, verdict)
+        plan.margin = margin_for(self.shape_margin, self.length_fn is not None)
         if verdict == "not_affine":
+            tip = "" if self.length_fn is not None else " Where samples vary in length, pass `length_fn`."
             rank_zero_warn(
                 "MemoryPlanner: the probes' peaks are not on a line in the batch size (batches of varying shapes?"
                 " data-dependent padding?), so the plan cannot predict larger sizes. Use `BatchSizeTuner`, which"
-                " searches where it cannot predict."
+                f" searches where it cannot predict.{tip}"
             )
         return plan
 
     def _validate(
-        self, runner: TrialRunner, probe: Any, plan: Plan, budgets: list[int], total: int, upper: int
+        self, runner: Callable[[int], Trial], probe: Any, plan: Plan, budgets: list[int], total: int, upper: int
     ) -> tuple[dict[int, int], list[ProbePoint]]:
         """Run each budget's largest size under that budget; the size that ran per budget, and what those measured."""
         if not self.validate or plan.verdict != "settled":
@@ -266,6 +292,11 @@ class MemoryPlanner(Callback):
             lines.append(
                 f"Does not fit {format_gib(p.budget)}: {name}={size} needs {format_gib(int(p.peak + p.band))}"
                 f" reserved, the allocator has {format_gib(p.limit)}. {self._advice(trainer, plan, p)}"
+            )
+        if plan.margin > 0:
+            lines.append(
+                f"The batches vary in shape (`length_fn`), so each allocator limit leaves {plan.margin:.0%} of it free"
+                f" for the allocator's fragmentation (`shape_margin`){margin_tip(self.shape_margin)}."
             )
         seconds = f" ({self.seconds:.1f} s)" if self.seconds is not None else ""
         rank_zero_info(f"MemoryPlanner{seconds}:\n" + "\n".join(lines))

@@ -71,6 +71,8 @@ _add(MemoryPlanner, "budgets", [[b] for b in BUDGETS if b is not None] + ["24GiB
 _add(MemoryPlanner, "init_val", [0, *COUNTS])
 _add(MemoryPlanner, "steps_per_trial", [0, *COUNTS])
 _add(MemoryPlanner, "batch_arg_name", ["", 5, None, True])
+_add(MemoryPlanner, "length_fn", [5, "", b"input_ids", True, ["input_ids"]])
+_add(MemoryPlanner, "shape_margin", [-0.1, 1.0, 1.5, NAN, INF, "0.2", True])
 for flag in ("validate", "stop", "include_validation"):
     _add(MemoryPlanner, flag, FLAGS)
 
@@ -236,6 +238,7 @@ HOSTILE = [
     (AutoMicrobatch, {"max_microbatches": NAN}, ValueError, "max_microbatches="),
     (BatchSizeTuner, {"length_fn": len}, None, ""),
     (BatchSizeTuner, {"length_fn": "input_ids"}, None, ""),
+    (MemoryPlanner, {"length_fn": len, "shape_margin": 0}, None, ""),
     (TokenBudgetSampler, {"lengths": [3, 5], "max_tokens": 10**400}, None, ""),  # no batch costs that much
     (TokenBudgetSampler, {"lengths": [3, 5], "max_tokens": 1e303}, ValueError, "max_tokens="),
     (TokenBudgetSampler, {"lengths": [3, 5], "max_tokens": True}, ValueError, "max_tokens="),

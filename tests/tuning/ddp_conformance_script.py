@@ -149,15 +149,15 @@ def longest(out: Path) -> None:
 
 def partial(out: Path) -> None:
     """Rank 1's length scan stops after its first 64 samples (its time limit), rank 0's scans them all."""
-    from lightning_gpumem.tuning import callback
+    from lightning_gpumem.tuning import longest as module
 
-    scan = callback.scan_lengths
+    scan = module.scan_lengths
 
     def cut_on_rank1(dataset, length_fn):
         rank = torch.distributed.get_rank()
         return scan(dataset, length_fn, max_seconds=0.0 if rank == 1 else 60.0)
 
-    callback.scan_lengths = cut_on_rank1  # type: ignore[assignment]
+    module.scan_lengths = cut_on_rank1  # type: ignore[assignment]
     try:
         model = LongestNet()
         tuner = BatchSizeTuner(length_fn=lambda i: model.lengths[i], include_validation=False, max_val=8)
@@ -166,8 +166,9 @@ def partial(out: Path) -> None:
         )
         trainer.fit(model)
     finally:
-        callback.scan_lengths = scan  # type: ignore[assignment]
-    result = {"orders": list(tuner._orders.values()), "full": scan(range(301), lambda i: model.lengths[i]).order}
+        module.scan_lengths = scan  # type: ignore[assignment]
+    full = scan(range(301), lambda i: model.lengths[i]).order
+    result = {"orders": list(tuner._longest._orders.values()), "full": full}
     (out / f"partial_rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 

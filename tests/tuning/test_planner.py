@@ -153,3 +153,83 @@ def test_a_missing_batch_attribute_and_loaders_passed_to_fit_are_refused():
     model = OOMModel()
     with pytest.raises(ValueError, match=r"passed straight to `trainer\.fit"):
         tuner_trainer(FakePlanner(probe)).fit(model, train_dataloaders=model.train_dataloader())
+
+
+class TextPlanModel(MemoryModel):
+    """Variable-length text on the fake allocator: `per_token` bytes per padded token of a batch."""
+
+    def __init__(self, probe, lengths: list[int], per_token: int, batch_size: int = 4) -> None:
+        super().__init__(probe, per_sample=0, batch_size=batch_size)
+        self.lengths, self.per_token = lengths, per_token
+
+    def training_step(self, batch, batch_idx):
+        need = batch.numel() * self.per_token
+        if self.fake.allocated + need > self.fake.cap:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake allocator)")
+        self.fake.spike(need)
+        return self.layer(torch.ones(batch.shape[0], 32)).sum()
+
+    def validation_step(self, batch, batch_idx):
+        return None
+
+    def train_dataloader(self):
+        from torch.utils.data import DataLoader
+
+        texts = [torch.ones(n, dtype=torch.long) for n in self.lengths]
+        collate = lambda samples: torch.nn.utils.rnn.pad_sequence(samples, batch_first=True)  # noqa: E731
+        return DataLoader(texts, batch_size=self.batch_size, shuffle=True, collate_fn=collate)
+
+    def val_dataloader(self):
+        return None
+
+
+def _text_lengths() -> list[int]:
+    lengths = [8] * 2000
+    lengths[77] = lengths[1500] = 256  # two samples of 256 tokens: the worst batch's length
+    return lengths
+
+
+@pytest.mark.parametrize("margin", [None, 0.0])
+def test_with_length_fn_the_plan_is_the_plan_of_the_longest_batch_and_leaves_the_shape_margin(margin, caplog):
+    # Every probe draws the 256-token samples first, so the line's slope is 256 tokens a sample; the allocator
+    # limit of each budget leaves `shape_margin` (default 0.2 with the default allocator) of it free.
+    seed_everything(0)
+    probe = CappedFakeProbe(base=GIB, total=24 * GIB)
+    model = TextPlanModel(probe, _text_lengths(), per_token=MIB // 4)
+    planner = FakePlanner(probe, length_fn=len, shape_margin=margin, budgets=["16GiB"], include_validation=False)
+    with caplog.at_level("INFO"):
+        tuner_trainer(planner, max_steps=1, limit_val_batches=0).fit(model)
+    plan = planner.plan
+    assert plan is not None
+    assert plan.verdict == "settled"
+    assert plan.per_sample == 256 * MIB // 4  # the longest samples' cost, not the 8-token ones'
+    expected = 0.2 if margin is None else 0.0
+    assert plan.margin == expected
+    (prediction,) = planner.predictions
+    assert prediction.limit == int((16 * GIB - OUTSIDE) * (1 - expected))
+    assert prediction.largest == (prediction.limit - probe.allocated) // (256 * MIB // 4)
+    assert prediction.validated
+    assert ("leaves 20% of it free" in caplog.text) == (margin is None)
+
+
+def test_without_length_fn_the_plan_follows_the_first_batches():
+    # The counterpart: the first batches are short, so the plan's slope is far below the worst batch's.
+    seed_everything(0)
+    probe = CappedFakeProbe(base=GIB, total=24 * GIB)
+    model = TextPlanModel(probe, _text_lengths(), per_token=MIB // 4)
+    planner = FakePlanner(probe, budgets=["16GiB"], include_validation=False)
+    tuner_trainer(planner, max_steps=1, limit_val_batches=0).fit(model)
+    assert planner.plan is None or planner.plan.per_sample < 256 * MIB // 4
+    assert planner.plan is None or planner.plan.margin == 0.0
+
+
+def test_an_error_of_length_fn_reaches_the_user_from_the_planner():
+    probe = CappedFakeProbe(base=GIB, total=24 * GIB)
+    model = TextPlanModel(probe, _text_lengths(), per_token=MIB // 4)
+
+    def broken(sample):
+        raise KeyError("input_ids")
+
+    planner = FakePlanner(probe, length_fn=broken, budgets=["16GiB"], include_validation=False)
+    with pytest.raises(KeyError, match="input_ids"):
+        tuner_trainer(planner, max_steps=1, limit_val_batches=0).fit(model)

@@ -1,5 +1,5 @@
 """Variable-length data on a real GPU (`pytest -m gpu`): a token budget and a worst-case batch size, each tuned under
-a 2 GiB cap, then a whole shuffled epoch under the same cap with no OOM."""
+a 2 GiB cap, then a whole shuffled epoch under the same cap with no OOM; the planner's largest size, the same way."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from lightning.pytorch import Callback, LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_gpumem import BatchSizeTuner, TokenBudgetSampler
+from lightning_gpumem import BatchSizeTuner, MemoryPlanner, TokenBudgetSampler
 from lightning_gpumem._core.units import GIB
 from lightning_gpumem._hw.allocator import expandable_segments
-from lightning_gpumem.tuning.callback import SHAPE_MARGIN, SHAPE_MARGIN_EXPANDABLE
+from lightning_gpumem.tuning.longest import SHAPE_MARGIN, SHAPE_MARGIN_EXPANDABLE
 from tests.helpers.trainer import quiet_trainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:`weights_only` was not set")]
@@ -117,3 +117,23 @@ def test_the_tuned_value_runs_a_whole_shuffled_epoch_under_the_budget(tokens):
     else:
         assert model.batch_size == tuner.optimal_batch_size >= 2
         assert any(t.fits is False for t in tuner.trials)  # the budget, not the dataset, bounded the search
+
+
+def test_the_planners_largest_size_with_length_fn_runs_a_whole_shuffled_epoch_under_the_budget():
+    # The planner's answer for the budget (its probes on the longest samples, the shape margin left free), set as the
+    # run's batch size: the fit's epoch of shuffled, varying batches then runs under the budget with no OOM.
+    planner = MemoryPlanner(budgets=[BUDGET], length_fn="input_ids", include_validation=False, stop=True)
+    planning = quiet_trainer(accelerator="gpu", devices=1, max_epochs=1, limit_val_batches=0, callbacks=[planner])
+    planning.fit(TextLM(False))
+    assert planner.plan is not None
+    assert planner.plan.verdict == "settled"
+    (prediction,) = planner.predictions
+    assert prediction.validated
+    assert prediction.largest is not None
+    assert prediction.largest >= 2
+    assert planner.plan.margin == (SHAPE_MARGIN_EXPANDABLE if expandable_segments() else SHAPE_MARGIN)
+    model = TextLM(False, batch_size=prediction.largest)
+    trainer = quiet_trainer(accelerator="gpu", devices=1, max_epochs=1, limit_val_batches=0, callbacks=[CapDuringFit()])
+    trainer.fit(model)  # an OOM in the epoch fails the test
+    assert trainer.global_step == len(model.padded) > 0
+    assert max(model.padded) >= 1024  # the epoch met the longest samples
