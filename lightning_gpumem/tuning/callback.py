@@ -150,8 +150,8 @@ class BatchSizeTuner(Callback):
             and the fit at the whole budget. PyTorch's caching allocator fragments as shapes change: a size whose
             heaviest batch filled the budget in a trial ran out of memory 6 to 12 steps into a shuffled epoch with
             up to a quarter of the budget cached but unusable. ``None``: ``0.2`` with PyTorch's default allocator,
-            ``0.02`` with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (read from the environment), which
-            does not fragment that way; ``0`` where shapes do not change. See ``docs/variable_length.md``.
+            ``0.06`` with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (read from the environment), which
+            fragments far less; ``0`` where shapes do not change. See ``docs/variable_length.md``.
 
     **Token budgets.** Where ``batch_arg_name`` is the ``max_tokens`` of the training loader's
     :class:`~lightning_gpumem.TokenBudgetSampler` (``BatchSizeTuner(batch_arg_name="max_tokens")``), the tuner tunes

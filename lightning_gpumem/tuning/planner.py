@@ -89,7 +89,7 @@ class MemoryPlanner(Callback):
             function of a sample (``dataset[i]``) returning its length, or the key (or attribute) of a length field.
             The probes then run the longest samples first, collated by the loader's own ``collate_fn``.
         shape_margin: with ``length_fn``, the fraction of each budget's allocator limit the plan leaves free for
-            fragmentation, in [0, 1) (``None``: 0.2, or 0.02 with ``expandable_segments:True``, as the tuner).
+            fragmentation, in [0, 1) (``None``: 0.2, or 0.06 with ``expandable_segments:True``, as the tuner).
 
     Raises:
         ValueError: on an invalid argument, or (at fit start) dataloaders passed to ``trainer.fit``.
