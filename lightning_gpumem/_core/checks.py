@@ -41,6 +41,37 @@ def require_int(owner: str, name: str, value: object, minimum: int) -> None:
         raise ValueError(f"`{owner}({name}={value!r})` is not valid. Expected an integer >= {minimum}.")
 
 
+def require_fraction(owner: str, name: str, value: object, none_ok: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is a number in [0, 1) (or, with ``none_ok``, ``None``).
+
+    >>> require_fraction("X", "margin", 0.2)
+    >>> require_fraction("X", "margin", None, none_ok=True)
+    >>> require_fraction("X", "margin", 1.0, none_ok=True)
+    Traceback (most recent call last):
+    ValueError: `X(margin=1.0)` is not valid. Expected None or a number in [0, 1).
+    """
+    if none_ok and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:  # NaN fails too
+        expected = "None or a number in [0, 1)" if none_ok else "a number in [0, 1)"
+        raise ValueError(f"`{owner}({name}={value!r})` is not valid. Expected {expected}.")
+
+
+def require_length_fn(owner: str, value: object) -> None:
+    """Raise ``TypeError`` unless ``value`` is ``None``, a function or a non-empty key (a sample's length field).
+
+    >>> require_length_fn("X", "input_ids")
+    >>> require_length_fn("X", 5)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    TypeError: `X(length_fn=5)` is not valid. Expected None, a function of a sample returning its length, ...
+    """
+    if not (value is None or callable(value) or (isinstance(value, str) and value)):
+        raise TypeError(
+            f"`{owner}(length_fn={value!r})` is not valid. Expected None, a function of a sample"
+            " returning its length, or the key of a sample's length field (a non-empty string)."
+        )
+
+
 def require_dirpath(owner: str, value: object) -> None:
     """Raise ``TypeError`` unless ``value`` is ``None``, a non-empty ``str`` or an ``os.PathLike``.
 

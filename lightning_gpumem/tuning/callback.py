@@ -23,7 +23,13 @@ from typing_extensions import override
 
 from lightning_gpumem import keys
 from lightning_gpumem._core.batching import batch_cost
-from lightning_gpumem._core.checks import require_flags, require_int, require_trainer
+from lightning_gpumem._core.checks import (
+    require_flags,
+    require_fraction,
+    require_int,
+    require_length_fn,
+    require_trainer,
+)
 from lightning_gpumem._core.files import unique_path, write_atomic
 from lightning_gpumem._core.units import GIB, check_budget, format_gib, parse_budget
 from lightning_gpumem._hw.allocator import release_to
@@ -37,8 +43,6 @@ from lightning_gpumem.tuning import trials as _session
 from lightning_gpumem.tuning.lengths import LengthFn
 from lightning_gpumem.tuning.longest import (
     LongestFirst,
-    check_length_fn,
-    check_shape_margin,
     margin_for,
     margin_tip,
 )
@@ -192,8 +196,7 @@ class BatchSizeTuner(Callback):
     ) -> None:
         if budget is not None:
             check_budget(budget, "BatchSizeTuner")  # type and format now; the size against the device at fit
-        if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0.0 <= headroom < 1.0:
-            raise ValueError(f"`BatchSizeTuner(headroom={headroom!r})` is not valid. Expected a number in [0, 1).")
+        require_fraction("BatchSizeTuner", "headroom", headroom)
         require_int("BatchSizeTuner", "init_val", init_val, 1)
         require_int("BatchSizeTuner", "steps_per_trial", steps_per_trial, 1)
         if max_val is not None and (isinstance(max_val, bool) or not isinstance(max_val, int) or max_val < init_val):
@@ -205,8 +208,8 @@ class BatchSizeTuner(Callback):
             raise ValueError(f"`BatchSizeTuner(batch_arg_name={batch_arg_name!r})` is not valid. Expected a name.")
         if method not in METHODS:
             raise ValueError(f"`BatchSizeTuner(method={method!r})` is not valid. Expected one of {METHODS}.")
-        check_length_fn("BatchSizeTuner", length_fn)
-        check_shape_margin("BatchSizeTuner", shape_margin)
+        require_length_fn("BatchSizeTuner", length_fn)
+        require_fraction("BatchSizeTuner", "shape_margin", shape_margin, none_ok=True)
         require_flags(
             "BatchSizeTuner",
             include_validation=include_validation,

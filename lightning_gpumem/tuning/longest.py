@@ -29,23 +29,6 @@ SHAPE_MARGIN_EXPANDABLE = 0.06
 epoch's allocated peak reached 0.97 of the budget; at 0.06, 0.89-0.91 (``docs/benchmarks.md``)."""
 
 
-def check_length_fn(owner: str, length_fn: object) -> None:
-    """Raise ``TypeError`` unless ``length_fn`` is ``None``, callable or a non-empty key."""
-    if not (length_fn is None or callable(length_fn) or (isinstance(length_fn, str) and length_fn)):
-        raise TypeError(
-            f"`{owner}(length_fn={length_fn!r})` is not valid. Expected None, a function of a sample"
-            " returning its length, or the key of a sample's length field (a non-empty string)."
-        )
-
-
-def check_shape_margin(owner: str, shape_margin: object) -> None:
-    """Raise ``ValueError`` unless ``shape_margin`` is ``None`` or a number in [0, 1)."""
-    if shape_margin is not None and (
-        isinstance(shape_margin, bool) or not isinstance(shape_margin, (int, float)) or not 0 <= shape_margin < 1
-    ):
-        raise ValueError(f"`{owner}(shape_margin={shape_margin!r})` is not valid. Expected None or a number in [0, 1).")
-
-
 def margin_for(shape_margin: float | None, varying: bool) -> float:
     """The fraction of the budget trials leave free: ``shape_margin`` where shapes vary, else its default."""
     if not varying:
@@ -66,7 +49,7 @@ def margin_tip(shape_margin: float | None) -> str:
 
 
 class LongestFirst:
-    """The longest-first order of each dataset the trials meet, scanned once (until :meth:`reset`).
+    """The longest-first order of each dataset the trials meet, scanned once (one per search or plan).
 
     Args:
         owner: the callback's name, for its warnings.
@@ -79,10 +62,6 @@ class LongestFirst:
         self._orders: dict[tuple[Any, ...], list[int]] = {}  # a dataset's indices, longest first
         self._error: BaseException | None = None  # length_fn's error in a dataloader hook, raised after the trial
         self._skipped: list[str] = []  # why length_fn was not applied to a loader
-
-    def reset(self) -> None:
-        """Forget the orders scanned (a new search or plan scans again)."""
-        self._orders, self._error, self._skipped = {}, None, []
 
     @contextmanager
     def drawing(self, trainer: pl.Trainer) -> Iterator[None]:

@@ -20,7 +20,13 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_gpumem import keys
-from lightning_gpumem._core.checks import require_flags, require_int, require_trainer
+from lightning_gpumem._core.checks import (
+    require_flags,
+    require_fraction,
+    require_int,
+    require_length_fn,
+    require_trainer,
+)
 from lightning_gpumem._core.plan import Plan, Prediction, ProbePoint, format_table, probe_verdict
 from lightning_gpumem._core.units import GIB, check_budget, format_gib, parse_budget
 from lightning_gpumem._hw.allocator import expandable_segments, release_to
@@ -32,7 +38,7 @@ from lightning_gpumem._pl.peers import budget_bytes
 from lightning_gpumem.tuning import loaders
 from lightning_gpumem.tuning import trials as _session
 from lightning_gpumem.tuning.lengths import LengthFn
-from lightning_gpumem.tuning.longest import LongestFirst, check_length_fn, check_shape_margin, margin_for, margin_tip
+from lightning_gpumem.tuning.longest import LongestFirst, margin_for, margin_tip
 from lightning_gpumem.tuning.measure import LEFTOVER_BYTES, TrialRunner, plan_builder
 from lightning_gpumem.tuning.search import Trial, accepted, back_off_sizes, probe_point, probe_until_line
 from lightning_gpumem.tuning.trials import TrialSession
@@ -133,8 +139,8 @@ class MemoryPlanner(Callback):
         require_int("MemoryPlanner", "steps_per_trial", steps_per_trial, 1)
         if not isinstance(batch_arg_name, str) or not batch_arg_name:
             raise ValueError(f"`MemoryPlanner(batch_arg_name={batch_arg_name!r})` is not valid. Expected a name.")
-        check_length_fn("MemoryPlanner", length_fn)
-        check_shape_margin("MemoryPlanner", shape_margin)
+        require_length_fn("MemoryPlanner", length_fn)
+        require_fraction("MemoryPlanner", "shape_margin", shape_margin, none_ok=True)
         self.budgets = list(budgets) if budgets is not None else None
         self.validate = validate
         self.stop = stop
