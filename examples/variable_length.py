@@ -108,7 +108,9 @@ def main() -> None:
     parser.add_argument("--mode", choices=("tokens", "batch", "first"), default="tokens")
     parser.add_argument("--budget", default="4GiB", help="memory budget: '24GiB', '16GB' or bytes")
     parser.add_argument("--simulate", action="store_true", help="simulate the GPU (the default without one)")
+    parser.add_argument("--seed", type=int, default=0, help="the shuffle's seed: the same batches on every run")
     args = parser.parse_args()
+    L.seed_everything(args.seed)
     logging.getLogger("lightning.pytorch").setLevel(logging.INFO)
 
     simulated = None
