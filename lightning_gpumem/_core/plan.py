@@ -27,6 +27,7 @@ CLOSEST = 1.25  # a probe is at least this much larger than the one before (clos
 MAX_PROBES = 12  # doubling from 2 reaches 4096: the ceiling, not this, ends the probes of a real model
 BAND_FLOOR = 0.01  # the band is at least this fraction of the predicted peak
 MAX_GROWTH = 1.5  # reserved grows at most this much faster than live tensors
+LARGEST_SIZE = 2**48  # a size past which a line's slope bounds nothing: the plan calls it unbounded
 
 Verdict = Literal["settled", "more", "not_affine"]
 
@@ -99,8 +100,45 @@ def _slopes(values: list[tuple[int, float]]) -> tuple[float, float]:
     return (p2 - p1) / (b2 - b1), (p3 - p2) / (b3 - b2)
 
 
+def merged(probes: list[ProbePoint]) -> list[ProbePoint]:
+    """The probes by size, one per size: where a size ran twice (two budgets validated it), the larger of each peak.
+
+    Raises:
+        ValueError: on a probe whose size is not a whole number of at least 1 or whose peaks are not whole numbers of
+            bytes, at least 0.
+    """
+    by_size: dict[int, ProbePoint] = {}
+    for p in probes:
+        _check_point(p)
+        seen = by_size.get(p.size)
+        if seen is not None:
+            p = ProbePoint(
+                p.size,
+                max(p.train_bytes, seen.train_bytes),
+                _larger(p.val_bytes, seen.val_bytes),
+                _larger(p.reserved_bytes, seen.reserved_bytes),
+            )
+        by_size[p.size] = p
+    return [by_size[size] for size in sorted(by_size)]
+
+
+def _larger(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def _check_point(p: ProbePoint) -> None:
+    def whole(value: object, least: int) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+    values = (p.train_bytes, *(v for v in (p.val_bytes, p.reserved_bytes) if v is not None))
+    if not whole(p.size, 1) or not all(whole(v, 0) for v in values):
+        raise ValueError(
+            f"`probes` holds {p!r}: expected a batch size of at least 1 and peaks in whole bytes, at least 0."
+        )
+
+
 def _stage_points(probes: list[ProbePoint]) -> list[list[tuple[int, float]]]:
-    ordered = sorted(probes, key=lambda p: p.size)
+    ordered = merged(probes)
     stages = [[(p.size, float(p.train_bytes)) for p in ordered]]
     if ordered and all(p.val_bytes is not None for p in ordered):
         stages.append([(p.size, float(p.val_bytes or 0)) for p in ordered])
@@ -148,6 +186,7 @@ def probe_verdict(probes: list[ProbePoint], limit: int | None, upper: int) -> tu
     """
     if not probes:
         raise ValueError("`probes` is empty: expected at least one probe.")
+    probes = merged(probes)
     stages = _stage_points(probes)
     if len(probes) >= 3 and all(settled(points) for points in stages):
         return "settled", None
@@ -239,9 +278,11 @@ class Plan:
     growth: float = field(init=False)
 
     def __post_init__(self) -> None:
+        self.probes = merged(self.probes)
         if len(self.probes) < 2:
-            raise ValueError(f"`probes` has {len(self.probes)} probe(s): expected at least 2 to draw a line.")
-        self.probes = sorted(self.probes, key=lambda p: p.size)
+            raise ValueError(
+                f"`probes` has {len(self.probes)} batch size(s): expected at least 2 to draw a line."
+            )
         self.lines = [Line.through(*points[-2:]) for points in _stage_points(self.probes)]
         self.growth = 1.0
         first, last = self.probes[-2:]
@@ -302,6 +343,8 @@ class Plan:
             return None
         lo, hi = 1, 2
         while peak(hi) <= limit:  # the peak never falls as the size grows: double, then bisect
+            if hi >= LARGEST_SIZE:  # a slope too small to bound any batch a dataset could hold
+                return None
             lo, hi = hi, 2 * hi
         while hi - lo > 1:
             mid = (lo + hi) // 2

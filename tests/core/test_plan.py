@@ -119,3 +119,62 @@ def test_lines_and_bad_input():
         Plan([ProbePoint(2, GIB)], "settled")
     with pytest.raises(ValueError, match="empty"):
         probe_verdict([], GIB, 10)
+
+
+# ---------------------------------------------------------------------- any set of points: a plan or a named refusal
+def _random_points(rng, count):
+    sizes = [rng.choice([1, 2, 3, 4, 8, 8, 16, 64, 2**20]) for _ in range(count)]
+    with_val = rng.random() < 0.5
+    with_reserved = rng.random() < 0.5
+    points = []
+    for b in sizes:
+        train = rng.choice([0, rng.randrange(0, 2**40), int(b * rng.random() * 2**24), 2**62])
+        val = rng.randrange(0, 2**36) if with_val or rng.random() < 0.1 else None
+        reserved = train + rng.randrange(0, 2**30) if with_reserved else None
+        points.append(ProbePoint(b, train, val, reserved))
+    return points
+
+
+def test_any_set_of_points_with_repeated_sizes_gives_a_plan_or_a_named_refusal():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        points = _random_points(rng, rng.randrange(1, 7))
+        for verdict in ("settled", "not_affine"):
+            try:
+                plan = Plan(list(points), verdict)
+            except ValueError as error:
+                assert "`probes`" in str(error) and len({p.size for p in points}) < 2
+                continue
+            assert [p.size for p in plan.probes] == sorted({p.size for p in points})
+            for budget in (0, 1, 2**20, 24 * GIB, 2**62):
+                prediction = plan.predict(rng.choice([1, 7, 4096]), budget)
+                largest = plan.largest_under(prediction.limit)
+                if largest:  # the size it gives fits the limit
+                    assert plan.reserved(largest) <= prediction.limit
+            format_table(plan, 8, [plan.predict(8, 24 * GIB)])
+        verdict, nxt = probe_verdict(list(points), rng.choice([None, 24 * GIB]), 4096)
+        assert verdict in ("settled", "more", "not_affine")
+
+
+def test_two_budgets_that_validate_one_size_give_one_point_of_that_size():
+    probes = [ProbePoint(2, 3 * GIB), ProbePoint(4, 4 * GIB), ProbePoint(8, 6 * GIB)]
+    validated = [ProbePoint(100, 52 * GIB, None, 53 * GIB), ProbePoint(100, 51 * GIB, None, 54 * GIB)]
+    plan = Plan([*probes, *validated], "settled")  # was: ZeroDivisionError
+    assert [p.size for p in plan.probes] == [2, 4, 8, 100]
+    assert plan.last == ProbePoint(100, 52 * GIB, None, 54 * GIB)  # the larger of each peak
+    assert plan.largest_under(80 * GIB) >= 100
+
+
+@pytest.mark.parametrize(
+    "point", [ProbePoint(0, GIB), ProbePoint(-2, GIB), ProbePoint(2, -1), ProbePoint(2, GIB, None, -5)]
+)
+def test_a_nonsense_point_is_refused_naming_probes(point):
+    with pytest.raises(ValueError, match="`probes` holds ProbePoint"):
+        Plan([ProbePoint(1, GIB), ProbePoint(4, 2 * GIB), point], "settled")
+
+
+def test_a_plan_of_one_size_is_refused_naming_probes():
+    with pytest.raises(ValueError, match="`probes` has 1 batch size"):
+        Plan([ProbePoint(8, GIB), ProbePoint(8, 2 * GIB)], "settled")

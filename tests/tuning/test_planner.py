@@ -233,3 +233,19 @@ def test_an_error_of_length_fn_reaches_the_user_from_the_planner():
     planner = FakePlanner(probe, length_fn=broken, budgets=["16GiB"], include_validation=False)
     with pytest.raises(KeyError, match="input_ids"):
         tuner_trainer(planner, max_steps=1, limit_val_batches=0).fit(model)
+
+
+def test_default_budgets_that_validate_the_same_size_give_a_plan():
+    # An 80 GiB card and a dataset of 300 samples: the largest size of the 80, 48 and 40 GiB budgets clamps to 300,
+    # so the validation trials measure one size three times (was: ZeroDivisionError ending the fit).
+    probe = CappedFakeProbe(base=GIB, total=80 * GIB)
+    model = PlateauModel(probe, per_sample=100 * MIB, batch_size=4, n=300)
+    planner = FakePlanner(probe)
+    trainer = tuner_trainer(planner, max_steps=2)
+    trainer.fit(model)
+    assert trainer.global_step == 2
+    assert planner.plan is not None
+    assert [p.size for p in planner.plan.probes] == sorted({p.size for p in planner.plan.probes})
+    assert [p.largest for p in planner.predictions[:3]] == [300] * 3
+    assert [p.budget // GIB for p in planner.predictions] == [80, 48, 40, 24, 16]
+    assert all(p.validated for p in planner.predictions)
