@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import io
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -52,12 +53,37 @@ def is_accumulating(trainer: pl.Trainer) -> bool:
     return bool(should_accumulate())
 
 
-def log_to_loggers(trainer: pl.Trainer, metrics: Mapping[str, float], step: int) -> None:
-    """Send ``metrics`` to every logger in ``trainer.loggers`` (loggers write on global rank zero only)."""
+def log_to_loggers(
+    trainer: pl.Trainer, metrics: Mapping[str, float], step: int, owner: str = "lightning_gpumem"
+) -> None:
+    """Send ``metrics`` to every logger in ``trainer.loggers`` (loggers write on global rank zero only).
+
+    A logger whose ``log_metrics`` raises (a tracker's network error, a full disk) is named in one warning, the first
+    time, by ``owner``; the other loggers still get the metrics and the run goes on: metrics never end it.
+    """
     if not metrics:
         return
     for logger in trainer.loggers:
-        logger.log_metrics(dict(metrics), step=step)
+        try:
+            logger.log_metrics(dict(metrics), step=step)
+        except Exception as error:
+            _warn_once(logger, f"{owner}: could not log `gpumem/*` metrics to {type(logger).__name__} ({error!r});")
+
+
+_failed = weakref.WeakSet[Any]()  # loggers already named in a warning
+_failed_ids: set[int] = set()  # ... those that take no weak reference
+
+
+def _warn_once(logger: object, what: str) -> None:
+    try:
+        if logger in _failed:
+            return
+        _failed.add(logger)
+    except TypeError:  # not weakly referenceable (or unhashable): by identity
+        if id(logger) in _failed_ids:
+            return
+        _failed_ids.add(id(logger))
+    rank_zero_warn(f"{what} training goes on; further failures of this logger are not reported.")
 
 
 def show_in_progress_bar(trainer: pl.Trainer, key: str, text: str) -> None:
@@ -93,10 +119,16 @@ def logger_run_dir(trainer: pl.Trainer, logger: object) -> Path:
     ``save_dir`` falls back to ``default_root_dir``, and a version that is not a string is ``version_<n>`` (the rules
     of ``ModelCheckpoint``). A logger that names no run (no name or version) gives its ``save_dir`` itself.
     """
-    directory = getattr(logger, "log_dir", None)
+    try:
+        directory = getattr(logger, "log_dir", None)
+    except Exception:  # a custom logger's property that fails: placed as one without a `log_dir`
+        directory = None
     if directory:
         return Path(directory)
-    root = Path(getattr(logger, "save_dir", None) or trainer.default_root_dir)
+    try:
+        root = Path(getattr(logger, "save_dir", None) or trainer.default_root_dir)
+    except Exception:
+        root = Path(trainer.default_root_dir)
     try:
         name, version = getattr(logger, "name", None), getattr(logger, "version", None)
     except Exception:  # a custom logger's abstract property: no run to name

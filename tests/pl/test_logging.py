@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -108,3 +109,77 @@ def test_a_csv_logger_run_of_the_tuner_leaves_its_trials_in_its_log_dir(tmp_path
         rows = list(csv.reader(file))
     assert rows[0][:2] == ["batch size", "outcome"]
     assert [(int(r[0]), r[1]) for r in rows[1:]] == [(t.batch_size, "ok" if t.fits else "OOM") for t in tuner.trials]
+
+
+# ---------------------------------------------------------------------- a logger whose log_metrics fails
+class FailingLogger(CSVLogger):
+    """A tracker whose network fails: `log_metrics` raises for our keys (the user's own keys still log)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.failures = 0
+
+    def log_metrics(self, metrics, step=None):
+        if any(k.startswith("gpumem/") for k in metrics):
+            self.failures += 1
+            raise ConnectionError("tracker unreachable")
+        super().log_metrics(metrics, step)
+
+
+def _failing_fit(tmp_path, which):
+    from tests.helpers.fakes import CudaFakeProbe, FakeMonitor, FakeRelease, SpikeModel
+    from tests.helpers.microbatch import Net
+    from tests.helpers.tuning import CappedFakeProbe, FakeTuner, MemoryModel
+
+    logger = FailingLogger(tmp_path)
+    options = dict(logger=logger, log_every_n_steps=1, max_steps=6)
+    if which == "monitor":
+        probe = CudaFakeProbe()
+        return logger, quiet_trainer(callbacks=[FakeMonitor(probe)], **options), SpikeModel(probe)
+    if which == "release":
+        probe = CudaFakeProbe(total=10 * 2**30)
+        model = SpikeModel(probe, train_spikes={s: 6 * 2**30 for s in range(6)})
+        return logger, quiet_trainer(callbacks=[FakeRelease(probe, threshold=0.5)], **options), model
+    if which in ("tuner", "planner"):
+        from lightning_gpumem import MemoryPlanner
+
+        probe = CappedFakeProbe(total=24 * 2**30)
+        model = MemoryModel(probe, per_sample=100 * 2**20, n=512)
+        if which == "tuner":
+            callback = FakeTuner(probe)
+        else:
+            callback = MemoryPlanner(validate=False)
+            callback.fake = probe  # type: ignore[attr-defined]
+        return logger, quiet_trainer(callbacks=[callback], **options), model
+    from lightning_gpumem import AutoMicrobatch
+
+    model = Net(limit=5, pressure=range(2, 4))
+    return logger, quiet_trainer(callbacks=[AutoMicrobatch(grow_after=2)], **options), model
+
+
+@pytest.mark.parametrize("which", ["monitor", "release", "tuner", "planner", "microbatch"])
+@pytest.mark.filterwarnings("ignore:AutoMicrobatch")
+@pytest.mark.filterwarnings("ignore:`weights_only` was not set")
+def test_a_logger_whose_log_metrics_raises_never_ends_the_fit(tmp_path, which, recwarn):
+    logger, trainer, model = _failing_fit(tmp_path, which)
+    trainer.fit(model)  # was: ConnectionError from the callback's metrics
+    assert trainer.global_step == 6
+    assert logger.failures >= 1  # the callback did try to log its keys
+    warned = [str(w.message) for w in recwarn if "could not log `gpumem/*` metrics" in str(w.message)]
+    assert len(warned) == 1, warned  # one warning, however many failures
+    assert "FailingLogger" in warned[0] and "tracker unreachable" in warned[0]
+
+
+def test_the_other_loggers_still_get_the_metrics(tmp_path):
+    from lightning_gpumem._pl.logging import log_to_loggers
+
+    failing, plain = FailingLogger(tmp_path / "a"), CSVLogger(tmp_path / "b")
+    trainer = SimpleNamespace(loggers=[failing, plain], default_root_dir=str(tmp_path))
+    with pytest.warns(UserWarning, match="could not log"):
+        log_to_loggers(trainer, {"gpumem/x": 1.0}, step=0)
+    with warnings.catch_warnings(record=True) as later:
+        warnings.simplefilter("always")
+        log_to_loggers(trainer, {"gpumem/x": 2.0}, step=1)
+    assert not later  # one warning per logger
+    plain.save()
+    assert (Path(plain.log_dir) / "metrics.csv").read_text().splitlines()[1:] == ["1.0,0", "2.0,1"]
