@@ -20,7 +20,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
-from lightning_gpumem._core.files import write_atomic
+from lightning_gpumem._core.files import unique_path, write_atomic
 
 
 def batches_that_stepped(trainer: pl.Trainer) -> int:
@@ -153,11 +153,13 @@ def log_table(
     TensorBoard gets ``text`` (Markdown) in its text tab, W&B a table (``log_table``), MLflow a Markdown artifact
     (``log_text``); every other logger (``CSVLogger``, custom ones) a CSV file ``gpumem_<name>.csv`` in its run
     directory (:func:`logger_run_dir`), one file per directory, none in ``has_file`` (the caller wrote its own file
-    there). A logger or a disk that fails is named in a warning
+    there). A file that logger wrote before in this process is replaced; a name another run took (a reused
+    ``CSVLogger(version=...)`` directory) gets ``-v1``, ``-v2``... A logger or a disk that fails is named in a warning
     (by ``owner``) and the others still get the table: a table never ends the run. Call it on global rank zero.
     """
     name = key.split("/", 1)[-1]
     written: list[Path] = []
+    seen: set[Path] = set()
     for logger in trainer.loggers:
         try:
             experiment = getattr(logger, "experiment", None)
@@ -172,12 +174,26 @@ def log_table(
                 mlflow_text(run_id, text, f"gpumem_{name}.md")
             else:
                 path = logger_run_dir(trainer, logger) / f"gpumem_{name}.csv"
-                if path not in written and path.parent != has_file:
-                    write_atomic(path, _csv(columns, rows))
-                    written.append(path)
+                if path not in seen and path.parent != has_file:
+                    seen.add(path)
+                    written.append(write_atomic(_own_path(logger, path), _csv(columns, rows)))
         except Exception as error:
             rank_zero_warn(f"{owner}: could not write the table `{key}` to {type(logger).__name__} ({error!r}).")
     return written
+
+
+_own_files = weakref.WeakKeyDictionary[Any, dict[Path, Path]]()  # logger -> {name asked for: file it wrote}
+
+
+def _own_path(logger: object, path: Path) -> Path:
+    """Where ``logger``'s table ``path`` goes: the file it wrote before under that name, else a name not taken."""
+    try:
+        own = _own_files.setdefault(logger, {})
+    except TypeError:  # a logger without weak references: every table a new file
+        return unique_path(path)
+    if path not in own or not own[path].parent.is_dir():
+        own[path] = unique_path(path)
+    return own[path]
 
 
 def _csv(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -183,3 +183,26 @@ def test_the_other_loggers_still_get_the_metrics(tmp_path):
     assert not later  # one warning per logger
     plain.save()
     assert (Path(plain.log_dir) / "metrics.csv").read_text().splitlines()[1:] == ["1.0,0", "2.0,1"]
+
+
+@pytest.mark.filterwarnings("ignore:`weights_only` was not set")
+@pytest.mark.filterwarnings("ignore:Experiment logs directory")
+def test_a_table_file_of_another_run_in_a_reused_logger_directory_is_kept(tmp_path):
+    from tests.helpers.tuning import CappedFakeProbe, FakeTuner, MemoryModel
+
+    def fit(logger, per_sample):
+        probe = CappedFakeProbe(total=24 * 2**30)
+        trainer = quiet_trainer(max_steps=1, callbacks=[FakeTuner(probe)], logger=logger)
+        trainer.fit(MemoryModel(probe, per_sample=per_sample, n=4096))
+
+    first = CSVLogger(tmp_path, version="same")
+    fit(first, 100 * 2**20)
+    run = Path(first.log_dir)
+    before = (run / "gpumem_batch_size_trials.csv").read_text()
+    fit(CSVLogger(tmp_path, version="same"), 200 * 2**20)  # another run, the same directory
+    assert (run / "gpumem_batch_size_trials.csv").read_text() == before  # was: replaced
+    second = (run / "gpumem_batch_size_trials-v1.csv").read_text()
+    assert second != before
+    fit(first, 300 * 2**20)  # the first run's logger again: its own file is replaced, no -v2
+    assert (run / "gpumem_batch_size_trials.csv").read_text() not in (before, second)
+    assert not (run / "gpumem_batch_size_trials-v2.csv").exists()
