@@ -93,7 +93,12 @@ GPU_UTIL = _key("gpu_util_pct", "%", "GPU utilisation (NVML)")
 HOST_RSS = _key("host_rss_gib", "GiB", "resident host memory of this process", ranks="max_min")
 HOST_AVAILABLE = _key("host_available_gib", "GiB", "host memory available")
 BUDGET = _key("budget_gib", "GiB", "the budget", when="with a `MemoryBudget`")
-LEAK_RATE = _key("leak_mib_per_step", "MiB/step", "growth rate of allocated memory", when="`detect_leaks`")
+LEAK_RATE = _key(
+    "leak_mib_per_step",
+    "MiB/step",
+    "growth rate of allocated memory",
+    when="`detect_leaks`, from the leak detector's 32nd sample or a leak flagged sooner",
+)
 LEAK_WARNINGS = _key("leak_warnings", "count", "1 at the step a leak was flagged", when="`detect_leaks`")
 ALLOCATOR_STAT = _key("allocator/{stat}", "raw", "every `torch.cuda.memory_stats()` entry", when="`verbose=True`")
 

@@ -16,6 +16,9 @@ read costs tens of µs on a GPU), and a sample due near a logging step, whose re
 is a few sorts of at most 64 values, and Kendall's tau (quadratic) runs only when the cheap tests already point to a
 leak. A rise of half the threshold first makes the history *suspect* (so that the caller can take a baseline of the
 live tensors then, not on every healthy run); a verdict is given only on a later sample than the suspicion.
+
+The rate it reports for logging is the one a verdict gives, and none before the early phase (the first 32 samples)
+is over: a rise over fewer steps after the warm-up is memory settling as much as a leak.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class LeakDetector:
         self.samples: list[tuple[int, int]] = []
         self.recent: deque[tuple[int, int]] = deque(maxlen=RECENT_SAMPLES)  # the last samples as taken, never thinned
         self.flagged = False
+        self._flagged_rate: float | None = None  # the verdict's rate, once one is given
         self.suspected_at: int | None = None
         """The step of the first sample at which the history rose by half the threshold (``None``: not yet)."""
         self._stride = every
@@ -121,14 +125,31 @@ class LeakDetector:
         if verdict is None or self.suspected_at is None or self.suspected_at >= step:
             return None  # a verdict follows a suspicion raised on an earlier sample
         self.flagged = True
+        self._flagged_rate = verdict.bytes_per_step
         return verdict
 
     def rate(self) -> float | None:
-        """Current growth estimate in bytes per step (quarter medians, first to last), ``None`` with few samples."""
-        if len(self.samples) < MIN_SAMPLES:
+        """Growth in bytes per step, the estimate a verdict gives; ``None`` until the detector's early phase is over.
+
+        Once a leak is flagged, the verdict's own rate (sampling stops there, so it holds). Before, the rise of the
+        whole history (quarter medians, first to last), from the :data:`EARLY_SAMPLES`-th sample on: by then the
+        history spans about ``EARLY_SAMPLES * every`` steps after the warm-up (steps 10-72 by default). A rise seen
+        over less is memory settling (the allocator, optimizer state, caches) as much as a leak; a leak that outgrows
+        the threshold within the early phase is flagged there, and its rate given from then on. Before a verdict the
+        rate is what the whole history and its recent half both support (the smaller of their two rises, 0 where they
+        disagree in sign): a rise that stopped, memory settling, does not keep showing as growth.
+        """
+        if self._flagged_rate is not None:
+            return self._flagged_rate
+        if self._count < EARLY_SAMPLES or len(self.samples) < MIN_SAMPLES:
             return None
         if self._rate is None:  # asked on every logging step; the samples change every few
-            self._rate = _rise(self.samples)[0]
+            whole = _rise(self.samples)[0]
+            half = self.samples[len(self.samples) // 2 :]
+            recent = _rise(half)[0] if len(half) >= MIN_SAMPLES else whole
+            # what both the whole history and its recent half support: a rise that stopped (memory settling after
+            # the warm-up) or only just began shows as the smaller of the two; halves that disagree in sign, none
+            self._rate = 0.0 if whole * recent <= 0 else min(whole, recent, key=abs)
         return self._rate
 
     def verdict(self) -> LeakVerdict | None:

@@ -1,8 +1,10 @@
 """MemoryMonitor: per-batch peak memory, allocator, NVML and host memory, logged to every Lightning logger.
 
-The callback wires Lightning's hooks to pure parts: when to reset and read the peak counters and the running maxima
-(``_peak_window``), the keys (``keys``, ``_sample_metrics``), leak verdicts (``_leaks``), the fit-end run model and
-its advice (``_fit_run``, ``_summary``). It reads the hardware through a probe (``probe.make_probe``) only.
+The callback wires Lightning's hooks to the parts in this folder: when to reset and read the peak counters and the
+running maxima (``peak_window.py``, pure), the logged keys (``metrics.py``, pure, from ``keys.py``), leak detection
+(``leak_watch.py``, whose verdicts are ``_core/leaks.py``'s), the fit-end run model (``fit_run.py``) that
+``_core/summary.py`` prints with its advice, and the TensorBoard layout (``layout.py``). It reads the hardware through
+a probe (``_hw/probe.py``'s ``make_probe``) only.
 """
 
 from __future__ import annotations
@@ -52,8 +54,13 @@ class MemoryMonitor(Callback):
 
     **Leak detection** (``detect_leaks``, on an accelerator): allocated memory is sampled at training-batch ends after
     ``leak_warmup_steps``; a sustained rise above ``leak_threshold_mib`` is warned about once on rank zero, with its
-    rate, when the budget would run out and the live tensors that grew. **TensorBoard**: ``tensorboard_layout``
-    writes a *Custom Scalars* layout so each stage's curves share a chart. Both are described in ``docs/monitor.md``.
+    rate, when the budget would run out and the live tensors that grew. ``gpumem/leak_mib_per_step`` is the rate a
+    verdict gives (:meth:`~lightning_gpumem._core.leaks.LeakDetector.rate`), logged only once it means something:
+    from the end of the detector's early phase (its first 32 samples, about every second step after the warm-up:
+    near step 72 by default), over which a rise is memory settling as much as a leak, or from a leak flagged earlier;
+    a flagged leak's rate stays the logged one. Leak detection is described in ``docs/memory_in_bounds.md``.
+    **TensorBoard**: ``tensorboard_layout`` writes a *Custom Scalars* layout so each stage's curves share a chart,
+    described in ``docs/monitor.md``.
 
     Args:
         log_every_n_steps: log every this many training batches; ``None`` uses ``Trainer(log_every_n_steps=...)``.

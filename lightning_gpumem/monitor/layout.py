@@ -75,11 +75,11 @@ def write_layout(trainer: pl.Trainer, written: dict[int, tuple[str, ...]], devic
         stages = tuple(s for s in _STAGE_CHARTS if s in before or s in _FN_STAGES.get(fn, ("train", "val")))
         if stages == before:
             continue
-        add_custom_scalars = getattr(getattr(logger, "experiment", None), "add_custom_scalars", None)
-        if not callable(add_custom_scalars):
-            continue
-        written[id(logger)] = stages
-        try:
+        try:  # the experiment is made on first use: a full disk fails here
+            add_custom_scalars = getattr(getattr(logger, "experiment", None), "add_custom_scalars", None)
+            if not callable(add_custom_scalars):
+                continue
+            written[id(logger)] = stages
             add_custom_scalars(memory_layout(stages, device_memory))
         except Exception as error:  # a layout is a convenience: never fail the run for it
             rank_zero_warn(f"MemoryMonitor: could not write the TensorBoard custom-scalars layout ({error!r}).")

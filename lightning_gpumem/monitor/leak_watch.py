@@ -1,7 +1,7 @@
 """The monitor's leak detection wired to the run: samples from the allocator, the census of live tensors, the warning.
 
 The verdicts are :class:`~lightning_gpumem._core.leaks.LeakDetector`'s (pure); this adds what needs the hardware and the
-Trainer, so the monitor calls two methods.
+Trainer, so the monitor calls three methods (:meth:`LeakWatch.due`, :meth:`LeakWatch.sample`, :meth:`LeakWatch.rate`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,11 @@ class LeakWatch:
         return self.detector.wants(*self._at)
 
     def rate(self) -> float | None:
-        """Growth of allocated memory in bytes per step, ``None`` with too few samples."""
+        """Growth of allocated memory in bytes per step, ``None`` until it means something.
+
+        The detector's estimate (:meth:`LeakDetector.rate`): nothing before its early phase (32 samples) is over
+        unless a leak was flagged, and a flagged leak's own rate from then on.
+        """
         return self.detector.rate()
 
     def sample(self, trainer: pl.Trainer, allocated: int | None, total_bytes: int | None) -> LeakVerdict | None:

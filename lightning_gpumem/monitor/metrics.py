@@ -1,4 +1,4 @@
-"""A :class:`~lightning_gpumem._hw.probe.MemorySample` as the ``gpumem/*`` metrics the monitor logs.
+"""A :class:`~lightning_gpumem._core.sample.MemorySample` as the ``gpumem/*`` metrics the monitor logs.
 
 Keys from :mod:`lightning_gpumem.keys`; values in the keys' units.
 """

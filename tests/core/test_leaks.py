@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from lightning_gpumem._core.leaks import LeakDetector, grown_tensors
+from lightning_gpumem._core.leaks import EARLY_SAMPLES, LeakDetector, _rise, grown_tensors
 from lightning_gpumem._core.units import GIB, MIB
 from lightning_gpumem._hw.probe import tensor_census
 
@@ -107,3 +107,45 @@ def test_a_verdict_comes_on_a_later_sample_than_the_suspicion(start, rate_mib):
     assert verdict_step is not None
     assert suspected_on is not None
     assert suspected_on < verdict_step
+
+
+def test_no_rate_before_the_early_phase_is_over_then_what_both_halves_support():
+    """Memory settling after the warm-up (+0.5 MiB/step to step 60) gives no rate until the 32nd sample (step 72),
+    then the smaller of the whole history's and its recent half's rise: 0 once the recent half is flat."""
+    detector = LeakDetector(warmup_steps=10, every=2)
+    rates = {}
+    for step in range(200):
+        detector.add(step, GIB + int(min(step, 60) * MIB / 2))
+        rates[step] = detector.rate()
+    assert all(rate is None for step, rate in rates.items() if step < 10 + (EARLY_SAMPLES - 1) * 2)
+    assert all(rates[step] is not None for step in range(72, 200))
+    whole = _rise(detector.samples)[0]
+    assert whole > 0.05 * MIB  # the whole history still holds the settle...
+    assert detector.rate() == 0.0  # ...which stopped: its recent half is flat
+    assert max(rates[step] for step in range(72, 200)) < rates[72] + 1  # never above the first rate logged
+    assert detector.verdict() is None
+
+
+def test_a_leak_flagged_in_the_early_phase_has_its_rate_from_the_verdict_on():
+    detector = LeakDetector(warmup_steps=10, every=2)
+    rates = []
+    for step in range(72):  # the early phase: the 32nd sample is taken at step 72
+        verdict = detector.add(step, GIB + 4 * MIB * step)
+        rates.append(detector.rate())
+        if verdict is not None:
+            break
+    assert verdict is not None
+    assert rates[-1] == verdict.bytes_per_step == pytest.approx(4 * MIB)
+    assert set(rates[:-1]) == {None}
+
+
+def test_the_rate_after_a_verdict_is_the_verdicts_own():
+    """A leak that starts late is flagged on its recent samples; the history's average would say a fifth of it."""
+    detector = LeakDetector()
+    for step in range(2000):
+        verdict = detector.add(step, GIB + max(0, step - 400) * 2 * MIB)
+        if verdict is not None:
+            break
+    assert verdict is not None
+    assert _rise(detector.samples)[0] < verdict.bytes_per_step / 2
+    assert detector.rate() == verdict.bytes_per_step == pytest.approx(2 * MIB, rel=0.05)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -156,6 +159,23 @@ def test_summary_gives_advice_only_with_evidence(tmp_path):
     assert "7 allocator retries" in monitor.summary_text
     assert "expandable_segments:True" in monitor.summary_text
     assert "96% of the device" in monitor.summary_text
+
+
+def test_the_summary_sample_in_the_docs_is_laid_out_as_the_monitor_prints_it(tmp_path):
+    """docs/monitor.md's table, numbers aside: the same lines and stage names (``val``, not ``validate``)."""
+    page = (Path(__file__).parents[2] / "docs" / "monitor.md").read_text(encoding="utf-8")
+    sample = page.split("```\nMemoryMonitor summary (", 1)[1].split("\n```", 1)[0].splitlines()[1:]
+    probe = FakeProbe(base=GIB // 16, total=140 * GIB)  # a tiny model on a large device, as in the sample
+    monitor = FakeMonitor(probe)
+    _trainer(tmp_path, monitor).fit(SpikeModel(probe))
+    assert monitor.summary_text is not None
+    printed = monitor.summary_text.splitlines()[1:]
+
+    def masked(lines):
+        return [re.sub(r"\d+(\.\d+)?", "#", line) for line in lines]
+
+    assert masked(sample) == masked(printed)
+    assert [line.split()[0] for line in sample[1:3]] == ["train", "val"]
 
 
 def test_summary_can_be_switched_off(tmp_path):

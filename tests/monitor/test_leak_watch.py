@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import random
 import warnings
 
 import pytest
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gpumem import MemoryMonitor
+from lightning_gpumem._core.leaks import EARLY_SAMPLES
 from lightning_gpumem._core.units import GIB, MIB
 from tests.helpers.fakes import FakeMonitor, FakeProbe, SpikeModel, column, read_csv_metrics
 from tests.helpers.trainer import quiet_trainer
@@ -73,3 +75,79 @@ def test_leak_detection_can_be_switched_off(tmp_path):
 def test_leak_arguments_are_validated(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=r"MemoryMonitor\(" + match):
         MemoryMonitor(**kwargs)
+
+
+class SettlingModel(SpikeModel):
+    """Allocated memory settles over the first steps (+0.5 MiB per step to step 60), then stays flat with noise."""
+
+    def __init__(self, probe: FakeProbe, settle_steps: int = 60) -> None:
+        super().__init__(probe)
+        self.settle_steps = settle_steps
+        self.rng = random.Random(0)
+        self.held = 0  # the batch held at batch end: 0-2 MiB, varying
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step < self.settle_steps:
+            self.fake.allocate(MIB // 2)  # the allocator, optimizer state and caches warming up
+        self.fake.free(self.held)
+        self.held = self.rng.randrange(2 * MIB)
+        self.fake.allocate(self.held)
+        return super().training_step(batch, batch_idx)
+
+
+class LateLeakModel(SpikeModel):
+    """Healthy for `start` steps, then keeps `leak` bytes more of the fake allocator after every step."""
+
+    def __init__(self, probe: FakeProbe, start: int, leak: int) -> None:
+        super().__init__(probe)
+        self.start, self.leak = start, leak
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step >= self.start:
+            self.fake.allocate(self.leak)
+        return super().training_step(batch, batch_idx)
+
+
+def test_no_leak_rate_is_logged_while_memory_settles_after_the_warm_up(tmp_path):
+    """Issue 41: a run that does not leak logged 0.5 MiB/step over its first steps; now nothing, then the estimate.
+
+    The estimate is what the whole history and its recent half both support, so the settle fades from it once the
+    recent half is past it (the figures in docs/monitor.md).
+    """
+    probe = FakeProbe(base=GIB, total=24 * GIB)
+    monitor = FakeMonitor(probe)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message=".*(num_workers|does not have many workers).*")
+        _fit(tmp_path, monitor, SettlingModel(probe), steps=400)
+    assert monitor.leak is None
+    rates = column(read_csv_metrics(tmp_path), "gpumem/leak_mib_per_step")
+    early_phase_end = 10 + (EARLY_SAMPLES - 1) * 2  # the detector's 32nd sample, after 10 warm-up steps: step 72
+    assert not {step: rate for step, rate in rates.items() if step < early_phase_end}
+    assert sorted(rates) == list(range(79, 400, 10))  # then at every logging step
+    assert [round(rates[step], 2) for step in (79, 199, 379)] == [0.23, 0.0, 0.0]
+
+
+def test_a_leak_rate_is_logged_from_its_verdict_on_when_flagged_early(tmp_path):
+    probe = FakeProbe(base=GIB, total=24 * GIB)
+    monitor = FakeMonitor(probe)
+    with pytest.warns(UserWarning, match="keeps growing"):
+        _fit(tmp_path, monitor, LeakyModel(probe, 4 * MIB), steps=100)
+    assert monitor.leak is not None
+    rates = column(read_csv_metrics(tmp_path), "gpumem/leak_mib_per_step")
+    assert min(rates) >= monitor.leak.last_step  # nothing before the verdict, in the early phase
+    assert list(rates.values()) == [pytest.approx(monitor.leak.bytes_per_step / MIB)] * len(rates)
+    assert sorted(rates) == [s for s in range(9, 100, 10) if s >= monitor.leak.last_step]
+
+
+def test_the_logged_rate_of_a_leak_that_starts_late_is_the_warnings(tmp_path):
+    """Flagged on its recent samples at 2 MiB/step; the whole history's average (0.63) is not logged."""
+    probe = FakeProbe(base=GIB, total=24 * GIB)
+    monitor = FakeMonitor(probe)
+    with pytest.warns(UserWarning, match=r"keeps growing, 2.00 MiB per step"):
+        _fit(tmp_path, monitor, LateLeakModel(probe, start=300, leak=2 * MIB), steps=500)
+    assert monitor.leak is not None
+    rates = column(read_csv_metrics(tmp_path), "gpumem/leak_mib_per_step")
+    after = [rate for step, rate in rates.items() if step >= monitor.leak.last_step]
+    assert after
+    assert after == [pytest.approx(2.0, rel=0.05)] * len(after)
