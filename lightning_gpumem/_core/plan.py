@@ -280,9 +280,7 @@ class Plan:
     def __post_init__(self) -> None:
         self.probes = merged(self.probes)
         if len(self.probes) < 2:
-            raise ValueError(
-                f"`probes` has {len(self.probes)} batch size(s): expected at least 2 to draw a line."
-            )
+            raise ValueError(f"`probes` has {len(self.probes)} batch size(s): expected at least 2 to draw a line.")
         self.lines = [Line.through(*points[-2:]) for points in _stage_points(self.probes)]
         self.growth = 1.0
         first, last = self.probes[-2:]

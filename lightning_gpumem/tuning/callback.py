@@ -46,7 +46,7 @@ from lightning_gpumem.tuning.longest import (
     margin_for,
     margin_tip,
 )
-from lightning_gpumem.tuning.measure import LEFTOVER_BYTES, TrialRunner, plan_builder
+from lightning_gpumem.tuning.measure import LEFTOVER_BYTES, BatchCheck, TrialRunner, plan_builder
 from lightning_gpumem.tuning.search import (
     SearchResult,
     Trial,
@@ -313,6 +313,15 @@ class BatchSizeTuner(Callback):
             rank_zero_warn("BatchSizeTuner: skipped because `limit_train_batches=0` runs no training step.")
             return None
         _session.require_settable_batch(trainer, self.batch_arg_name, "BatchSizeTuner")
+        probe = make_probe(trainer.strategy.root_device, self)
+        if not probe.has_allocator and self.max_val is None:  # a CPU smoke test: no search bounded by nothing
+            size = _session.get_batch_size(trainer, self.batch_arg_name)
+            rank_zero_warn(
+                f"BatchSizeTuner: `{probe.device}` has no memory allocator to measure, so only the dataset's size"
+                f" would bound a search; kept `{self.batch_arg_name}={size}`. Pass `max_val` to search up to it"
+                " anyway (every size tried runs real steps)."
+            )
+            return None
         self._longest = LongestFirst("BatchSizeTuner", self.length_fn) if self.length_fn is not None else None
         built = loaders.train_loaders(trainer)
         self._tokens = tokens = self._token_sampler(trainer, built)
@@ -320,7 +329,7 @@ class BatchSizeTuner(Callback):
         if tokens is not None:  # a token budget: from the longest sample's own cost to the whole dataset's
             init_val, upper = self._token_bounds(trainer, tokens)
         else:
-            length = loaders.dataset_length(built)
+            length = loaders.epoch_samples(built)
             if length is None and self.max_val is None:
                 raise ValueError(
                     "`BatchSizeTuner(max_val=None)`: the training dataset has no length (an `IterableDataset`), so"
@@ -329,7 +338,6 @@ class BatchSizeTuner(Callback):
                 )
             upper = self._upper_bound(trainer, length)
         del built
-        probe = make_probe(trainer.strategy.root_device, self)
         baseline = probe.allocated_bytes()  # what each trial starts from, and the search ends at
         limit = self._limit_bytes(probe, trainer)  # budget
         self._margin = margin_for(self.shape_margin, tokens is not None or self.length_fn is not None) if limit else 0.0
@@ -341,7 +349,6 @@ class BatchSizeTuner(Callback):
         try:
             with TrialSession(trainer, self.batch_arg_name, owner=self) as session:
                 self._original = session.original
-                self._seen: dict[int, tuple[int, int | None]] = {}  # size: (largest batch, dataset length)
                 if total:  # trials run with the allocator capped at the budget, as the fit will be
                     previous_fraction = probe.set_memory_fraction(min(1.0, limit / total))  # type: ignore[operator]
                 runner = TrialRunner(
@@ -350,7 +357,7 @@ class BatchSizeTuner(Callback):
                     steps=self.steps_per_trial,
                     validate=self.include_validation,
                     accumulation_for=self._accumulation_for,
-                    check_batches=self._check_batches if tokens is None else None,
+                    check_batches=BatchCheck("BatchSizeTuner", self.batch_arg_name) if tokens is None else None,
                 )
                 try:
                     with expecting_oom(), self._heaviest_first(trainer, tokens):  # OOMs are the search's plan
@@ -525,32 +532,6 @@ class BatchSizeTuner(Callback):
             need = self._batches_needed(trainer)
             candidates.append(_largest_size_with_batches(per_rank, trainer.limit_train_batches, need))
         return max(1, min(candidates))
-
-    def _check_batches(self, size: int, seen: list[int], samples: int | None) -> None:
-        """Refuse to report sizes that never ran: the attribute must set the training batches' first dimension.
-
-        Two sizes whose batches had the same number of samples, or that each made a dataset of exactly that many
-        samples (the attribute sets the dataset's length, and every epoch is one batch of it), are refused.
-        """
-        largest = max(seen, default=-1)
-        for other, (other_largest, other_samples) in self._seen.items() if largest >= 1 else ():
-            if other == size:
-                continue
-            if largest != size and other_largest == largest:
-                raise ValueError(
-                    f"BatchSizeTuner: setting `{self.batch_arg_name}` to {other} and to {size} gave training batches of"
-                    f" {largest} samples both times, so `{self.batch_arg_name}` does not set the training"
-                    " dataloader's batch size. Build the dataloader from it (`DataLoader(...,"
-                    f" batch_size=self.{self.batch_arg_name})`), or pass the name your code uses as `batch_arg_name`."
-                )
-            if samples == size and other_samples == other:
-                raise ValueError(
-                    f"BatchSizeTuner: setting `{self.batch_arg_name}` to {other} and to {size} gave training datasets"
-                    f" of {other} and {size} samples, so `{self.batch_arg_name}` sets the dataset's length, not the"
-                    " batch size. Build the dataloader's batch size from it (`DataLoader(...,"
-                    f" batch_size=self.{self.batch_arg_name})`), or pass the name your code uses as `batch_arg_name`."
-                )
-        self._seen[size] = (largest, samples)
 
     def _headroom_size(self, largest: int) -> int:
         """The size kept when ``largest`` is the largest that runs in the budget.

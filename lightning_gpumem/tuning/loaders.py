@@ -12,6 +12,7 @@ to stop a ``DataLoader``'s workers without waiting for them: this module reaches
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from typing import Any
@@ -29,11 +30,6 @@ def train_source_is_module(trainer: pl.Trainer) -> bool:
     return bool(trainer.fit_loop._data_source.is_module())  # private: the fit loop's `_DataLoaderSource`
 
 
-def train_dataset_length(trainer: pl.Trainer) -> int | None:
-    """Samples in the first training dataset, asked from the user's ``train_dataloader`` (``None``: no length)."""
-    return dataset_length(trainer.fit_loop._data_source.dataloader())  # private, see `train_source_is_module`
-
-
 def dataset_length(loaders: Any) -> int | None:
     """Samples in the dataset of the first of ``loaders`` (``None``: no length)."""
     dataset = getattr(_first_loader(loaders), "dataset", None)
@@ -43,6 +39,22 @@ def dataset_length(loaders: Any) -> int | None:
         return len(dataset)  # type: ignore[arg-type]
     except TypeError:
         return None
+
+
+def epoch_samples(loaders: Any) -> int | None:
+    """Samples an epoch of the first of ``loaders`` draws: its sampler's length, else its dataset's (``None``: none).
+
+    A sampler that draws a part of the dataset (``SubsetRandomSampler``) or draws with replacement
+    (``WeightedRandomSampler(num_samples=...)``) bounds the batch a loader can fill, not the dataset.
+    """
+    loader = _first_loader(loaders)
+    sampler = getattr(loader, "sampler", None)
+    if isinstance(loader, torch.utils.data.DataLoader) and loader.batch_size is not None:
+        try:
+            return len(sampler)  # type: ignore[arg-type]
+        except TypeError:  # a sampler without a length
+            pass
+    return dataset_length(loaders)
 
 
 def _first_loader(loaders: Any) -> Any:
@@ -220,8 +232,8 @@ def longest_first(trainer: pl.Trainer, order_for: Callable[[Any], list[int] | No
         split = isinstance(base, torch.utils.data.DistributedSampler)
         whole = isinstance(base, (torch.utils.data.SequentialSampler, torch.utils.data.RandomSampler))
         if not (whole and len(base) == len(dataset)):  # type: ignore[arg-type]  # a split: only its samples
-            allowed = set(iter(base))  # the session puts back the RNG streams this draws from
-            order = [i for i in order if i in allowed]
+            drawn = Counter(iter(base))  # the session puts back the RNG streams this draws from
+            order = [i for i in order for _ in range(drawn[i])]  # as often as the sampler draws it (replacement)
         sampler = _InOrder(dataset, order) if split else _InOrder(dataset, order, replicas, rank)
         try:
             return _update_dataloader(loader, sampler)  # private: Lightning's re-instantiation

@@ -78,6 +78,7 @@ class TrialRunner:
         after = probe.read(nvml=False, host=False).alloc_retries
         if self.check_batches is not None:
             self.check_batches(size, session.batches_seen, session.dataset_samples)
+        largest_batch = max(session.batches_seen, default=None)
         end = list(probe.read_peaks())
         if session.validated:
             train_peaks, val_peaks = train, end
@@ -90,9 +91,13 @@ class TrialRunner:
             "train_allocated": train_peaks[0],
             "val_allocated": val_peaks[0],
             "retries": None if retries is None or after is None else after - retries,
+            "samples": largest_batch,
         }
-        # all ranks measured the same sizes: agree on the largest peaks (nothing is communicated with one process)
-        agreed = {name: _int_or_none(high) for name, (high, _) in gather_named(trainer, peaks).items()}
+        # all ranks measured the same sizes: agree on the largest peaks (nothing is communicated with one process),
+        # and on the fewest samples a rank's largest batch had
+        gathered = gather_named(trainer, peaks)
+        samples = _int_or_none(gathered.pop("samples")[1])
+        agreed = {name: _int_or_none(high) for name, (high, _) in gathered.items()}
         if not fits:
             agreed = dict.fromkeys(agreed)
         return Trial(
@@ -104,7 +109,44 @@ class TrialRunner:
             train_peak_bytes=agreed["train_allocated"],
             val_peak_bytes=agreed["val_allocated"],
             retries=agreed["retries"],
+            samples=samples,
         )
+
+
+class BatchCheck:
+    """Refuses to report sizes that never ran: ``batch_arg_name`` must set the training batches' first dimension.
+
+    Called after each trial with the size, the samples of each training batch and the dataset's length. Two sizes
+    whose batches had the same number of samples, or that each made a dataset of exactly that many samples (the
+    attribute sets the dataset's length, and every epoch is one batch of it), are refused with a ``ValueError``.
+    """
+
+    def __init__(self, owner: str, batch_arg_name: str) -> None:
+        self.owner = owner
+        self.name = batch_arg_name
+        self.seen: dict[int, tuple[int, int | None]] = {}  # size: (largest batch, dataset length)
+
+    def __call__(self, size: int, seen: list[int], samples: int | None) -> None:
+        """Check the trial at ``size``: ``seen``, its training batches' samples; ``samples``, the dataset's length."""
+        largest, name = max(seen, default=-1), self.name
+        fix = (
+            f" Build the dataloader's batch size from it (`DataLoader(..., batch_size=self.{name})`), or pass the"
+            " name your code uses as `batch_arg_name`."
+        )
+        for other, (other_largest, other_samples) in self.seen.items() if largest >= 1 else ():
+            if other == size:
+                continue
+            if largest != size and other_largest == largest:
+                raise ValueError(
+                    f"{self.owner}: setting `{name}` to {other} and to {size} gave training batches of {largest}"
+                    f" samples both times, so `{name}` does not set the training dataloader's batch size.{fix}"
+                )
+            if samples == size and other_samples == other:
+                raise ValueError(
+                    f"{self.owner}: setting `{name}` to {other} and to {size} gave training datasets of {other} and"
+                    f" {size} samples, so `{name}` sets the dataset's length, not the batch size.{fix}"
+                )
+        self.seen[size] = (largest, samples)
 
 
 def optimizer_state_bytes(trainer: pl.Trainer) -> int:

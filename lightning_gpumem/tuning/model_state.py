@@ -10,9 +10,12 @@ Lightning's own connector instead, as Lightning's ``BatchSizeFinder`` does.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import uuid
 from copy import deepcopy
+from types import FrameType
 from typing import Any
 
 import lightning.pytorch as pl
@@ -47,8 +50,10 @@ class ModelState:
             self.optimizers = [_copy_to_host(optimizer.state_dict()) for optimizer in trainer.optimizers]
             self.precision = deepcopy(trainer.precision_plugin.state_dict())
         else:
-            path = os.path.join(trainer.default_root_dir, f".gpumem_tuner_{uuid.uuid4().hex}.ckpt")
+            root = os.path.abspath(trainer.default_root_dir)  # the run's directory, whatever the process's is later
+            path = os.path.join(root, f".gpumem_tuner_{uuid.uuid4().hex}.ckpt")
             self.ckpt_path = trainer.strategy.broadcast(path)  # one file: rank zero writes, every rank reads
+            self._on_sigterm = RemovedOnSigterm(self.ckpt_path)
             trainer.save_checkpoint(self.ckpt_path)
 
     def reset_for_trial(self) -> None:
@@ -92,8 +97,50 @@ class ModelState:
                 trainer.strategy.barrier("gpumem_tuner_restored")  # every rank has read it before rank zero deletes it
                 trainer.strategy.remove_checkpoint(self.ckpt_path)
                 self.ckpt_path = None
+                self._on_sigterm.close()
         for config, state in zip(trainer.lr_scheduler_configs, self.schedulers, strict=True):
             config.scheduler.load_state_dict(deepcopy(state))
+
+
+class RemovedOnSigterm:
+    """While open, a SIGTERM (a scheduler's time limit, ``timeout``) that would end the process removes ``path`` first.
+
+    The handler before it is chained: where it is Python's own (Lightning's, the user's), it runs and decides, and
+    the file is left for :meth:`ModelState.restore` (the run may go on and need it); where it is the default action,
+    the file is removed and the signal delivered again to end the process as it would have. Only the main thread can
+    set a handler: elsewhere nothing is set.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.previous: Any = None
+        self.installed = False
+        with contextlib.suppress(ValueError, OSError, AttributeError):  # not the main thread, no SIGTERM
+            self.previous = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self._handle)
+            self.installed = True
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        previous = self.previous
+        if callable(previous):
+            previous(signum, frame)
+            return
+        if previous == signal.SIG_IGN:
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        self.close()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)  # the default action: the process ends as it would have
+
+    def close(self) -> None:
+        """Put the handler before back (where this one is still set)."""
+        if not self.installed:
+            return
+        self.installed = False
+        with contextlib.suppress(ValueError, OSError, TypeError):
+            if signal.getsignal(signal.SIGTERM) == self._handle:
+                signal.signal(signal.SIGTERM, self.previous if self.previous is not None else signal.SIG_DFL)
 
 
 def keeps_whole_model(strategy: Any) -> bool:

@@ -39,7 +39,7 @@ from lightning_gpumem.tuning import loaders
 from lightning_gpumem.tuning import trials as _session
 from lightning_gpumem.tuning.lengths import LengthFn
 from lightning_gpumem.tuning.longest import LongestFirst, margin_for, margin_tip
-from lightning_gpumem.tuning.measure import LEFTOVER_BYTES, TrialRunner, plan_builder
+from lightning_gpumem.tuning.measure import LEFTOVER_BYTES, BatchCheck, TrialRunner, plan_builder
 from lightning_gpumem.tuning.search import Trial, accepted, back_off_sizes, probe_point, probe_until_line
 from lightning_gpumem.tuning.trials import TrialSession
 
@@ -164,6 +164,14 @@ class MemoryPlanner(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         require_trainer("MemoryPlanner", trainer)
         _session.require_settable_batch(trainer, self.batch_arg_name, "MemoryPlanner")
+        self._refuse_token_budget(trainer)
+        self._plan(trainer)
+        if self.stop:  # a dry run on every device, planned or not
+            trainer.num_sanity_val_steps = 0
+            trainer.should_stop = True
+            rank_zero_info("MemoryPlanner: `stop=True`: the fit ends after planning (a dry run).")
+
+    def _plan(self, trainer: pl.Trainer) -> None:
         if trainer.fast_dev_run or trainer.limit_train_batches == 0:  # type: ignore[attr-defined]
             rank_zero_warn("MemoryPlanner: skipped: the fit runs no training step to plan (fast_dev_run, limit 0).")
             return
@@ -178,7 +186,7 @@ class MemoryPlanner(Callback):
         start = time.perf_counter()
         size = _session.get_batch_size(trainer, self.batch_arg_name)
         budgets = self._budgets(trainer, total)
-        length = loaders.train_dataset_length(trainer)
+        length = loaders.epoch_samples(loaders.train_loaders(trainer))
         upper = max(1, length) if length is not None else 2**20
         baseline = probe.allocated_bytes()
         longest = LongestFirst("MemoryPlanner", self.length_fn) if self.length_fn is not None else None
@@ -191,6 +199,7 @@ class MemoryPlanner(Callback):
                     steps=self.steps_per_trial,
                     validate=self.include_validation,
                     accumulation_for=lambda _: trainer.accumulate_grad_batches,
+                    check_batches=BatchCheck("MemoryPlanner", self.batch_arg_name),
                 )
                 run = longest.raising(runner) if longest is not None else runner
                 plan = self._probe(run, runner, trainer, probe, total, upper)
@@ -215,12 +224,22 @@ class MemoryPlanner(Callback):
                 prediction = replace(prediction, largest=validated[budget], validated=True)
             self.predictions.append(prediction)
         self._report(trainer, plan, size)
-        if self.stop:
-            trainer.num_sanity_val_steps = 0
-            trainer.should_stop = True
-            rank_zero_info("MemoryPlanner: `stop=True`: the fit ends after planning (a dry run).")
 
     # ------------------------------------------------------------------ helpers
+    def _refuse_token_budget(self, trainer: pl.Trainer) -> None:
+        """A ``TokenBudgetSampler``'s ``max_tokens`` is not a batch size: probing it would write sizes into it."""
+        sampler = loaders.token_sampler(loaders.train_loaders(trainer))
+        if sampler is None:
+            return
+        named = sampler.max_tokens == _session.get_batch_size(trainer, self.batch_arg_name)
+        what = f"`{self.batch_arg_name}` is its `max_tokens`" if named else "its batches are made by tokens"
+        raise ValueError(
+            f"`MemoryPlanner(batch_arg_name={self.batch_arg_name!r})`: the training loader batches with a"
+            f" TokenBudgetSampler and {what}, which the planner cannot plan (it plans a number of samples per batch)."
+            f" Use `BatchSizeTuner(batch_arg_name={self.batch_arg_name!r})` to tune the token budget"
+            " (docs/variable_length.md)."
+        )
+
     def _budgets(self, trainer: pl.Trainer, total: int) -> list[int]:
         if self.budgets is None:
             own = budget_bytes(trainer) or total
@@ -279,6 +298,12 @@ class MemoryPlanner(Callback):
                 tries = itertools.islice(itertools.chain([size], back_off_sizes(plan, size, 0)), VALIDATION_TRIES)
                 for size in tries:  # the prediction, then 6%, 12%... less live memory than it
                     trial = runner(size)
+                    if not trial.ran_its_size:  # the loader could not fill it: not a size that ran
+                        rank_zero_warn(
+                            f"MemoryPlanner: the trial at {self.batch_arg_name}={size} ran batches of"
+                            f" {trial.samples} samples (its sampler yields no more), so it validates nothing."
+                        )
+                        break
                     if accepted(trial, limit):
                         ran[budget] = size
                         point = probe_point(trial)

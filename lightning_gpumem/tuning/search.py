@@ -77,6 +77,8 @@ class Trial:
         retries: times the allocator hit the cap, gave its cache back and retried during the trial (``None`` where
             not measured); 2 or more near the cap mean the cap squeezed the cache step after step, so the reserved
             peak overstates what the trial needed.
+        samples: samples in the largest training batch the trial ran, on the rank that ran fewest (``None``: not
+            counted); a trial that ran fewer than ``batch_size`` did not run that size.
     """
 
     batch_size: int
@@ -87,6 +89,12 @@ class Trial:
     train_peak_bytes: int | None = None
     val_peak_bytes: int | None = None
     retries: int | None = None
+    samples: int | None = None
+
+    @property
+    def ran_its_size(self) -> bool:
+        """Whether its training batches had ``batch_size`` samples (``True`` where not counted)."""
+        return self.samples is None or self.samples >= self.batch_size
 
 
 def accepted(trial: Trial, limit_bytes: int | None) -> bool:

@@ -10,7 +10,11 @@ from tests.helpers.fakes import FakeProbe
 from tests.helpers.models import OOMModel
 from tests.helpers.trainer import quiet_trainer
 
-__all__ = ["CappedFakeProbe", "FakeTuner", "FragileModel", "MemoryModel", "OOMModel", "tuner_trainer"]
+__all__ = ["CPU_SEARCH", "CappedFakeProbe", "FakeTuner", "FragileModel", "MemoryModel", "OOMModel", "tuner_trainer"]
+
+CPU_SEARCH = 10**6
+"""A ``max_val`` above every test dataset: on a CPU the tuner searches only where ``max_val`` asks it to (the tests'
+simulated OOMs bound the search), and keeps the user's size otherwise."""
 
 
 class FakeTuner(BatchSizeTuner):

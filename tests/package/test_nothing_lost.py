@@ -20,6 +20,7 @@ from lightning_gpumem._pl.patching import Patches
 from tests.helpers.fakes import SNAPSHOT, FakeProbe, FakeProfiler, PlainLogger, read_csv_metrics
 from tests.helpers.models import LayerNet, OOMModel
 from tests.helpers.trainer import quiet_trainer
+from tests.helpers.tuning import CPU_SEARCH
 
 
 class RecordingSnapshot(OOMSnapshot):
@@ -261,7 +262,7 @@ def _tuned_fit(tmp_path, version, ckpt_path=None, max_steps=2):
     trainer = quiet_trainer(
         tmp_path,
         logger=logger,
-        callbacks=[BatchSizeTuner(include_validation=False)],
+        callbacks=[BatchSizeTuner(max_val=CPU_SEARCH, include_validation=False)],
         max_steps=max_steps,
         limit_val_batches=0,
         enable_checkpointing=True,
@@ -359,7 +360,7 @@ def test_lightnings_batch_size_finder_beside_the_tuner_is_refused_as_a_conflict(
 
     from lightning_gpumem import BatchSizeTuner
 
-    trainer = _trainer(tmp_path, [BatchSizeFinder(), BatchSizeTuner()])
+    trainer = _trainer(tmp_path, [BatchSizeFinder(), BatchSizeTuner(max_val=CPU_SEARCH)])
     with pytest.raises(ValueError, match="BatchSizeTuner and Lightning's BatchSizeFinder are both"):
         trainer.fit(HparamsOOMModel())
 
@@ -375,7 +376,7 @@ def test_a_batch_arg_that_sets_the_dataset_length_is_refused(tmp_path):
         def train_dataloader(self):
             return torch.utils.data.DataLoader(RandomDataset(32, self.n), batch_size=self.batch_size)
 
-    trainer = _trainer(tmp_path, [BatchSizeTuner(batch_arg_name="n", include_validation=False)])
+    trainer = _trainer(tmp_path, [BatchSizeTuner(max_val=CPU_SEARCH, batch_arg_name="n", include_validation=False)])
     with pytest.raises(ValueError, match="`n` sets the dataset's length, not the batch size"):
         trainer.fit(LengthModel())
 

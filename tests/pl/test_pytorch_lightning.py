@@ -24,6 +24,7 @@ from tests.helpers.fakes import CudaFakeProbe, FakeRelease, kept, read_csv_metri
 from tests.helpers.models import OOMSteps  # noqa: E402
 from tests.helpers.tensorboard import read_layouts  # noqa: E402
 from tests.helpers.trainer import quiet_trainer  # noqa: E402
+from tests.helpers.tuning import CPU_SEARCH  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings(
@@ -47,7 +48,7 @@ def _trainer(tmp_path, callbacks, **kwargs) -> pl.Trainer:
 def test_every_callback_is_a_callback_of_both_namespaces(tmp_path):
     import lightning.pytorch
 
-    callbacks = [MemoryMonitor(), BatchSizeTuner(), MemoryBudget("1GiB"), EmptyCacheOnThreshold()]
+    callbacks = [MemoryMonitor(), BatchSizeTuner(max_val=CPU_SEARCH), MemoryBudget("1GiB"), EmptyCacheOnThreshold()]
     callbacks += [OOMSnapshot(), LayerMemoryProfiler(), AutoMicrobatch()]
     for callback in callbacks:
         assert isinstance(callback, pl.Callback)
@@ -63,7 +64,7 @@ def test_the_monitor_logs_and_writes_its_layout_to_a_pytorch_lightning_tensorboa
 
 
 def test_the_tuner_tunes_and_keeps_its_snapshot_in_memory(tmp_path):
-    model, tuner = OOMModel(train_limit=20), BatchSizeTuner()
+    model, tuner = OOMModel(train_limit=20), BatchSizeTuner(max_val=CPU_SEARCH)
     trainer = _trainer(tmp_path, [tuner], logger=pl.loggers.CSVLogger(tmp_path))
     trainer.fit(model)
     assert tuner.optimal_batch_size == model.batch_size == kept(20)
@@ -149,7 +150,7 @@ def test_callbacks_without_state_are_not_stateful_in_either_namespace():
     for callback in (OOMSnapshot(), LayerMemoryProfiler(), MemoryBudget("1GiB")):
         assert not new_is_overridden("state_dict", callback, parent=lightning.pytorch.Callback)
         assert not old_is_overridden("state_dict", callback, parent=pl.Callback)
-    for callback in (MemoryMonitor(), BatchSizeTuner(), EmptyCacheOnThreshold()):
+    for callback in (MemoryMonitor(), BatchSizeTuner(max_val=CPU_SEARCH), EmptyCacheOnThreshold()):
         assert new_is_overridden("state_dict", callback, parent=lightning.pytorch.Callback)
         assert old_is_overridden("state_dict", callback, parent=pl.Callback)
 

@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader
 from lightning_gpumem import BatchSizeTuner, TokenBudgetSampler
 from tests.helpers.fakes import close_process_group
 from tests.helpers.trainer import quiet_trainer
+from tests.helpers.tuning import CPU_SEARCH
 from tests.tuning.test_conformance import SEED, Net, capture
 
 INIT = 2
@@ -74,7 +75,7 @@ class RankOOM(BoringModel):
 
 
 def agreement(out: Path) -> None:
-    tuner = BatchSizeTuner()
+    tuner = BatchSizeTuner(max_val=CPU_SEARCH)
     model = RankOOM()
     trainer = quiet_trainer(
         out / "agreement",
@@ -138,7 +139,7 @@ class LongestNet(TokenNet):
 def longest(out: Path) -> None:
     """`length_fn` under DDP: the training loader's longest-first order is not reshuffled by Lightning's sampler."""
     model = LongestNet()
-    tuner = BatchSizeTuner(length_fn=lambda i: model.lengths[i], include_validation=False)
+    tuner = BatchSizeTuner(max_val=CPU_SEARCH, length_fn=lambda i: model.lengths[i], include_validation=False)
     trainer = quiet_trainer(
         out / "longest", devices=2, strategy="ddp", max_epochs=1, limit_val_batches=0, callbacks=[tuner]
     )
@@ -173,7 +174,7 @@ def partial(out: Path) -> None:
 
 
 def tokens(out: Path) -> None:
-    tuner = BatchSizeTuner(batch_arg_name="max_tokens", include_validation=False)
+    tuner = BatchSizeTuner(max_val=CPU_SEARCH, batch_arg_name="max_tokens", include_validation=False)
     model = TokenNet()
     trainer = quiet_trainer(
         out / "tokens", devices=2, strategy="ddp", max_epochs=1, limit_val_batches=0, callbacks=[tuner]
@@ -213,7 +214,7 @@ def main(out_dir: str) -> None:
     tokens(out)
     longest(out)
     partial(out)
-    tuner = BatchSizeTuner()
+    tuner = BatchSizeTuner(max_val=CPU_SEARCH)
     trainer, tuned = fit(out / "tuned", INIT, tuner)
     _, by_hand = fit(out / "by_hand", tuner.optimal_batch_size, None)
     result = {

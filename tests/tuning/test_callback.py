@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -13,7 +14,15 @@ from torch.utils.data import DataLoader
 from lightning_gpumem import BatchSizeTuner
 from lightning_gpumem._core.units import GIB, MIB
 from tests.helpers.fakes import FakeProbe, kept
-from tests.helpers.tuning import CappedFakeProbe, FakeTuner, FragileModel, MemoryModel, OOMModel, tuner_trainer
+from tests.helpers.tuning import (
+    CPU_SEARCH,
+    CappedFakeProbe,
+    FakeTuner,
+    FragileModel,
+    MemoryModel,
+    OOMModel,
+    tuner_trainer,
+)
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:`weights_only` was not set"),
@@ -42,12 +51,12 @@ def test_bad_arguments_name_themselves(kwargs, match):
 def test_missing_batch_attribute_is_named():
     model = OOMModel()
     with pytest.raises(AttributeError, match=r"batch_arg_name='bs'.*attribute `bs`"):
-        tuner_trainer(BatchSizeTuner(batch_arg_name="bs")).fit(model)
+        tuner_trainer(BatchSizeTuner(max_val=CPU_SEARCH, batch_arg_name="bs")).fit(model)
 
 
 def test_finds_the_exact_oom_boundary_and_fits_with_it():
     model = OOMModel(train_limit=41)
-    tuner = BatchSizeTuner()
+    tuner = BatchSizeTuner(max_val=CPU_SEARCH)
     trainer = tuner_trainer(tuner)
     trainer.fit(model)
     assert {(41, True), (42, False)} <= {(t.batch_size, t.fits) for t in tuner.trials}  # the boundary
@@ -65,14 +74,14 @@ def test_finds_the_exact_oom_boundary_and_fits_with_it():
 def test_the_size_kept_is_the_smallest_that_gives_up_at_most_the_headroom(limit, headroom, expected):
     # 0.95 * 9 = 8.55: giving up one size would be 11%; 0.95 * 40 = 38 exactly (not 38.000000000000004 -> 39)
     model = OOMModel(train_limit=limit)
-    tuner = BatchSizeTuner(headroom=headroom, include_validation=False)
+    tuner = BatchSizeTuner(max_val=CPU_SEARCH, headroom=headroom, include_validation=False)
     tuner_trainer(tuner, limit_val_batches=0, max_steps=1).fit(model)
     assert tuner.optimal_batch_size == model.batch_size == expected
 
 
 def test_headroom_is_a_share_of_one_less_than_the_smallest_size_that_failed_where_the_search_closed_in():
     model = OOMModel(train_limit=560, n=100_000)  # 560 runs, 561 does not
-    tuner = BatchSizeTuner(include_validation=False)
+    tuner = BatchSizeTuner(max_val=CPU_SEARCH, include_validation=False)
     tuner_trainer(tuner, limit_val_batches=0, max_steps=1).fit(model)
     result = tuner.result
     ran = max(t.batch_size for t in result.trials if t.fits and t.batch_size <= 560)
@@ -84,11 +93,11 @@ def test_headroom_is_a_share_of_one_less_than_the_smallest_size_that_failed_wher
 
 def test_validation_is_part_of_every_trial():
     model = OOMModel(train_limit=50, val_limit=20)
-    tuner = BatchSizeTuner()
+    tuner = BatchSizeTuner(max_val=CPU_SEARCH)
     tuner_trainer(tuner).fit(model)
     assert tuner.optimal_batch_size == kept(20)
     model = OOMModel(train_limit=50, val_limit=20)
-    tuner = BatchSizeTuner(include_validation=False)
+    tuner = BatchSizeTuner(max_val=CPU_SEARCH, include_validation=False)
     tuner_trainer(tuner, limit_val_batches=0).fit(model)
     assert tuner.optimal_batch_size == kept(50)
 
@@ -110,7 +119,7 @@ def test_memory_guided_search_respects_budget_and_headroom():
 
 def test_no_oom_on_cpu_stops_at_the_dataset_size_with_a_warning():
     model = OOMModel(n=48)
-    tuner = BatchSizeTuner()
+    tuner = BatchSizeTuner(max_val=CPU_SEARCH)
     with pytest.warns(UserWarning, match=r"upper bound 48 .*no memory could be measured on `cpu`"):
         tuner_trainer(tuner).fit(model)
     assert tuner.optimal_batch_size == 48
@@ -126,7 +135,7 @@ def test_a_budget_on_a_cpu_says_once_that_it_is_not_applied():
 
 def test_limit_train_batches_zero_skips_the_tuner_without_running_a_trial():
     model = OOMModel()
-    tuner = BatchSizeTuner()
+    tuner = BatchSizeTuner(max_val=CPU_SEARCH)
     with pytest.warns(UserWarning, match="limit_train_batches=0"):
         tuner_trainer(tuner, limit_train_batches=0).fit(model)
     assert tuner.trials == ()
@@ -144,7 +153,7 @@ def test_max_val_is_never_exceeded_and_was_run():
 def test_nothing_fits_raises_and_restores_the_batch_size():
     model = OOMModel(batch_size=8, train_limit=0)
     with pytest.raises(RuntimeError, match="even batch_size=1 does not fit"):
-        tuner_trainer(BatchSizeTuner()).fit(model)
+        tuner_trainer(BatchSizeTuner(max_val=CPU_SEARCH)).fit(model)
     assert model.batch_size == 8
 
 
@@ -156,13 +165,13 @@ def test_user_errors_are_not_swallowed():
             return super().training_step(batch, batch_idx)
 
     with pytest.raises(ValueError, match="shape mismatch in user code"):
-        tuner_trainer(BatchSizeTuner()).fit(Broken())
+        tuner_trainer(BatchSizeTuner(max_val=CPU_SEARCH)).fit(Broken())
 
 
 def test_no_trace_left_weights_equal_a_run_with_the_size_set_by_hand():
     seed_everything(7)
     tuned = OOMModel(train_limit=24)
-    trainer = tuner_trainer(BatchSizeTuner())
+    trainer = tuner_trainer(BatchSizeTuner(max_val=CPU_SEARCH))
     trainer.fit(tuned)
     assert tuned.batch_size == kept(24)
 
@@ -207,7 +216,7 @@ def test_rng_and_callback_state_are_restored():
     after = RngProbe()
     recorder = Recorder()
     model = OOMModel(train_limit=16)
-    trainer = tuner_trainer(None, callbacks=[before, BatchSizeTuner(), after, recorder], max_steps=3)
+    trainer = tuner_trainer(None, callbacks=[before, BatchSizeTuner(max_val=CPU_SEARCH), after, recorder], max_steps=3)
     trainer.fit(model)
     assert torch.equal(before.rng, after.rng)  # trials drew random numbers; none of it shows
     assert recorder.fit_starts == 1
@@ -216,7 +225,7 @@ def test_rng_and_callback_state_are_restored():
 
 def test_keep_effective_batch_adjusts_accumulation():
     model = OOMModel(batch_size=4, train_limit=16)
-    tuner = BatchSizeTuner(keep_effective_batch=True)
+    tuner = BatchSizeTuner(max_val=CPU_SEARCH, keep_effective_batch=True)
     trainer = tuner_trainer(tuner, accumulate_grad_batches=8)
     trainer.fit(model)
     assert model.batch_size == kept(16) == 16
@@ -240,13 +249,16 @@ def test_writes_to_the_datamodule_like_lightning():
             return super().training_step(batch, batch_idx)
 
     dm = DM()
-    tuner = BatchSizeTuner(include_validation=False)
+    tuner = BatchSizeTuner(max_val=CPU_SEARCH, include_validation=False)
     tuner_trainer(tuner, limit_val_batches=0).fit(Plain(), datamodule=dm)
     assert dm.hparams.batch_size == kept(30)
 
 
 def test_mid_training_scale_counts_trial_steps_from_the_current_step():
     class RetuneAtEpoch1(BatchSizeTuner):
+        def __init__(self) -> None:
+            super().__init__(max_val=CPU_SEARCH)
+
         def on_fit_start(self, trainer, pl_module):
             return
 
@@ -289,7 +301,7 @@ def test_trials_are_logged_to_the_loggers(tmp_path):
     from tests.helpers.fakes import column, read_csv_metrics
 
     model = OOMModel(train_limit=21)
-    tuner_trainer(BatchSizeTuner(), logger=CSVLogger(tmp_path), max_steps=2).fit(model)
+    tuner_trainer(BatchSizeTuner(max_val=CPU_SEARCH), logger=CSVLogger(tmp_path), max_steps=2).fit(model)
     assert list(column(read_csv_metrics(tmp_path), "gpumem/batch_size").values()) == [float(kept(21))]
 
 
@@ -494,3 +506,26 @@ def test_a_size_kept_that_a_trial_of_the_search_ran_is_not_run_again():
     assert sizes[0] == 68  # the search's first trial is the size kept (75 is the largest that runs)
     assert sizes.count(68) == 1
     assert tuner.optimal_batch_size == model.batch_size == 68
+
+
+def test_on_a_cpu_without_max_val_the_size_is_kept_with_one_warning():
+    # was: real CPU trials up to the dataset's size (more than 10 minutes on 100,000 samples)
+    model = OOMModel(batch_size=8, n=100_000)
+    tuner = BatchSizeTuner(budget="24GiB")
+    trainer = tuner_trainer(tuner, max_steps=2, limit_val_batches=0)
+    start = time.perf_counter()
+    with pytest.warns(UserWarning, match=r"kept `batch_size=8`. Pass `max_val`") as record:
+        trainer.fit(model)
+    assert time.perf_counter() - start < 60
+    assert sum("BatchSizeTuner" in str(w.message) for w in record) == 1
+    assert tuner.optimal_batch_size is None
+    assert tuner.trials == ()
+    assert model.batch_size == 8
+    assert trainer.global_step == 2
+
+
+def test_on_a_cpu_an_explicit_max_val_searches_up_to_it():
+    model = OOMModel(batch_size=8, n=100_000)
+    tuner = BatchSizeTuner(max_val=48)
+    tuner_trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
+    assert tuner.optimal_batch_size == model.batch_size == 48

@@ -28,6 +28,7 @@ from lightning_gpumem import BatchSizeTuner
 from tests.helpers.ddp import run_script
 from tests.helpers.fakes import kept
 from tests.helpers.trainer import quiet_trainer
+from tests.helpers.tuning import CPU_SEARCH
 
 os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")  # as tests/monitor/test_lightning_cli.py
 pytestmark = [
@@ -335,7 +336,7 @@ class Row:
         self, root: Path, phase: int, batch_size: int, tune: bool, overrides: Mapping[str, Any]
     ) -> tuple[Trainer, Net, LightningDataModule | None, BatchSizeTuner | None]:
         model, datamodule = self.build(batch_size)
-        tuner = BatchSizeTuner(**self.tuner) if tune else None
+        tuner = BatchSizeTuner(**{"max_val": CPU_SEARCH, **self.tuner}) if tune else None
         callbacks = [*([tuner] if tuner else []), *self.callbacks(root)]
         if not any(isinstance(cb, ModelCheckpoint) for cb in callbacks):
             callbacks.append(ModelCheckpoint(dirpath=root / "ckpt"))
@@ -417,6 +418,7 @@ class CliRow(Row):
         ]
         if tune:
             args.append("--trainer.callbacks+=lightning_gpumem.BatchSizeTuner")
+            args.append(f"--trainer.callbacks.max_val={CPU_SEARCH}")
         cli = LightningCLI(self.model, run=False, args=args, save_config_callback=None)
         tuners = [cb for cb in cli.trainer.callbacks if isinstance(cb, BatchSizeTuner)]
         assert len(tuners) == int(tune)

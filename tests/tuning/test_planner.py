@@ -249,3 +249,36 @@ def test_default_budgets_that_validate_the_same_size_give_a_plan():
     assert [p.largest for p in planner.predictions[:3]] == [300] * 3
     assert [p.budget // GIB for p in planner.predictions] == [80, 48, 40, 24, 16]
     assert all(p.validated for p in planner.predictions)
+
+
+def test_stop_ends_the_fit_on_a_cpu_too():
+    # was: a warning, then the whole fit (a dry run that trained)
+    trainer = tuner_trainer(MemoryPlanner(stop=True), max_epochs=3)
+    with pytest.warns(UserWarning, match="no memory allocator to measure"):
+        trainer.fit(OOMModel(n=4096))
+    assert trainer.global_step == 0
+    assert trainer.current_epoch == 0
+
+
+def test_a_token_budget_is_refused_at_fit_start_naming_what_to_use():
+    from torch.utils.data import DataLoader
+
+    from lightning_gpumem import TokenBudgetSampler
+
+    class Tokens(OOMModel):
+        def __init__(self) -> None:
+            super().__init__(n=64)
+            self.max_tokens = 512
+
+        def train_dataloader(self):
+            data = [torch.ones(8) for _ in range(64)]
+            sampler = TokenBudgetSampler([8] * 64, max_tokens=self.max_tokens)
+            return DataLoader(data, batch_sampler=sampler)
+
+    probe = CappedFakeProbe(base=GIB, total=24 * GIB)
+    for name in ("max_tokens", "batch_size"):
+        model = Tokens()
+        with pytest.raises(ValueError, match=rf"MemoryPlanner\(batch_arg_name='{name}'\).*BatchSizeTuner") as info:
+            tuner_trainer(FakePlanner(probe, batch_arg_name=name), max_steps=1).fit(model)
+        assert model.max_tokens == 512  # was: a probe's size written into the user's budget
+        assert "max_tokens=2" not in str(info.value)

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_gpumem import BatchSizeTuner
 from lightning_gpumem._core.units import GIB, MIB
 from tests.helpers.fakes import kept
-from tests.helpers.tuning import CappedFakeProbe, FakeTuner, FragileModel, OOMModel, tuner_trainer
+from tests.helpers.tuning import CPU_SEARCH, CappedFakeProbe, FakeTuner, FragileModel, OOMModel, tuner_trainer
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:`weights_only` was not set"),
@@ -94,7 +94,7 @@ class ModeModel(OOMModel):
 def test_every_trial_trains_in_train_mode_after_a_validation_oom():
     # Finding 2: an OOM in validation_step skips Lightning's return to train mode; the next trials trained in eval.
     model = ModeModel()
-    tuner = BatchSizeTuner()
+    tuner = BatchSizeTuner(max_val=CPU_SEARCH)
     tuner_trainer(None, callbacks=[tuner, InFit()], max_steps=2).fit(model)
     assert any(not t.fits for t in tuner.trials if t.batch_size > 12)  # validation did run out of memory
     assert model.trial_modes
@@ -135,7 +135,7 @@ def _fit_catching_oom(trainer, model) -> BaseException | None:
 def test_with_gradient_accumulation_every_trial_reaches_an_optimizer_step():
     # Finding 3: with accumulate_grad_batches=4 no trial reached an optimizer step, so its memory was never tried.
     model = OptimizerStepOOM()
-    tuner = BatchSizeTuner()
+    tuner = BatchSizeTuner(max_val=CPU_SEARCH)
     trainer = tuner_trainer(None, callbacks=[tuner, InFit()], accumulate_grad_batches=4, limit_val_batches=0)
     error = _fit_catching_oom(trainer, model)
     assert tuner.optimal_batch_size is not None
@@ -148,7 +148,7 @@ def test_with_gradient_accumulation_every_trial_reaches_an_optimizer_step():
 def test_keep_effective_batch_searches_the_micro_batch_with_accumulation_scaled_per_trial():
     # Finding 3 (keep_effective_batch=True): each trial runs at its own accumulation, size x accumulation ~ 8 x 4.
     model = OptimizerStepOOM(batch_size=8)
-    tuner = BatchSizeTuner(keep_effective_batch=True)
+    tuner = BatchSizeTuner(max_val=CPU_SEARCH, keep_effective_batch=True)
     trainer = tuner_trainer(None, callbacks=[tuner, InFit()], accumulate_grad_batches=4, limit_val_batches=0)
     error = _fit_catching_oom(trainer, model)
     assert model.trial_accumulation
@@ -183,7 +183,9 @@ class HookCounter(OOMModel):
 def test_user_module_hooks_run_as_often_as_in_a_fit_with_the_size_set_by_hand():
     # Finding 13: the module's on_train_start / on_train_epoch_start / on_validation_start ran once per trial.
     tuned = HookCounter()
-    tuner_trainer(BatchSizeTuner(), max_epochs=2, limit_train_batches=2, limit_val_batches=1).fit(tuned)
+    tuner_trainer(BatchSizeTuner(max_val=CPU_SEARCH), max_epochs=2, limit_train_batches=2, limit_val_batches=1).fit(
+        tuned
+    )
     assert tuned.batch_size == kept(24)
     by_hand = HookCounter(batch_size=kept(24))
     tuner_trainer(None, callbacks=[], max_epochs=2, limit_train_batches=2, limit_val_batches=1).fit(by_hand)
@@ -233,7 +235,9 @@ def test_no_trial_metric_is_in_the_fits_callback_metrics():
     # Finding 5: a trial's `val_loss` was in `trainer.callback_metrics` when the fit started (no sanity check).
     model = MetricModel(train_limit=16)
     at_start = MetricsAtTrainStart()
-    tuner_trainer(None, callbacks=[BatchSizeTuner(), at_start], max_steps=2, num_sanity_val_steps=0).fit(model)
+    tuner_trainer(
+        None, callbacks=[BatchSizeTuner(max_val=CPU_SEARCH), at_start], max_steps=2, num_sanity_val_steps=0
+    ).fit(model)
     assert at_start.keys == set()
 
 
@@ -245,7 +249,7 @@ def test_no_checkpoint_is_saved_or_ranked_from_a_trials_validation(tmp_path):
     )
     trainer = tuner_trainer(
         None,
-        callbacks=[BatchSizeTuner(), checkpoint],
+        callbacks=[BatchSizeTuner(max_val=CPU_SEARCH), checkpoint],
         enable_checkpointing=True,
         max_epochs=2,
         limit_train_batches=2,
@@ -260,7 +264,9 @@ def test_no_checkpoint_is_saved_or_ranked_from_a_trials_validation(tmp_path):
 def test_epoch_aggregates_and_torchmetrics_count_only_the_fits_own_batches():
     # Finding 5: epoch aggregates and torchmetrics states included the trials' batches.
     model = MetricModel(train_limit=16)
-    trainer = tuner_trainer(None, callbacks=[BatchSizeTuner(), InFit()], limit_train_batches=3, limit_val_batches=0)
+    trainer = tuner_trainer(
+        None, callbacks=[BatchSizeTuner(max_val=CPU_SEARCH), InFit()], limit_train_batches=3, limit_val_batches=0
+    )
     trainer.fit(model)
     assert len(model.fit_values) == 3
     expected = sum(model.fit_values) / 3
@@ -287,7 +293,7 @@ def test_estimated_stepping_batches_and_the_schedule_derived_from_it_follow_the_
     # Finding 6: configure_optimizers ran before tuning, so OneCycleLR was sized for batch_size=2 (320 steps).
     model = OneCycleModel(train_limit=41)
     recorder = SteppingAtTrainStart()
-    trainer = tuner_trainer(None, callbacks=[BatchSizeTuner(), recorder], limit_val_batches=0)
+    trainer = tuner_trainer(None, callbacks=[BatchSizeTuner(max_val=CPU_SEARCH), recorder], limit_val_batches=0)
     trainer.fit(model)
     steps = math.ceil(640 / kept(41))
     assert model.batch_size == kept(41)
@@ -300,7 +306,7 @@ def test_each_trial_starts_the_schedule_over_so_a_step_limited_schedule_survives
     # Found on the GPU: OneCycleLR sized for the initial 320 (2 steps) counted every trial's steps and raised
     # "Tried to step 3 times" in the second trial; each trial now starts from the run's scheduler and LR.
     model = OneCycleModel(batch_size=320, train_limit=41)
-    tuner = BatchSizeTuner()
+    tuner = BatchSizeTuner(max_val=CPU_SEARCH)
     trainer = tuner_trainer(tuner, limit_val_batches=0)
     trainer.fit(model)
     assert len(tuner.trials) > 2
@@ -311,7 +317,7 @@ def test_each_trial_starts_the_schedule_over_so_a_step_limited_schedule_survives
 def test_a_schedule_shorter_than_the_trials_does_not_stop_them():
     # OneCycleLR(total_steps=1) at the initial 640 (one batch an epoch); every trial runs 2 optimizer steps.
     model = OneCycleModel(batch_size=640, train_limit=41)
-    trainer = tuner_trainer(BatchSizeTuner(), limit_val_batches=0)
+    trainer = tuner_trainer(BatchSizeTuner(max_val=CPU_SEARCH), limit_val_batches=0)
     trainer.fit(model)
     assert model.batch_size == kept(41)
     assert trainer.lr_scheduler_configs[0].scheduler.total_steps == trainer.global_step == math.ceil(640 / kept(41))
@@ -347,7 +353,7 @@ def test_an_oom_between_toggle_and_untoggle_leaves_no_parameter_frozen():
     # Finding 10: an OOM between toggle_optimizer() and untoggle_optimizer() left parameters requires_grad=False.
     model = TwoOptimizerModel()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    tuner = BatchSizeTuner()
+    tuner = BatchSizeTuner(max_val=CPU_SEARCH)
     tuner_trainer(tuner, max_steps=4, limit_val_batches=0).fit(model)
     assert tuner.optimal_batch_size == kept(24)
     assert [name for name, p in model.named_parameters() if not p.requires_grad] == []
@@ -369,7 +375,7 @@ def test_trials_do_not_advance_a_users_dataloader_generator():
     # Finding 13: the trials drew from the `DataLoader(generator=g)` the user holds.
     seed_everything(3)
     tuned = GeneratorModel()
-    tuner_trainer(BatchSizeTuner(), max_steps=3).fit(tuned)
+    tuner_trainer(BatchSizeTuner(max_val=CPU_SEARCH), max_steps=3).fit(tuned)
     assert tuned.batch_size == kept(24)
     seed_everything(3)
     by_hand = GeneratorModel(batch_size=kept(24))
@@ -442,6 +448,8 @@ trainer:
   default_root_dir: {root}
   callbacks:
     - class_path: lightning_gpumem.BatchSizeTuner
+      init_args:
+        max_val: 1000000
 model:
   train_limit: 24
 """
@@ -452,7 +460,9 @@ def test_dataloaders_passed_to_fit_are_refused_rather_than_misreported():
     model = OOMModel(batch_size=8)
     loader = DataLoader(RandomDataset(32, 256), batch_size=8)
     with pytest.raises(ValueError, match=r"trainer\.fit") as info:
-        tuner_trainer(BatchSizeTuner(), max_steps=1, limit_val_batches=0).fit(model, train_dataloaders=loader)
+        tuner_trainer(BatchSizeTuner(max_val=CPU_SEARCH), max_steps=1, limit_val_batches=0).fit(
+            model, train_dataloaders=loader
+        )
     message = str(info.value)
     assert "LightningModule" in message or "DataModule" in message, message
     assert model.batch_size == 8
@@ -473,8 +483,9 @@ class StreamModel(OOMModel):
 
 def test_an_iterable_dataset_needs_max_val():
     # Finding 9: an IterableDataset of 256 samples was "tuned" to 8192 (no length, no max_val).
+    probe = CappedFakeProbe()  # a device with memory to measure: the search needs a bound
     with pytest.raises(ValueError, match="max_val"):
-        tuner_trainer(BatchSizeTuner(), max_steps=1, limit_val_batches=0).fit(StreamModel())
+        tuner_trainer(FakeTuner(probe), max_steps=1, limit_val_batches=0).fit(StreamModel())
     model = StreamModel()
     tuner = BatchSizeTuner(max_val=32)
     tuner_trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
@@ -485,7 +496,7 @@ def test_an_iterable_dataset_needs_max_val():
 def test_limit_val_batches_zero_means_validation_does_not_decide_the_size():
     # Finding 7: trials overrode `limit_val_batches=0` with 1, so validation that never runs set the size.
     model = OOMModel(train_limit=40, val_limit=10)
-    tuner = BatchSizeTuner()
+    tuner = BatchSizeTuner(max_val=CPU_SEARCH)
     tuner_trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
     assert tuner.optimal_batch_size == model.batch_size == kept(40)
 
@@ -518,7 +529,7 @@ class NoValLoaderModel(LightningModule):
 def test_validation_step_without_val_dataloader_does_not_break_the_tuner(include_validation):
     # Finding 7: a module with `validation_step` but no `val_dataloader` crashed the tuner.
     model = NoValLoaderModel()
-    tuner = BatchSizeTuner(include_validation=include_validation)
+    tuner = BatchSizeTuner(max_val=CPU_SEARCH, include_validation=include_validation)
     trainer = tuner_trainer(tuner, max_steps=2)
     trainer.fit(model)
     assert tuner.optimal_batch_size == model.batch_size == kept(20)
@@ -529,7 +540,7 @@ def test_an_integer_val_check_interval_bounds_the_size_after_limit_train_batches
     # Finding 12: the upper bound from `val_check_interval=5` ignored `limit_train_batches=0.5`; the fit then
     # crashed in Lightning (val_check_interval larger than the number of training batches).
     model = OOMModel(train_limit=1000, n=640)
-    tuner = BatchSizeTuner()
+    tuner = BatchSizeTuner(max_val=CPU_SEARCH)
     trainer = tuner_trainer(tuner, max_epochs=1, val_check_interval=5, limit_train_batches=0.5, limit_val_batches=1)
     trainer.fit(model)
     assert tuner.optimal_batch_size is not None
@@ -574,7 +585,7 @@ class ResumeRecorder(Callback):
 
 def _fit_and_checkpoint(tmp_path) -> tuple[int, Path, dict]:
     model = AdamModel(train_limit=41)
-    tuner = BatchSizeTuner()
+    tuner = BatchSizeTuner(max_val=CPU_SEARCH)
     trainer = tuner_trainer(tuner, max_epochs=1, limit_train_batches=3, default_root_dir=tmp_path)
     trainer.fit(model)
     assert tuner.optimal_batch_size == kept(41)
@@ -597,7 +608,7 @@ def test_resume_keeps_the_training_state_and_reuses_the_checkpointed_size_withou
     # Finding 1: `fit(ckpt_path=...)` with a tuner restarted at step 0 / epoch 0 with empty optimizer state.
     size, path, checkpoint = _fit_and_checkpoint(tmp_path)
     model = AdamModel(train_limit=41)  # batch_size=2 until the tuner applies the checkpointed size
-    tuner, recorder = BatchSizeTuner(), ResumeRecorder()
+    tuner, recorder = BatchSizeTuner(max_val=CPU_SEARCH), ResumeRecorder()
     trainer = tuner_trainer(
         None, callbacks=[tuner, recorder], max_epochs=2, limit_train_batches=3, default_root_dir=tmp_path
     )
@@ -616,7 +627,7 @@ def test_retune_on_resume_runs_trials_and_still_keeps_the_training_state(tmp_pat
     # Finding 1 (retune_on_resume=True): trials run, the restored step, optimizer and schedule are kept.
     _, path, checkpoint = _fit_and_checkpoint(tmp_path)
     model = AdamModel(train_limit=30)  # the memory changed since the checkpoint: the retuned size must show it
-    tuner, recorder = BatchSizeTuner(retune_on_resume=True), ResumeRecorder()
+    tuner, recorder = BatchSizeTuner(max_val=CPU_SEARCH, retune_on_resume=True), ResumeRecorder()
     trainer = tuner_trainer(
         None, callbacks=[tuner, recorder], max_epochs=2, limit_train_batches=3, default_root_dir=tmp_path
     )
@@ -647,7 +658,7 @@ class RaisingModel(OOMModel):
 def test_an_error_inside_a_trial_puts_the_original_batch_size_back(error):
     # Finding 8: an error or KeyboardInterrupt in a trial left the trial's batch size on model, hparams, dataloader.
     model = RaisingModel(error)
-    trainer = tuner_trainer(BatchSizeTuner())
+    trainer = tuner_trainer(BatchSizeTuner(max_val=CPU_SEARCH))
     handler = signal.getsignal(signal.SIGINT)  # Lightning ignores SIGINT after a KeyboardInterrupt
     try:
         with pytest.raises((ValueError, KeyboardInterrupt, SystemExit)):  # Lightning turns Ctrl+C into exit(1)
@@ -664,7 +675,7 @@ class ScaleFrom(BatchSizeTuner):
     """Calls `scale()` from one hook (once), not from on_fit_start."""
 
     def __init__(self, hook: str, epoch: int = 0):
-        super().__init__()
+        super().__init__(max_val=CPU_SEARCH)
         self.hook, self.epoch, self.calls = hook, epoch, 0
         for name in ("on_train_batch_start", "on_train_epoch_start", "on_train_epoch_end", "on_validation_epoch_end"):
             if name == hook:

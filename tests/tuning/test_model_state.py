@@ -1,0 +1,79 @@
+"""The tuner's checkpoint file (a sharded strategy, or a host without room for a copy): never left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    import lightning_gpumem.tuning.model_state as model_state
+    model_state._host_has_room = lambda nbytes: False  # the copy goes through a checkpoint file
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+    from torch.utils.data import DataLoader
+    from lightning_gpumem import BatchSizeTuner
+
+    class Slow(BoringModel):
+        def __init__(self):
+            super().__init__()
+            self.batch_size = 2
+
+        def training_step(self, batch, batch_idx):
+            time.sleep(float(os.environ["STEP_S"]))
+            return super().training_step(batch, batch_idx)
+
+        def train_dataloader(self):
+            return DataLoader(RandomDataset(32, 4096), batch_size=self.batch_size)
+
+    os.chdir(sys.argv[2])  # the process's directory is not the run's
+    trainer = Trainer(
+        default_root_dir=sys.argv[1], max_steps=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[BatchSizeTuner(max_val=8)],
+    )
+    trainer.fit(Slow())
+    """
+)
+
+
+def _start(tmp_path: Path, step_s: float) -> tuple[subprocess.Popen, Path, Path]:
+    root, cwd = tmp_path / "run", tmp_path / "elsewhere"
+    root.mkdir()
+    cwd.mkdir()
+    env = {**os.environ, "STEP_S": str(step_s), "PYTHONPATH": str(Path(__file__).parents[2])}
+    process = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, str(root), str(cwd)], env=env, stderr=subprocess.PIPE, text=True
+    )
+    return process, root, cwd
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGTERM") or sys.platform == "win32", reason="POSIX signals")
+def test_a_sigterm_during_the_trials_removes_the_checkpoint_file(tmp_path):
+    # was: `.gpumem_tuner_<uuid>.ckpt` left in the working directory when a scheduler's time limit sent SIGTERM
+    process, root, cwd = _start(tmp_path, step_s=5)
+    deadline = time.monotonic() + 120
+    while not list(root.glob(".gpumem_tuner_*.ckpt")) and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.1)
+    assert list(root.glob(".gpumem_tuner_*.ckpt")), "the trials never wrote their checkpoint file"
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGTERM, stderr[-2000:]  # it still ends as a SIGTERM ends it
+    assert not list(root.glob(".gpumem_tuner_*")), "the checkpoint file was left behind"
+    assert not list(cwd.iterdir())  # and nothing went to the process's directory
+
+
+def test_the_checkpoint_file_is_in_the_runs_directory_and_removed_after_the_trials(tmp_path):
+    process, root, cwd = _start(tmp_path, step_s=0)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr[-2000:]
+    assert "Restored all states from the checkpoint at " + str(root) in stderr  # under default_root_dir
+    assert not list(root.glob(".gpumem_tuner_*"))
+    assert not list(cwd.iterdir())

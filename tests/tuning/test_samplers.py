@@ -1,0 +1,116 @@
+"""Trials under any sampler: a trial runs the batch size it claims, and "validated" means a trial ran that size.
+
+Samplers that repeat samples (``WeightedRandomSampler(replacement=True)``, a list of indices with repeats) or draw a
+part of the dataset bound the batch a loader can fill; with ``length_fn`` the longest-first order keeps each sample as
+often as the sampler draws it.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule
+from torch.utils.data import DataLoader, Dataset, WeightedRandomSampler
+
+from lightning_gpumem import BatchSizeTuner, MemoryPlanner
+from lightning_gpumem._core.units import GIB, MIB
+from tests.helpers.tuning import CPU_SEARCH, CappedFakeProbe, tuner_trainer
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:`weights_only` was not set"),
+    pytest.mark.filterwarnings("ignore:BatchSizeTuner. stopped at the upper bound"),
+    pytest.mark.filterwarnings("ignore:.*does not have many workers"),
+]
+N = 200
+
+
+class Texts(Dataset):
+    def __init__(self, lengths: list[int]) -> None:
+        self.lengths = lengths
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": torch.ones(self.lengths[index], dtype=torch.long)}
+
+
+def pad(samples: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    return torch.nn.utils.rnn.pad_sequence([s["input_ids"] for s in samples], batch_first=True)
+
+
+def lengths() -> list[int]:
+    rng = random.Random(0)
+    return [rng.randint(4, 32) for _ in range(N)]
+
+
+def samplers() -> dict[str, object]:
+    rng = random.Random(1)
+    return {
+        "weighted-replacement": WeightedRandomSampler([1.0] * N, num_samples=N, replacement=True),
+        "indices-with-repeats": [rng.randrange(N // 4) for _ in range(N)],  # 200 draws of 50 samples
+        "weighted-fewer-draws": WeightedRandomSampler([1.0] * N, num_samples=60, replacement=True),
+    }
+
+
+class TextModel(LightningModule):
+    """Simulated OOM above ``limit`` padded tokens; with ``probe``, a fake allocator of ``per_token`` bytes a token."""
+
+    def __init__(self, sampler: object, limit: int = 10**9, probe: CappedFakeProbe | None = None) -> None:
+        super().__init__()
+        self.sampler, self.limit, self.fake = sampler, limit, probe
+        self.batch_size = 2
+        self.layer = torch.nn.Embedding(2, 4)
+        self.sizes: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        self.sizes.append(batch.shape[0])
+        if batch.numel() > self.limit:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        if self.fake is not None:
+            need = batch.shape[0] * 10 * MIB
+            if self.fake.allocated + need > self.fake.cap:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake allocator)")
+            self.fake.spike(need)
+        return self.layer(batch).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(Texts(lengths()), batch_size=self.batch_size, sampler=self.sampler, collate_fn=pad)
+
+
+@pytest.mark.parametrize("name", list(samplers()))
+def test_the_tuner_with_length_fn_runs_the_sizes_it_tries_under_any_sampler(name):
+    # was: "`batch_size` does not set the training dataloader's batch size" (trials ran the distinct samples only)
+    sampler = samplers()[name]
+    model = TextModel(sampler, limit=24 * 32)
+    tuner = BatchSizeTuner(length_fn="input_ids", max_val=CPU_SEARCH, include_validation=False)
+    tuner_trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
+    draws = len(sampler)  # type: ignore[arg-type]
+    for trial in tuner.trials:  # every trial ran the size it claims (a full first batch)
+        assert trial.samples == trial.batch_size, trial
+        assert trial.batch_size <= draws
+    assert tuner.optimal_batch_size is not None
+    assert tuner.optimal_batch_size <= min(24, draws)
+
+
+@pytest.mark.parametrize("name", list(samplers()))
+def test_the_planner_validates_only_sizes_a_trial_ran(name):
+    # was: a size marked validated that no trial ran (the trial's batch held the distinct samples only)
+    sampler = samplers()[name]
+    probe = CappedFakeProbe(base=GIB, total=24 * GIB)
+    model = TextModel(sampler, probe=probe)
+    planner = MemoryPlanner(length_fn="input_ids", budgets=["2GiB", "3GiB"], stop=True)
+    planner.fake = probe  # type: ignore[attr-defined]
+    tuner_trainer(planner).fit(model)
+    draws = len(sampler)  # type: ignore[arg-type]
+    assert planner.plan is not None
+    assert max(p.size for p in planner.plan.probes) <= draws
+    for prediction in planner.predictions:
+        if prediction.validated:
+            assert prediction.largest in model.sizes  # a trial's batch had exactly that many samples
+            assert prediction.largest <= draws
