@@ -1,8 +1,8 @@
 """The one reader of the hardware: allocator counters, NVML and host memory, as a :class:`MemorySample`.
 
-Everything else in the package receives samples and never touches ``torch.cuda``, ``torch.accelerator``, NVML or
-``psutil`` itself, so the callbacks can be tested on CPU with a fake probe and a new backend is a matter of this
-module.
+Everything else in the package receives samples and never reads memory from ``torch.cuda``, ``torch.accelerator``,
+NVML or ``psutil`` itself, so the callbacks can be tested on CPU with a fake probe and a new backend is a matter of
+this module.
 
 Why the CUDA path reads ``torch.cuda.memory_stats_as_nested_dict``: ``torch.cuda.memory_stats`` and
 ``torch.accelerator.memory_stats`` build the same C++ statistics and then flatten and sort ~120 keys in Python,
@@ -10,9 +10,12 @@ which costs several times more than the nested read (``benchmarks/monitor_overhe
 Other accelerators (XPU, MPS, ...) go through ``torch.accelerator`` where the installed torch has it.
 
 The callbacks get their probe from :func:`make_probe`, the one seam where another reader goes in (a fake in the tests,
-through :func:`set_probe_factory`); what they may call is the :class:`Probe` protocol. The rarer hardware calls live
-here too: the allocator's history and snapshot (``OOMSnapshot``), its OOM observer, the census of live tensors (leak
-reports) and the host memory available (the tuner's in-memory copies).
+through :func:`set_probe_factory`); what they may call is the :class:`Probe` protocol: its reads, and two calls on
+the allocator, the cap (``set_memory_fraction``, CUDA only: ``MemoryBudget`` and the tuner's and planner's trials)
+and ``release_cache``. Two rarer reads live here too: the census of live tensors (:func:`tensor_census`, for leak
+reports) and the host memory available (:func:`host_available_bytes`, for the tuner's in-memory copies). The
+allocator's history, snapshot and OOM observer (``OOMSnapshot``) and the trials' clean start (cache and cuBLAS
+workspaces given back) are in ``allocator.py``; what an out-of-memory error looks like is in ``oom.py``.
 """
 
 from __future__ import annotations

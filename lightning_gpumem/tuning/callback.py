@@ -125,8 +125,10 @@ class BatchSizeTuner(Callback):
             Nothing is given up where memory does not bound the size (the search stopped at ``max_val`` or the
             dataset size).
         init_val: first batch size tried.
-        max_val: largest batch size tried; the result never exceeds it. ``None``: the training dataset's size per
-            rank (and at most the size that still gives an integer ``val_check_interval`` its batches).
+        max_val: largest batch size tried; the result never exceeds it. ``None``: the samples an epoch of the
+            training loader draws, per rank (and at most the size that still gives an integer ``val_check_interval``
+            its batches). On a device without memory to measure (a CPU) the tuner searches only where ``max_val`` is
+            given, and otherwise keeps the run's size with one warning.
         steps_per_trial: optimizer steps per trial (the first step also creates optimizer state). Three by
             default: a GPT under a 12 GiB cap ran two steps at a size and ran out of memory in the third.
         include_validation: also run one validation batch per trial where the fit validates, so the size found

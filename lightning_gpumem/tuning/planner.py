@@ -70,7 +70,9 @@ class MemoryPlanner(Callback):
     card whether a run fits a smaller one.
 
     Where the probes are not on a line (batches whose shapes vary, data-dependent padding, routing), the plan says
-    so and predicts nothing; on a device without an allocator to measure (CPU) the planner warns and does nothing.
+    so and predicts nothing; on a device without an allocator to measure (CPU) the planner warns and plans nothing
+    (``stop=True`` still ends the fit). A ``TokenBudgetSampler``'s budget is not a batch size: it is refused at fit
+    start (``BatchSizeTuner`` tunes it).
     For variable-length data, ``length_fn`` makes every probe and trial draw the longest samples first (as
     ``BatchSizeTuner(length_fn=...)`` does, see ``docs/variable_length.md``): the plan is then the plan of the
     heaviest batches the data can make, and each budget's allocator limit leaves ``shape_margin`` free for the
