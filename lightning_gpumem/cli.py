@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TextIO
 
 from lightning_gpumem import __version__
 from lightning_gpumem.report import ReportError, format_table, load_runs, summarize, write_html, write_png
@@ -48,24 +50,37 @@ def report(logdir: str, png: str | None = None, html: str | None = None, force: 
     loaded = load_runs(logdir)
     _check_existing(png, html, loaded.inputs, force)  # before anything is printed or written
     for line in loaded.skipped:
-        print(f"gpumem report: skipped {printable(line)}", file=sys.stderr)
-    print("\n\n".join(format_table(summarize(run)) for run in loaded.runs))
+        _say(f"gpumem report: skipped {printable(line)}", sys.stderr)
+    _say("\n\n".join(format_table(summarize(run)) for run in loaded.runs))
     if png is not None or html is not None:
-        print()
+        _say()
     output = None
     try:
         if html is not None:  # first: it needs nothing optional
             output = html
-            print(f"HTML: {printable(str(write_html(loaded.runs, logdir, html, force)))}")
+            _say(f"HTML: {printable(str(write_html(loaded.runs, logdir, html, force)))}")
         if png is not None:
             output = png
-            print(f"PNG:  {printable(str(write_png(loaded.runs, png, force)))}")
+            _say(f"PNG:  {printable(str(write_png(loaded.runs, png, force)))}")
             notice = left_out(loaded.runs)
             if notice is not None:
-                print(f"gpumem report: {notice} (the tables and the HTML page hold every run)", file=sys.stderr)
+                _say(f"gpumem report: {notice} (the tables and the HTML page hold every run)", sys.stderr)
     except OSError as error:
         raise ReportError(f"cannot write {printable(str(output))!r}: {error.strerror or error}") from None
     return 0
+
+
+def _say(text: str = "", stream: TextIO | None = None) -> None:
+    r"""Print ``text`` (already :func:`printable`) and a newline to ``stream`` (by default standard output).
+
+    What the stream's encoding cannot hold (a run named with an emoji, on an ASCII terminal) is written as its escape
+    (``\U0001f980``), as Python writes to standard error, rather than ending the report with ``UnicodeEncodeError``.
+    """
+    stream = sys.stdout if stream is None else stream
+    encoding = getattr(stream, "encoding", None) or "utf-8"
+    with contextlib.suppress(LookupError):  # an encoding Python does not know: the text as it is
+        text = text.encode(encoding, "backslashreplace").decode(encoding)
+    print(text, file=stream)
 
 
 def _check_existing(png: str | None, html: str | None, inputs: Iterable[Path], force: bool) -> None:
@@ -107,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             status = report(args.logdir, png=args.png, html=args.html, force=args.force)
         except ReportError as error:
             lines = "\n".join(map(printable, str(error).split("\n")))  # its own line breaks kept, none from a name
-            print(f"gpumem report: error: {lines}", file=sys.stderr)
+            _say(f"gpumem report: error: {lines}", sys.stderr)
             status = 1
         sys.stdout.flush()  # here, so that a closed pipe is met inside the `try`, not at exit
     except BrokenPipeError:

@@ -1,4 +1,9 @@
-"""The report as one self-contained HTML page: each run's table and its timeline as inline SVG, no script."""
+"""The report as one self-contained HTML page: each run's table and its timeline as inline SVG, no script.
+
+Every text from outside (the log directory, run names, the table's cells) goes through :func:`markup`: escaped
+for the terminal first (control characters, bidirectional overrides, undecodable bytes), then as HTML, so any name
+a file system allows gives a valid UTF-8 page that shows it.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +15,10 @@ from pathlib import Path
 
 from lightning_gpumem._core.files import write_atomic
 from lightning_gpumem.report._output import HTML_MARK, check_output
+from lightning_gpumem.report._text import printable
 from lightning_gpumem.report.runs import Run
 from lightning_gpumem.report.summary import rows, summarize
-from lightning_gpumem.report.timeline import RELEASE_COLOR, lines, release_steps, title
+from lightning_gpumem.report.timeline import RELEASE_COLOR, lines, release_steps, tuned
 
 WIDTH, HEIGHT = 960, 320
 LEFT, RIGHT, TOP, BOTTOM = 56, 16, 12, 36
@@ -20,6 +26,7 @@ LEFT, RIGHT, TOP, BOTTOM = 56, 16, 12, 36
 _STYLE = """
 body { font: 14px system-ui, sans-serif; margin: 24px; color: #222; max-width: 1000px; }
 h1 { font-size: 20px; } h2 { font-size: 16px; margin-top: 32px; }
+h1, h2, td { overflow-wrap: anywhere; }
 table { border-collapse: collapse; margin: 8px 0 12px; }
 td { padding: 3px 12px 3px 0; border-bottom: 1px solid #eee; vertical-align: top; }
 td:first-child { color: #555; white-space: nowrap; }
@@ -27,6 +34,16 @@ td:first-child { color: #555; white-space: nowrap; }
 .legend i { display: inline-block; width: 18px; height: 3px; margin-right: 5px; vertical-align: middle; }
 svg text { font: 11px system-ui, sans-serif; fill: #555; }
 """
+
+
+def markup(text: str) -> str:
+    r"""``text`` as HTML: :func:`~lightning_gpumem.report._text.printable`, then ``&``, ``<``, ``>`` and quotes escaped.
+
+    Example:
+        >>> markup("<b>run\n\udcff</b>")
+        '&lt;b&gt;run\\x0a\\xff&lt;/b&gt;'
+    """
+    return html.escape(printable(text), quote=True)
 
 
 def _ticks(low: float, high: float, count: int = 5, whole: bool = False) -> list[float]:
@@ -90,7 +107,7 @@ def timeline_svg(run: Run) -> str:
             continue
         if line.points_only or len(finite) == 1:  # one point draws no line: a marker
             parts.extend(
-                f'<circle cx="{x(s):.1f}" cy="{y(v):.1f}" r="3" fill="{line.color}"><title>{html.escape(line.label)}'
+                f'<circle cx="{x(s):.1f}" cy="{y(v):.1f}" r="3" fill="{line.color}"><title>{markup(line.label)}'
                 f" at step {s}: {v:.2f} GiB</title></circle>"
                 for s, v in finite
             )
@@ -104,10 +121,10 @@ def timeline_svg(run: Run) -> str:
         dash = ' stroke-dasharray="6,4"' if line.dashed else ""
         parts.append(
             f'<polyline points="{coords}" fill="none" stroke="{line.color}" stroke-width="1.5"{dash}>'
-            f"<title>{html.escape(line.label)}</title></polyline>"
+            f"<title>{markup(line.label)}</title></polyline>"
         )
     parts.append("</svg>")
-    legend = [f'<span><i style="background:{line.color}"></i>{html.escape(line.label)}</span>' for line, _ in curves]
+    legend = [f'<span><i style="background:{line.color}"></i>{markup(line.label)}</span>' for line, _ in curves]
     if releases:
         legend.append(f'<span><i style="background:{RELEASE_COLOR}"></i>cache release ({len(releases)})</span>')
     return "".join(parts) + f'<div class="legend">{"".join(legend)}</div>'
@@ -115,13 +132,13 @@ def timeline_svg(run: Run) -> str:
 
 def render_html(runs: Sequence[Run], logdir: str) -> str:
     """The whole page for ``runs`` read from ``logdir``."""
-    body = [f"<h1>Memory report: {html.escape(logdir)}</h1>"]
+    body = [f"<h1>Memory report: <bdi>{markup(logdir)}</bdi></h1>"]
     for run in runs:
         table = "".join(
-            f"<tr><td>{html.escape(label)}</td><td>{html.escape(value)}</td></tr>"
-            for label, value in rows(summarize(run))
+            f"<tr><td>{markup(label)}</td><td>{markup(value)}</td></tr>" for label, value in rows(summarize(run))
         )
-        body.append(f"<h2>{html.escape(title(run))}</h2><table>{table}</table>{timeline_svg(run)}")
+        heading = f"<bdi>{markup(run.name)}</bdi>{markup(tuned(run))}"  # <bdi>: a right-to-left name stays apart
+        body.append(f"<h2>{heading}</h2><table>{table}</table>{timeline_svg(run)}")
     return (
         f'<!doctype html>\n{HTML_MARK}\n<html lang="en"><head><meta charset="utf-8"><title>gpumem report</title>'
         f"<style>{_STYLE}</style></head><body>{''.join(body)}</body></html>\n"

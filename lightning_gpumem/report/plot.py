@@ -1,4 +1,9 @@
-"""The memory timeline as a PNG, drawn with matplotlib (an optional extra: ``pip install lightning-gpumem[report]``)."""
+r"""The memory timeline as a PNG, drawn with matplotlib (an optional extra: ``pip install lightning-gpumem[report]``).
+
+A panel's title is the run's name as :func:`panel_title` draws it: control characters, undecodable bytes and
+characters that no font of the title holds written as escapes (``\xff``, ``\u4e2d``), a long name cut in the
+middle; the tables and the HTML page hold the whole name.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +15,14 @@ from typing import Any
 
 from lightning_gpumem._core.files import write_atomic
 from lightning_gpumem.report._output import PNG_MARK, PNG_SOFTWARE, check_output
-from lightning_gpumem.report._text import printable
+from lightning_gpumem.report._text import escape, printable
 from lightning_gpumem.report.runs import ReportError, Run
-from lightning_gpumem.report.timeline import RELEASE_COLOR, lines, release_steps, title
+from lightning_gpumem.report.timeline import RELEASE_COLOR, lines, release_steps, tuned
 
 WIDTH_IN, RUN_HEIGHT_IN, DPI = 10.0, 4.0, 100  # each run adds a 1000 x 400 pixel panel
 MAX_RUNS = 24  # panels in one picture (24 x 400 px = 9600 px high); the HTML page and the tables hold every run
+MAX_TITLE_CHARS = 100  # a name drawn longer is cut in the middle (its start and its version directory kept)
+TITLE_SIZE = 10
 
 
 def write_png(runs: Sequence[Run], path: str | os.PathLike[str], force: bool = False) -> Path:
@@ -67,6 +74,7 @@ def _figure(runs: Sequence[Run]) -> Any:
     from matplotlib.ticker import MaxNLocator
 
     figure = Figure(figsize=(WIDTH_IN, RUN_HEIGHT_IN * len(runs)), dpi=DPI, layout="constrained")
+    glyphs = font_glyphs()
     axes = figure.subplots(len(runs), 1, squeeze=False)
     for ax, run in zip(axes[:, 0], runs, strict=True):
         highest = 0.0
@@ -87,7 +95,7 @@ def _figure(runs: Sequence[Run]) -> Any:
                 )
         for i, step in enumerate(release_steps(run)):
             ax.axvline(step, color=RELEASE_COLOR, linestyle=":", linewidth=1, label="cache release" if i == 0 else None)
-        ax.set_title(title(run).replace("$", r"\$"), fontsize=10, loc="left")  # a `$` in a name is not mathtext
+        ax.set_title(panel_title(run, glyphs), fontsize=TITLE_SIZE, loc="left")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
         ax.set_xlabel("step")
         ax.set_ylabel("GiB")
@@ -96,3 +104,71 @@ def _figure(runs: Sequence[Run]) -> Any:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     return figure
+
+
+def panel_title(run: Run, glyphs: set[int] | None = None) -> str:
+    r"""The run's title as its panel draws it (matplotlib text; the tuned batch size added as by ``title``).
+
+    Each character of the name is drawn as itself where it is printable and a font of the title holds it (in
+    ``glyphs``; every printable character where ``glyphs`` is ``None``), else as its escape (``\x0a``, ``\xff``
+    for an undecodable byte, ``\U0001f980``); a name longer than :data:`MAX_TITLE_CHARS` so drawn is cut in the
+    middle, at a character's edge. A ``$`` is not read as mathtext.
+
+    Example:
+        >>> from lightning_gpumem.report.runs import Run
+        >>> from pathlib import Path
+        >>> panel_title(Run(name="a$b\n\udcff", path=Path(".")), glyphs={ord(c) for c in "ab$"})
+        'a\\$b\\x0a\\xff'
+    """
+    pieces = [
+        char if char.isprintable() and (glyphs is None or ord(char) in glyphs) else escape(char) for char in run.name
+    ]
+    if sum(map(len, pieces)) > MAX_TITLE_CHARS:
+        half = (MAX_TITLE_CHARS - 1) // 2
+        head, tail = _within(pieces, half), _within(pieces[::-1], half)[::-1]
+        ellipsis = "\u2026" if glyphs is None or 0x2026 in glyphs else "..."
+        pieces = [*head, ellipsis, *tail]
+    return ("".join(pieces) + tuned(run)).replace("$", r"\$")
+
+
+def _within(pieces: list[str], size: int) -> list[str]:
+    """The leading ``pieces`` whose lengths add up to at most ``size``."""
+    kept: list[str] = []
+    for piece in pieces:
+        size -= len(piece)
+        if size < 0:
+            break
+        kept.append(piece)
+    return kept
+
+
+def font_glyphs(size: float = TITLE_SIZE) -> set[int]:
+    """The characters (code points) that the fonts matplotlib draws a title with hold: its font and the fallbacks.
+
+    The families are ``rcParams["font.family"]``, a generic one (``sans-serif``) standing for its list
+    (``rcParams["font.sans-serif"]``); a family that is not installed is passed over.
+    """
+    from matplotlib import rcParams
+    from matplotlib.font_manager import FontProperties, findfont, get_font
+
+    generic = {
+        "serif": rcParams["font.serif"],
+        "sans-serif": rcParams["font.sans-serif"],
+        "cursive": rcParams["font.cursive"],
+        "fantasy": rcParams["font.fantasy"],
+        "monospace": rcParams["font.monospace"],
+    }
+    prop = FontProperties(size=size)
+    paths = {findfont(prop)}
+    for family in prop.get_family():
+        for name in generic.get(family, [family]):
+            candidate = prop.copy()
+            candidate.set_family(name)
+            try:
+                paths.add(findfont(candidate, fallback_to_default=False))
+            except ValueError:  # not installed
+                continue
+    glyphs: set[int] = set()
+    for path in paths:
+        glyphs.update(get_font(path).get_charmap())
+    return glyphs

@@ -176,8 +176,8 @@ def _read_file(file: Path, skipped: list[str]) -> dict[str, Series] | None:
     """
     try:
         data, cut = read_log_file(file)
-    except OSError as error:
-        skipped.append(f"{_shown(file)}: {printable(str(error))}")
+    except OSError as error:  # its reason only: `str(error)` would name the file again, as a `repr`
+        skipped.append(f"{_shown(file)}: {printable(error.strerror or str(error))}")
         return None
     if cut:
         what = "row" if file.name == CSV_NAME else "record"

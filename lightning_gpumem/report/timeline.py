@@ -54,6 +54,11 @@ def release_steps(run: Run) -> list[int]:
 
 
 def title(run: Run) -> str:
-    """The run's name, with the tuned batch size where a ``BatchSizeTuner`` logged one."""
+    """The run's name, with the tuned batch size where a ``BatchSizeTuner`` logged one (raw: escape it to show it)."""
+    return run.name + tuned(run)
+
+
+def tuned(run: Run) -> str:
+    """What :func:`title` adds to the run's name: ``"  (tuned batch size N)"``, or ``""`` where none was logged."""
     batch_size = run.last(keys.BATCH_SIZE.format())
-    return run.name if batch_size is None else f"{run.name}  (tuned batch size {round(batch_size)})"
+    return "" if batch_size is None else f"  (tuned batch size {round(batch_size)})"

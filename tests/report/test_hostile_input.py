@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import html
 import os
 import re
 import resource
 import struct
 import subprocess
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -260,6 +262,159 @@ def test_control_characters_in_run_names_are_escaped(tmp_path, capsys):
     assert "run evil\\x1b[2J\\x0arun forged\\x09row\\u202e" in out
     assert not any(line.startswith("run forged") for line in out.splitlines())
     assert "\x1b" not in format_table(summarize(load_runs(tmp_path).runs[0]))
+
+
+# Any name a file system allows: bytes that are not UTF-8, HTML's metacharacters, line breaks, bidirectional text,
+# emoji, the longest name. Each is shown escaped (`\xff`, `\x0a`, `\u202e`), in the text, the HTML page and the PNG,
+# and no run costs the others their page or picture. Keys: the directory's name as bytes; values: how the text
+# table and the HTML page show it (the PNG also escapes what no font of its title holds).
+ODD_NAMES = {
+    b"run-\xff\xfe": "run-\\xff\\xfe",  # not UTF-8: os.fsdecode keeps the bytes as surrogates
+    b"\xc3": "\\xc3",  # the first byte of a two-byte character, alone
+    b"<b>&amp;\"q'<script>x": "<b>&amp;\"q'<script>x",
+    b"new\nline\ttab\x1b[31m\r": "new\\x0aline\\x09tab\\x1b[31m\\x0d",
+    "rtl-\u202eabc-\u05e2\u05d1\u05e8\u05d9\u05ea-\u0627\u0644\u0639\u0631\u0628\u064a\u0629".encode(): (
+        "rtl-\\u202eabc-\u05e2\u05d1\u05e8\u05d9\u05ea-\u0627\u0644\u0639\u0631\u0628\u064a\u0629"
+    ),
+    "emoji-\U0001f600\U0001f980\U0001f44d\U0001f3fd-\u4e2d\u6587\u2028".encode(): (
+        "emoji-\U0001f600\U0001f980\U0001f44d\U0001f3fd-\u4e2d\u6587\\u2028"
+    ),
+    b"L" * 255: "L" * 255,  # the longest name of one directory on most Linux file systems
+}
+TB_NAME, TB_SHOWN = b"tb-\xfa\xfb", "tb-\\xfa\\xfb"  # a TensorBoard run in a folder whose name is not UTF-8
+LOGDIR_NAME, LOGDIR_SHOWN = b"logs-\xfe<&>", "logs-\\xfe<&>"
+
+
+def _odd_dir(parent: Path, name: bytes) -> Path:
+    """``parent/name`` made from bytes, as Python names it (``os.fsdecode``: surrogates for bytes not UTF-8)."""
+    path = Path(os.fsdecode(os.path.join(os.fsencode(parent), name)))
+    try:
+        path.mkdir()
+    except OSError as error:  # e.g. macOS's APFS refuses names that are not UTF-8 (EILSEQ)
+        pytest.skip(f"this file system refuses the name {name!r}: {error}")
+    return path
+
+
+def _odd_logs(tmp_path: Path) -> Path:
+    """A log directory (itself oddly named) with a CSV run under each of ODD_NAMES and a TensorBoard run."""
+    logdir = _odd_dir(tmp_path, LOGDIR_NAME)
+    for name in ODD_NAMES:
+        _csv_run(_odd_dir(logdir, name))
+    written = _event_run(tmp_path / "tb")  # TensorBoard's writer cannot open a path that is not UTF-8: moved there
+    _odd_dir(logdir, TB_NAME).rmdir()
+    os.rename(written.parent, os.path.join(os.fsencode(logdir), TB_NAME))
+    return logdir
+
+
+class _Page(HTMLParser):
+    """The HTML page's headings and cells, as a browser reads them, and whether its elements nest and close."""
+
+    VOID = frozenset({"meta", "br", "img", "input", "link", "hr"})  # HTML void elements; SVG ones close with />
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.open: list[str] = []
+        self.texts: dict[str, list[str]] = {}
+        self.errors: list[str] = []
+
+    def handle_starttag(self, tag, attrs) -> None:
+        if tag not in self.VOID:
+            self.open.append(tag)
+            self.texts.setdefault(tag, []).append("")
+
+    def handle_startendtag(self, tag, attrs) -> None:
+        pass
+
+    def handle_endtag(self, tag) -> None:
+        if tag in self.VOID:
+            return
+        if not self.open or self.open[-1] != tag:
+            self.errors.append(f"</{tag}> closes {self.open[-1:]}")
+        else:
+            self.open.pop()
+
+    def handle_data(self, data) -> None:
+        for tag in ("h1", "h2", "td"):
+            if tag in self.open:
+                self.texts[tag][-1] += data
+
+
+def test_a_run_folder_named_with_bytes_that_are_not_utf8_is_reported(tmp_path, capsys):
+    logdir = _odd_dir(tmp_path, LOGDIR_NAME)
+    _csv_run(tmp_path / "plain")  # a run beside it, which the odd one must not cost its page
+    os.rename(tmp_path / "plain", logdir / "plain")
+    _csv_run(_odd_dir(logdir, b"run-\xff\xfe"))
+    page = tmp_path / "memory.html"
+    assert main(["report", str(logdir), "--html", str(page)]) == 0
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    assert "run plain\n" in captured.out
+    assert "run run-\\xff\\xfe\n" in captured.out
+    text = page.read_bytes().decode("utf-8")  # strict: no surrogate reached the page
+    assert "<bdi>run-\\xff\\xfe</bdi>" in text
+    assert "<bdi>plain</bdi>" in text
+    assert f"<h1>Memory report: <bdi>{html.escape(str(tmp_path))}/{html.escape(LOGDIR_SHOWN)}</bdi></h1>" in text
+
+
+def test_every_odd_run_name_is_escaped_in_the_text_and_the_html_page(tmp_path, capsys):
+    logdir = _odd_logs(tmp_path)
+    page = tmp_path / "memory.html"
+    assert main(["report", str(logdir), "--html", str(page)]) == 0
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    shown = [*ODD_NAMES.values(), TB_SHOWN]
+    headers = [line[4:] for line in captured.out.splitlines() if line.startswith("run ")]
+    assert sorted(headers) == sorted(shown)  # one header per run, each on one line
+    assert all(char.isprintable() for char in captured.out.replace("\n", ""))
+    data = page.read_bytes()
+    text = data.decode("utf-8")  # strict
+    assert not set(data) & (set(range(32)) - {10})  # no control character but the newline
+    assert "<script" not in text
+    parsed = _Page()
+    parsed.feed(text)
+    parsed.close()
+    assert parsed.errors == []
+    assert parsed.open == []  # every element closed
+    assert sorted(parsed.texts["h2"]) == sorted(shown)  # what the reader sees: the escaped names, nothing more
+    assert parsed.texts["h1"] == [f"Memory report: {tmp_path}/{LOGDIR_SHOWN}"]
+    assert text.count("<svg") == len(shown)
+    assert "&lt;b&gt;&amp;amp;&quot;q&#x27;&lt;script&gt;x" in text
+
+
+def test_every_odd_run_name_is_drawn_in_the_png(tmp_path, capsys, recwarn):
+    pytest.importorskip("matplotlib")
+    logdir = _odd_logs(tmp_path)
+    png = tmp_path / "memory.png"
+    assert main(["report", str(logdir), "--png", str(png)]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    data = png.read_bytes()
+    assert b"tEXtSoftware\x00gpumem report" in data[:4096]
+    assert struct.unpack(">II", data[16:24]) == (1000, 400 * (len(ODD_NAMES) + 1))  # a panel for every run
+    assert not [str(w.message) for w in recwarn if "missing from" in str(w.message)]  # no glyph drawn as a box
+    from lightning_gpumem.report.plot import MAX_TITLE_CHARS, _figure, font_glyphs
+
+    figure = _figure(load_runs(logdir).runs)
+    titles = [ax.get_title(loc="left") for ax in figure.axes]
+    glyphs = font_glyphs()
+    assert all(ord(char) in glyphs for title in titles for char in title)
+    for shown in ("run-\\xff\\xfe", "\\xc3", "new\\x0aline\\x09tab\\x1b[31m\\x0d", "<b>&amp;\"q'<script>x", TB_SHOWN):
+        assert shown in titles
+    (long,) = (title for title in titles if title.startswith("L"))
+    assert len(long) <= MAX_TITLE_CHARS
+    assert "\u2026" in long or "..." in long
+    (emoji,) = (title for title in titles if title.startswith("emoji-"))
+    assert emoji.endswith("\\u2028")
+    assert "\\U0001f980" in emoji or "\U0001f980" in emoji
+
+
+def test_an_odd_run_name_reaches_an_ascii_terminal_escaped(tmp_path):
+    logdir = _odd_logs(tmp_path)
+    result = _run_cli("report", str(logdir), env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "run emoji-\\U0001f600\\U0001f980\\U0001f44d\\U0001f3fd-\\u4e2d\\u6587\\u2028" in result.stdout
+    assert "run rtl-\\u202eabc-\\u05e2" in result.stdout
+    assert "run run-\\xff\\xfe" in result.stdout
 
 
 # 5. A PNG holds at most MAX_RUNS runs and says which it left out.
