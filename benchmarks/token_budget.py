@@ -397,12 +397,15 @@ def config_worker(args: argparse.Namespace) -> int:
         if device.type == "cuda":
             model.budget_fraction = min(1.0, args.budget_bytes / torch.cuda.get_device_properties(device).total_memory)
         result["parameters"] = M.count_parameters(model.net)
+        cpu = {} if device.type == "cuda" else {"max_val": T.CPU_MAX_VAL}  # on a CPU the tuner searches when asked
         if args.worker == "finder":
             callback = finder_cls(mode="binsearch", steps_per_trial=3)
         elif args.worker == "worst":
-            callback = tuner_cls(budget=args.budget_bytes, length_fn="input_ids", shape_margin=args.shape_margin)
+            callback = tuner_cls(budget=args.budget_bytes, length_fn="input_ids", shape_margin=args.shape_margin, **cpu)
         elif args.worker == "tuned":
-            callback = tuner_cls(budget=args.budget_bytes, batch_arg_name="max_tokens", shape_margin=args.shape_margin)
+            callback = tuner_cls(
+                budget=args.budget_bytes, batch_arg_name="max_tokens", shape_margin=args.shape_margin, **cpu
+            )
         else:
             assert hand is not None
             model.max_tokens = hand["max_tokens"]

@@ -298,6 +298,9 @@ def _lightning_classes() -> tuple[type, type, type]:
     return BenchModule, TimedBatchSizeFinder, TimedBatchSizeTuner
 
 
+CPU_MAX_VAL = 2**31  # --quick: a bound above any dataset, so the tuner searches on a CPU (the simulated OOMs bound it)
+
+
 def finder_worker(args: argparse.Namespace) -> int:
     """One finder in a fresh process: search in ``on_fit_start``, then the following fit at the size found."""
     result: dict[str, Any] = {"finder": args.finder_worker, "model": args.model, "status": "error", "error": None}
@@ -316,7 +319,8 @@ def finder_worker(args: argparse.Namespace) -> int:
         result["parameters"] = M.count_parameters(model.net)
         if args.finder_worker in ("ours", "predict"):
             method = "search" if args.finder_worker == "ours" else "predict"
-            callback = tuner_cls(budget=args.budget_bytes, headroom=float(args.headroom), method=method)
+            cpu = {} if device.type == "cuda" else {"max_val": CPU_MAX_VAL}  # on a CPU it searches only when asked
+            callback = tuner_cls(budget=args.budget_bytes, headroom=float(args.headroom), method=method, **cpu)
         elif args.finder_worker == "fixed":  # a true-max candidate: no finder, the size set by hand
             model.batch_size = args.batch_size
             callback = _fixed_size_callback(args.batch_size)
