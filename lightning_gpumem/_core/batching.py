@@ -20,10 +20,21 @@ import random
 from collections.abc import Sequence
 from typing import Literal
 
-from lightning_gpumem._core.checks import is_collection, require_flags, require_int, require_int_or_none
+from lightning_gpumem._core.checks import (
+    is_collection,
+    is_finite_number,
+    require_flags,
+    require_int,
+    require_int_or_none,
+    shown,
+)
 
 Cost = Literal["padded", "tokens"]
 COSTS: tuple[Cost, ...] = ("padded", "tokens")
+MAX_LENGTH = 2**53
+"""The longest length a sample may have: the largest whole number a float holds exactly (costs are floats)."""
+MAX_REPLICAS = 2**20
+"""The most ranks a plan is shared by (more than any cluster has): the plan holds at least one batch per rank."""
 
 
 def batch_cost(lengths: Sequence[int], *, cost: Cost = "padded", quadratic: float = 0.0) -> float:
@@ -36,7 +47,10 @@ def batch_cost(lengths: Sequence[int], *, cost: Cost = "padded", quadratic: floa
         quadratic: weight of the term in ``L**2`` (attention whose memory grows with the square of the length).
 
     Returns:
-        The cost; 0 for an empty batch.
+        The cost; 0 for an empty batch; ``inf`` where ``quadratic`` makes it larger than a float holds.
+
+    Raises:
+        ValueError: a length is so long (an integer beyond a float's range) that the cost cannot be computed.
 
     Example:
         >>> batch_cost([3, 5, 2]), batch_cost([3, 5, 2], cost="tokens"), batch_cost([3, 5], quadratic=0.5)
@@ -45,10 +59,16 @@ def batch_cost(lengths: Sequence[int], *, cost: Cost = "padded", quadratic: floa
     _check_cost("batch_cost", cost, quadratic)
     if not lengths:
         return 0.0
-    if cost == "padded":
-        longest = max(lengths)
-        return float(len(lengths) * longest + quadratic * len(lengths) * longest * longest)
-    return float(sum(lengths) + quadratic * sum(length * length for length in lengths))
+    try:
+        if cost == "padded":
+            longest = max(lengths)
+            return float(len(lengths) * longest + quadratic * len(lengths) * longest * longest)
+        return float(sum(lengths) + quadratic * sum(length * length for length in lengths))
+    except OverflowError:  # an integer length beyond a float's range
+        raise ValueError(
+            f"`batch_cost(lengths={shown(lengths)})` is not valid: the cost is beyond a float's range. Expected"
+            f" lengths from 0 to 2**53 (MAX_LENGTH)."
+        ) from None
 
 
 def plan_batches(
@@ -76,7 +96,7 @@ def plan_batches(
     epoch when shuffled). Without it the first batches are repeated at the end: their samples are seen twice.
 
     Args:
-        lengths: every sample's length (non-negative integers), by dataset index.
+        lengths: every sample's length (``int`` from 0 to :data:`MAX_LENGTH`), by dataset index.
         max_cost: the budget of one batch, in tokens (see :func:`batch_cost`).
         cost: ``"padded"`` or ``"tokens"`` (see :func:`batch_cost`).
         quadratic: weight of the term in ``L**2`` (see :func:`batch_cost`).
@@ -85,13 +105,15 @@ def plan_batches(
         seed: the generator's seed (the same on every rank).
         epoch: added to the seed: each epoch has its own plan.
         drop_last: round the number of batches down to a multiple of ``num_replicas`` (else up).
-        num_replicas: the number of ranks sharing the plan.
+        num_replicas: the number of ranks sharing the plan (at most :data:`MAX_REPLICAS`).
 
     Returns:
         The batches, in the order they run.
 
     Raises:
-        ValueError: a sample alone costs more than ``max_cost`` (the message names the longest such sample).
+        ValueError: a sample alone costs more than ``max_cost`` (the message names the longest such sample), or more
+            than a float holds (``quadratic`` is too large for the lengths); an argument is not valid.
+        TypeError: ``lengths`` is not a sequence of ``int``.
 
     Example:
         >>> plan_batches([3, 5, 2, 8, 4], max_cost=10, shuffle=False)
@@ -107,7 +129,7 @@ def plan_batches(
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"`{owner}(seed={seed!r})` is not valid. Expected an integer.")
     require_int(owner, "epoch", epoch, 0)
-    require_int(owner, "num_replicas", num_replicas, 1)
+    require_int(owner, "num_replicas", num_replicas, 1, MAX_REPLICAS)
     if not lengths:
         return []
     _check_longest(owner, lengths, max_cost, cost, quadratic)
@@ -217,34 +239,36 @@ def _round_for_replicas(batches: list[list[int]], num_replicas: int, drop_last: 
 
 
 def _check_cost(owner: str, cost: object, quadratic: object) -> None:
-    if cost not in COSTS:
-        raise ValueError(f"`{owner}(cost={cost!r})` is not valid. Expected 'padded' or 'tokens'.")
-    if isinstance(quadratic, bool) or not isinstance(quadratic, (int, float)) or not 0 <= quadratic < float("inf"):
-        raise ValueError(f"`{owner}(quadratic={quadratic!r})` is not valid. Expected a finite number >= 0.")
+    if not isinstance(cost, str) or cost not in COSTS:
+        raise ValueError(f"`{owner}(cost={shown(cost)})` is not valid. Expected 'padded' or 'tokens'.")
+    if not is_finite_number(quadratic) or quadratic < 0:  # type: ignore[operator]
+        raise ValueError(f"`{owner}(quadratic={shown(quadratic)})` is not valid. Expected a finite number >= 0.")
 
 
 def _check_budget(owner: str, max_cost: object, cost: object, quadratic: object) -> None:
     """``max_cost`` is a finite number > 0 and ``cost``, ``quadratic`` are valid."""
     bad = isinstance(max_cost, bool) or not isinstance(max_cost, (int, float))
     if bad or not 0 < max_cost < float("inf"):  # type: ignore[operator]
-        raise ValueError(f"`{owner}(max_cost={max_cost!r})` is not valid. Expected a finite number of tokens > 0.")
+        raise ValueError(f"`{owner}(max_cost={shown(max_cost)})` is not valid. Expected a finite number of tokens > 0.")
     _check_cost(owner, cost, quadratic)
 
 
 def _check_lengths(owner: str, lengths: object) -> None:
-    """``lengths`` is a sequence of non-negative ``int`` (not ``bool``)."""
+    """``lengths`` is a sequence of ``int`` (not ``bool``) from 0 to :data:`MAX_LENGTH`."""
     if not is_collection(lengths) or not hasattr(lengths, "__getitem__"):
         raise TypeError(
-            f"`{owner}(lengths={_short(lengths)})` is not valid. Expected a sequence of non-negative integers."
+            f"`{owner}(lengths={shown(lengths)})` is not valid. Expected a sequence of non-negative integers."
         )
     for index, length in enumerate(lengths):
         if isinstance(length, bool) or not isinstance(length, int):
             raise TypeError(
-                f"`{owner}(lengths=...)` is not valid: lengths[{index}] is {length!r}. Expected a non-negative integer."
+                f"`{owner}(lengths=...)` is not valid: lengths[{index}] is {shown(length)}. Expected a non-negative"
+                " integer (an `int`)."
             )
-        if length < 0:
+        if not 0 <= length <= MAX_LENGTH:
             raise ValueError(
-                f"`{owner}(lengths=...)` is not valid: lengths[{index}] is {length}. Expected a non-negative integer."
+                f"`{owner}(lengths=...)` is not valid: lengths[{index}] is {shown(length)}. Expected a non-negative"
+                " integer up to 2**53 (MAX_LENGTH)."
             )
 
 
@@ -252,15 +276,15 @@ def _check_longest(owner: str, lengths: Sequence[int], max_cost: float, cost: Co
     """Raise ``ValueError`` where the longest sample alone costs more than ``max_cost`` (the cost grows with L)."""
     longest = max(lengths)
     alone = batch_cost([longest], cost=cost, quadratic=quadratic)
+    if alone == float("inf"):
+        raise ValueError(
+            f"`{owner}(quadratic={quadratic!r})` is not valid: sample {list(lengths).index(longest)} of length"
+            f" {longest} alone costs more than a float holds. Expected a smaller `quadratic`."
+        )
     if alone > max_cost:
         index = list(lengths).index(longest)
         raise ValueError(
-            f"`{owner}(max_cost={max_cost!r})` is not valid: sample {index} of length {longest} alone costs"
+            f"`{owner}(max_cost={shown(max_cost)})` is not valid: sample {index} of length {longest} alone costs"
             f" {alone:g}. Expected a budget of at least the longest sample's cost ({alone:g}), or leave such"
             " samples out."
         )
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import sys
 from collections.abc import Iterable, Mapping, Sized
@@ -29,20 +30,35 @@ def is_int_at_least(value: object, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
-def require_int(owner: str, name: str, value: object, minimum: int) -> None:
-    """Raise ``ValueError`` unless ``value`` is an integer >= ``minimum``.
+def require_int(owner: str, name: str, value: object, minimum: int, maximum: int | None = None) -> None:
+    """Raise ``ValueError`` unless ``value`` is an integer >= ``minimum`` (and <= ``maximum`` where given).
 
     >>> require_int("X", "steps", 3, 1)
     >>> require_int("X", "steps", 0, 1)
     Traceback (most recent call last):
     ValueError: `X(steps=0)` is not valid. Expected an integer >= 1.
+    >>> require_int("X", "ranks", 2**70, 1, maximum=2**20)
+    Traceback (most recent call last):
+    ValueError: `X(ranks=1180591620717411303424)` is not valid. Expected an integer from 1 to 1048576.
     """
-    if not is_int_at_least(value, minimum):
-        raise ValueError(f"`{owner}({name}={value!r})` is not valid. Expected an integer >= {minimum}.")
+    if not is_int_at_least(value, minimum) or (maximum is not None and value > maximum):  # type: ignore[operator]
+        expected = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+        raise ValueError(
+            f"`{owner}({name}={value!r})` is not valid. Expected an integer {expected}{_python_int(value)}."
+        )
+
+
+def _python_int(value: object) -> str:
+    """What to add where ``value`` is an integer of another type than ``int`` (numpy's, a 0-d tensor)."""
+    if isinstance(value, int) or as_integer(value) is None:
+        return ""
+    return f" (a Python `int`: pass `int({value!r})`)"
 
 
 def require_fraction(owner: str, name: str, value: object, none_ok: bool = False) -> None:
-    """Raise ``ValueError`` unless ``value`` is a number in [0, 1) (or, with ``none_ok``, ``None``).
+    """Raise ``ValueError`` unless ``value`` is a real number in [0, 1) (or, with ``none_ok``, ``None``).
+
+    Any real number type is taken (``float(value)`` is what it means): a numpy float, a 0-d tensor; not a ``bool``.
 
     >>> require_fraction("X", "margin", 0.2)
     >>> require_fraction("X", "margin", None, none_ok=True)
@@ -52,7 +68,8 @@ def require_fraction(owner: str, name: str, value: object, none_ok: bool = False
     """
     if none_ok and value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:  # NaN fails too
+    number = as_real(value)  # any real number (a numpy float, a 0-d tensor): callers keep `float(value)`
+    if number is None or not 0 <= number < 1:  # NaN fails too
         expected = "None or a number in [0, 1)" if none_ok else "a number in [0, 1)"
         raise ValueError(f"`{owner}({name}={value!r})` is not valid. Expected {expected}.")
 
@@ -116,6 +133,87 @@ def is_finite_number(value: object) -> bool:
         return False
 
 
+def plain_scalar(value: object) -> object:
+    """The Python number a numpy scalar, a 0-d numpy array or a 0-d tensor holds (its ``item()``), else ``value``.
+
+    Duck-typed (``ndim == 0`` and ``item()``): this module imports neither numpy nor torch.
+    """
+    if getattr(value, "ndim", None) != 0:  # Python numbers have no `ndim`
+        return value
+    item = getattr(value, "item", None)
+    if not callable(item):
+        return value
+    try:
+        return item()
+    except Exception:  # an `item` that is not numpy's or torch's: the value as it is
+        return value
+
+
+def as_integer(value: object) -> int | None:
+    """``value`` as an ``int`` where it is an integer of any type (not a ``bool`` of any type), else ``None``.
+
+    Python and numpy integers and 0-d integer arrays and tensors count; floats, even whole ones, do not.
+
+    >>> as_integer(3), as_integer(True), as_integer(3.0), as_integer("3"), as_integer(10**400) == 10**400
+    (3, None, None, None, True)
+    """
+    if type(value) is int:  # the common cases first, fast (a million lengths)
+        return value
+    if type(value) is float:
+        return None
+    number = plain_scalar(value)
+    if isinstance(number, bool) or not isinstance(number, numbers.Integral):
+        return None
+    return int(number)
+
+
+def as_real(value: object) -> float | None:
+    """``value`` as a ``float`` where it is a real number of any type (not a ``bool``), else ``None``.
+
+    NaN and infinities are returned as they are, and an integer beyond a float's range as an infinity.
+
+    >>> as_real(3), as_real(0.5), as_real(True), as_real("1"), as_real(-(10**400)), as_real(1 + 2j)
+    (3.0, 0.5, None, None, -inf, None)
+    """
+    number = plain_scalar(value)
+    if isinstance(number, bool) or not isinstance(number, numbers.Real):
+        return None
+    try:
+        return float(number)
+    except OverflowError:  # an int (or a Fraction) beyond the range of a float
+        return math.inf if number > 0 else -math.inf  # type: ignore[operator]
+    except (TypeError, ValueError):  # a Real that will not be a float after all
+        return None
+
+
+def as_whole_number(value: object) -> int | None:
+    """``value`` as an ``int`` where it is a whole number of any numeric type (not a ``bool``), else ``None``.
+
+    An integer of any type (:func:`as_integer`), or a finite real number equal to a whole number (``3.0``, a numpy
+    ``float64(3.0)``, a 0-d float tensor); not NaN, an infinity or ``3.7``.
+
+    >>> as_whole_number(3), as_whole_number(3.0), as_whole_number(3.7), as_whole_number(float("nan"))
+    (3, 3, None, None)
+    """
+    integer = as_integer(value)
+    if integer is not None:
+        return integer
+    number = value if type(value) is float else as_real(value)  # a float, the common case, fast
+    if number is None or not math.isfinite(number) or not number.is_integer():
+        return None
+    return int(number)
+
+
+def shown(value: object, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a long list, a number of 400 digits) for a message.
+
+    >>> shown(list(range(100)), limit=20)
+    '[0, 1, 2, 3, 4, 5...'
+    """
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def require_size(owner: str, name: str, value: object, unit_bytes: int, unit: str) -> None:
     """Raise ``ValueError`` unless ``value``, a size in ``unit`` (``unit_bytes`` bytes), is 1 byte to 2**64 bytes.
 
@@ -175,15 +273,23 @@ def require_trainer(owner: str, trainer: object) -> None:
     )
 
 
-def require_int_or_none(owner: str, name: str, value: object, minimum: int, none_means: str) -> None:
-    """Raise ``ValueError`` unless ``value`` is ``None`` or an integer >= ``minimum`` (``none_means``: what None does).
+def require_int_or_none(
+    owner: str, name: str, value: object, minimum: int, none_means: str, maximum: int | None = None
+) -> None:
+    """Raise ``ValueError`` unless ``value`` is ``None`` or an integer >= ``minimum`` (and <= ``maximum`` where given).
+
+    ``none_means``: what None does.
 
     >>> require_int_or_none("X", "every", None, 1, "use the Trainer's")
     >>> require_int_or_none("X", "every", 0, 1, "use the Trainer's")
     Traceback (most recent call last):
     ValueError: `X(every=0)` is not valid. Expected an integer >= 1, or None to use the Trainer's.
     """
-    if value is not None and not is_int_at_least(value, minimum):
+    if value is None:
+        return
+    if not is_int_at_least(value, minimum) or (maximum is not None and value > maximum):  # type: ignore[operator]
+        expected = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
         raise ValueError(
-            f"`{owner}({name}={value!r})` is not valid. Expected an integer >= {minimum}, or None to {none_means}."
+            f"`{owner}({name}={value!r})` is not valid. Expected an integer {expected}{_python_int(value)}, or None"
+            f" to {none_means}."
         )

@@ -208,7 +208,7 @@ class BatchSizeTuner(Callback):
             )
         if not isinstance(batch_arg_name, str) or not batch_arg_name:
             raise ValueError(f"`BatchSizeTuner(batch_arg_name={batch_arg_name!r})` is not valid. Expected a name.")
-        if method not in METHODS:
+        if not isinstance(method, str) or method not in METHODS:
             raise ValueError(f"`BatchSizeTuner(method={method!r})` is not valid. Expected one of {METHODS}.")
         require_length_fn("BatchSizeTuner", length_fn)
         require_fraction("BatchSizeTuner", "shape_margin", shape_margin, none_ok=True)

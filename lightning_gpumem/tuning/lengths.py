@@ -8,15 +8,21 @@ so they pad as the fit will.
 
 from __future__ import annotations
 
+import itertools
+import numbers
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_gpumem._core.batching import MAX_LENGTH
+from lightning_gpumem._core.checks import as_whole_number, plain_scalar, shown
+
 LengthFn = Callable[[Any], int] | str
 """How a sample's size is measured: a function of the sample, or the key (or attribute) of a field holding the
-length, or the sequence whose ``len`` is the length."""
+length, or the sequence whose ``len`` is the length. What it gives must be a whole number from 0 to 2**53 of any
+numeric type, or a sequence (:func:`sample_length`)."""
 
 SCAN_SECONDS = 30.0  # a scan longer than this stops, and the trials use the longest samples scanned so far
 
@@ -62,33 +68,132 @@ class Lengths:
         return _found(kept, self.total, self.seconds)
 
 
-def sample_length(sample: Any, length_fn: LengthFn) -> int:
+def sample_length(sample: Any, length_fn: LengthFn, index: int | None = None) -> int:
     """The length of one sample, measured by ``length_fn``.
 
-    >>> sample_length({"input_ids": [5, 6, 7]}, "input_ids")
-    3
-    >>> sample_length({"n": 12}, "n")
-    12
-    >>> sample_length([1, 2], len)
-    2
+    ``length_fn`` may give a whole number of any numeric type (a Python or numpy integer, ``3.0``, a 0-d tensor), from
+    0 to :data:`~lightning_gpumem._core.batching.MAX_LENGTH`, or a sequence (a list, a tensor) whose length is the
+    sample's. Anything else is refused, naming ``length_fn``, the sample and what it gave: a ``bool``, text (a ``str``
+    or ``bytes``: its characters are not its tokens; a function may say they are), a mapping or ``None``
+    (``TypeError``); NaN, an infinity or ``3.7`` (``TypeError``: not a whole number); a negative
+    or astronomically long length (``ValueError``). A key or attribute the sample lacks raises a ``ValueError`` that
+    names them, chained to the ``KeyError``/``AttributeError``; an error of the user's own code (the function) is
+    raised unchanged, with a note naming ``length_fn`` and the sample.
+
+    Args:
+        sample: the dataset's sample (``dataset[index]``).
+        length_fn: see :data:`LengthFn`.
+        index: the sample's index in its dataset, for the messages (``None``: not known).
+
+    Returns:
+        The length.
+
+    Raises:
+        TypeError: ``length_fn`` gave no whole number and no sequence.
+        ValueError: ``length_fn`` gave a negative or too long length, or could not be applied to the sample.
+
+    Example:
+        >>> sample_length({"input_ids": [5, 6, 7]}, "input_ids")
+        3
+        >>> sample_length({"n": 12}, "n")
+        12
+        >>> sample_length([1, 2], len)
+        2
+        >>> sample_length({"n": 12}, "tokens", index=4)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: `length_fn='tokens'` found no key 'tokens' in sample 4 (type dict, keys 'n'). Expected ...
     """
-    if isinstance(length_fn, str):
-        value = sample[length_fn] if isinstance(sample, Mapping) else getattr(sample, length_fn)
-    else:
-        value = length_fn(sample)
-    if isinstance(value, bool):
-        raise TypeError(f"`length_fn` gave {value!r} for a sample; expected a non-negative integer (or a sequence).")
-    if not isinstance(value, int):
+    value = _apply(sample, length_fn, index)
+    if type(value) is int and 0 <= value <= MAX_LENGTH:  # the common case, fast
+        return value
+    number = plain_scalar(value)
+    if isinstance(number, (str, bytes)):  # text, not yet tokens
+        raise TypeError(
+            f"{_gave(length_fn, value, index)}. Expected {_EXPECTED}; not text (where its characters are its"
+            " length, say so: `length_fn=lambda sample: len(sample[...])`)."
+        )
+    if isinstance(number, (bool, Mapping)) or number is None:
+        raise TypeError(f"{_gave(length_fn, value, index)}. Expected {_EXPECTED}.")
+    if isinstance(number, numbers.Real):
+        whole = as_whole_number(number)
+        if whole is None:
+            raise TypeError(f"{_gave(length_fn, value, index)}: not a whole number. Expected {_EXPECTED}.")
+    elif getattr(value, "ndim", 1) != 0 and isinstance(value, Sized):
         try:
-            value = int(value) if getattr(value, "ndim", 1) == 0 else len(value)
-        except TypeError:
-            raise TypeError(
-                f"`length_fn` gave {type(value).__name__} for a sample; expected a non-negative integer (or a"
-                " sequence whose length is the sample's)."
-            ) from None
-    if value < 0:
-        raise ValueError(f"`length_fn` gave {value} for a sample; expected a non-negative integer.")
-    return int(value)
+            whole = len(value)
+        except TypeError:  # sized, yet without a length
+            raise TypeError(f"{_gave(length_fn, value, index)}. Expected {_EXPECTED}.") from None
+    else:
+        raise TypeError(f"{_gave(length_fn, value, index)}. Expected {_EXPECTED}.")
+    if not 0 <= whole <= MAX_LENGTH:
+        raise ValueError(f"{_gave(length_fn, value, index)}. Expected {_EXPECTED}.")
+    return whole
+
+
+_EXPECTED = (
+    f"a whole number from 0 to 2**{MAX_LENGTH.bit_length() - 1} (the sample's length), or a sequence whose length is"
+    " the sample's"
+)
+
+
+def _name(length_fn: LengthFn) -> str:
+    """``length_fn`` as a message shows it: a key's repr, a function's name (without the function it is local to)."""
+    if isinstance(length_fn, str):
+        return repr(length_fn)
+    name = getattr(length_fn, "__qualname__", None) or type(length_fn).__name__
+    return str(name).rsplit("<locals>.", 1)[-1]
+
+
+def _sample(index: int | None) -> str:
+    return "a sample" if index is None else f"sample {index}"
+
+
+def _gave(length_fn: LengthFn, value: object, index: int | None) -> str:
+    return f"`length_fn={_name(length_fn)}` gave {shown(value)} (type {type(value).__name__}) for {_sample(index)}"
+
+
+def _apply(sample: Any, length_fn: LengthFn, index: int | None) -> Any:
+    """What ``length_fn`` gives for ``sample``: its value (a key or an attribute) or the function's result.
+
+    A key or an attribute the sample lacks raises a ``ValueError`` naming ``length_fn`` and the sample, chained to the
+    ``KeyError``/``AttributeError``. An error raised by the user's own code (the function, a mapping's or a property's
+    code) is the user's: it is raised unchanged, with a note naming ``length_fn`` and the sample.
+    """
+    try:
+        if not isinstance(length_fn, str):
+            return length_fn(sample)
+        if isinstance(sample, Mapping):
+            try:
+                return sample[length_fn]
+            except KeyError as error:
+                if length_fn in sample:  # the mapping's own code raised it
+                    raise
+                keys = ", ".join(repr(key) for key in itertools.islice(sample, 8))
+                keys += ", ..." if len(sample) > 8 else ""
+                raise _Missing(
+                    f"`length_fn={length_fn!r}` found no key {length_fn!r} in {_sample(index)} (type"
+                    f" {type(sample).__name__}, keys {keys or 'none'}). Expected the key of a field every sample has,"
+                    " or a function of a sample returning its length."
+                ) from error
+        try:
+            return getattr(sample, length_fn)
+        except AttributeError as error:
+            if hasattr(type(sample), length_fn):  # a property whose own code raised it
+                raise
+            raise _Missing(
+                f"`length_fn={length_fn!r}` found no attribute {length_fn!r} on {_sample(index)} (type"
+                f" {type(sample).__name__}). Expected the key (or attribute) of a field every sample has, or a"
+                " function of a sample returning its length."
+            ) from error
+    except _Missing:
+        raise
+    except Exception as error:  # the user's own error: unchanged, with where it came from
+        error.add_note(f"(raised by `length_fn={_name(length_fn)}` for {_sample(index)})")
+        raise
+
+
+class _Missing(ValueError):
+    """A key or attribute ``length_fn`` names that a sample lacks."""
 
 
 def scan_lengths(
@@ -105,6 +210,12 @@ def scan_lengths(
     Returns:
         The indices, longest scanned first.
 
+    Raises:
+        TypeError: ``length_fn`` gave no length for a sample (see :func:`sample_length`; the message names
+            ``length_fn``, the sample's index and what it gave).
+        ValueError: ``length_fn`` gave a negative or too long length, or names a key a sample lacks (the error
+            chained as ``__cause__``).
+
     Example:
         >>> found = scan_lengths([[1], [1, 2, 3], [1, 2]], len)
         >>> found.order, found.longest, found.complete
@@ -116,7 +227,7 @@ def scan_lengths(
     start = time.perf_counter()
     lengths: dict[int, int] = {}
     for count, index in enumerate(indices):
-        lengths[index] = sample_length(dataset[index], length_fn)
+        lengths[index] = sample_length(dataset[index], length_fn, index)
         if count % 64 == 63 and time.perf_counter() - start > max_seconds:
             break
     return _found(lengths, total, time.perf_counter() - start)

@@ -136,4 +136,4 @@ def fingerprint(dataset: Any, length_fn: LengthFn) -> tuple[Any, ...]:
     """What tells a dataset apart from another: its type, length and the lengths of eight samples spread over it."""
     n = len(dataset)
     spread = sorted({i * (n - 1) // 7 for i in range(8)}) if n else []
-    return (type(dataset).__qualname__, n, tuple(sample_length(dataset[i], length_fn) for i in spread))
+    return (type(dataset).__qualname__, n, tuple(sample_length(dataset[i], length_fn, i) for i in spread))

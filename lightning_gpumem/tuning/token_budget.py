@@ -20,8 +20,7 @@ Why it is built this way:
 from __future__ import annotations
 
 import math
-import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -29,13 +28,16 @@ import torch
 from torch.utils.data import BatchSampler, DistributedSampler, Sampler
 
 from lightning_gpumem._core import batching
-from lightning_gpumem._core.batching import COSTS, Cost, batch_cost
+from lightning_gpumem._core.batching import COSTS, MAX_LENGTH, MAX_REPLICAS, Cost, batch_cost
 from lightning_gpumem._core.checks import (
+    as_integer,
+    as_real,
+    as_whole_number,
     is_collection,
-    is_finite_number,
     require_flags,
     require_int,
     require_int_or_none,
+    shown,
 )
 
 _OWNER = "TokenBudgetSampler"
@@ -61,21 +63,30 @@ class TokenBudgetSampler(BatchSampler):
     average tokens per batch, which ``max_tokens`` sets.
 
     Args:
-        lengths: every sample's length, by dataset index (a list, a numpy array or a tensor of non-negative
-            integers); copied.
-        max_tokens: the budget of one batch, in tokens (see ``cost``); at least :attr:`min_tokens`. A plain attribute:
-            changing it takes effect at the next ``iter()``/``len()``.
+        lengths: every sample's length, by dataset index (a list, a numpy array or a tensor of whole numbers from 0 to
+            2**53, of any numeric type: ``3.0`` is taken, ``3.5``, NaN and ``True`` are not); copied.
+        max_tokens: the budget of one batch, in tokens (see ``cost``): an integer (Python's, numpy's or a 0-d tensor)
+            of at least :attr:`min_tokens`. A plain attribute: changing it takes effect at the next
+            ``iter()``/``len()``.
         sampler: where Lightning injects its ``DistributedSampler``: its ``num_replicas``, ``rank``, ``seed`` and
             epoch are used and its order is ignored. Any other sampler is ignored (Lightning injects the loader's
             ``SequentialSampler`` when predicting). ``None``: the sampler keeps the epoch itself.
         cost: ``"padded"`` (``n * max(L)``: padded batches) or ``"tokens"`` (``sum(L)``: packed or nested batches).
-        quadratic: weight of a term in ``L**2`` per sample: ``n * max(L)**2`` (padded) or ``sum(L**2)`` (tokens).
+        quadratic: weight of a term in ``L**2`` per sample: ``n * max(L)**2`` (padded) or ``sum(L**2)`` (tokens); a
+            finite number >= 0 small enough that the whole dataset's cost is a finite float.
         max_samples: at most this many samples in a batch (``None``: only the budget limits it).
         shuffle: shuffle the samples within a length and the order of the batches, differently each epoch.
         seed: the shuffle's seed; the same on every rank (a ``DistributedSampler``'s replaces it).
         drop_last: under DDP, round the number of batches down (skipping samples) instead of up (repeating some).
-        num_replicas: the number of ranks (``None``: ``torch.distributed``'s world size when initialized, else 1).
+        num_replicas: the number of ranks, at most 2**20 (``None``: ``torch.distributed``'s world size when
+            initialized, else 1).
         rank: this rank (``None``: ``torch.distributed``'s rank when initialized, else 0).
+
+    Raises:
+        TypeError: ``lengths`` is not a collection of whole numbers, a flag is not a ``bool``, or ``sampler`` is
+            not a sampler.
+        ValueError: any other argument is not valid (each message names the argument, its value and what was
+            expected), ``max_tokens`` is below :attr:`min_tokens`, or ``quadratic`` makes a cost beyond a float's range.
 
     Attributes:
         heaviest_first: yield this rank's batches heaviest first (the costliest, the one with the longest sample, the
@@ -114,17 +125,29 @@ class TokenBudgetSampler(BatchSampler):
     ) -> None:
         # `BatchSampler.__init__` is not called: it requires a `batch_size`, which this sampler does not have.
         self.lengths: list[int] = _as_lengths(lengths)
+        max_tokens = _integer(max_tokens)  # a numpy or tensor integer as an `int`; anything else is refused below
         require_int(_OWNER, "max_tokens", max_tokens, 1)
-        if cost not in COSTS:
-            raise ValueError(f"`{_OWNER}(cost={cost!r})` is not valid. Expected 'padded' or 'tokens'.")
-        if not is_finite_number(quadratic) or quadratic < 0:
-            raise ValueError(f"`{_OWNER}(quadratic={quadratic!r})` is not valid. Expected a finite number >= 0.")
+        if not isinstance(cost, str) or cost not in COSTS:
+            raise ValueError(f"`{_OWNER}(cost={shown(cost)})` is not valid. Expected 'padded' or 'tokens'.")
+        weight = as_real(quadratic)
+        if weight is None or not 0 <= weight < math.inf:  # NaN fails too
+            raise ValueError(f"`{_OWNER}(quadratic={shown(quadratic)})` is not valid. Expected a finite number >= 0.")
+        max_samples = _integer(max_samples)
         require_int_or_none(_OWNER, "max_samples", max_samples, 1, "let only the budget limit a batch")
         require_flags(_OWNER, shuffle=shuffle, drop_last=drop_last)
+        seed = _integer(seed)
         if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"`{_OWNER}(seed={seed!r})` is not valid. Expected an integer.")
-        require_int_or_none(_OWNER, "num_replicas", num_replicas, 1, "use torch.distributed's world size")
-        require_int_or_none(_OWNER, "rank", rank, 0, "use torch.distributed's rank")
+            raise ValueError(f"`{_OWNER}(seed={shown(seed)})` is not valid. Expected an integer.")
+        num_replicas, rank = _integer(num_replicas), _integer(rank)
+        require_int_or_none(
+            _OWNER, "num_replicas", num_replicas, 1, "use torch.distributed's world size", maximum=MAX_REPLICAS
+        )
+        require_int_or_none(_OWNER, "rank", rank, 0, "use torch.distributed's rank", maximum=MAX_REPLICAS - 1)
+        if sampler is not None and not isinstance(sampler, Sampler) and not _is_order(sampler):
+            raise TypeError(
+                f"`{_OWNER}(sampler={shown(sampler)})` is not valid. Expected None or a sampler (Lightning injects its"
+                " `DistributedSampler` here under DDP)."
+            )
         self.sampler: DistributedSampler[Any] | _EpochSampler
         if isinstance(sampler, DistributedSampler):  # Lightning's, under DDP: its ranks and seed, not its order
             _check_dataset_size(sampler, len(self.lengths))
@@ -134,9 +157,10 @@ class TokenBudgetSampler(BatchSampler):
             self.sampler = _EpochSampler(len(self.lengths))
         if num_replicas is not None and rank is not None and rank >= num_replicas:
             raise ValueError(f"`{_OWNER}(rank={rank})` is not valid. Expected a rank < num_replicas={num_replicas}.")
+        _check_finite_cost(self.lengths, cost, weight)
         self.max_tokens = max_tokens
         self.cost: Cost = cost
-        self.quadratic = float(quadratic)
+        self.quadratic = weight
         self.max_samples = max_samples
         self.shuffle = shuffle
         self.seed = seed
@@ -199,10 +223,9 @@ class TokenBudgetSampler(BatchSampler):
         )
         plan = self._plans.get(key)
         if plan is None:
-            self._check_budget(budget)
             plan = batching.plan_batches(
                 self.lengths,
-                budget,
+                self._check_budget(budget),
                 cost=self.cost,
                 quadratic=self.quadratic,
                 max_samples=self.max_samples,
@@ -245,16 +268,18 @@ class TokenBudgetSampler(BatchSampler):
     def __len__(self) -> int:
         return len(self.plan()) // self.num_replicas
 
-    def _check_budget(self, max_tokens: object) -> None:
-        """``max_tokens`` (a plain attribute, or a budget asked about) is an integer that holds the longest sample."""
-        require_int(_OWNER, "max_tokens", max_tokens, 1)
-        if max_tokens < self.min_tokens:  # type: ignore[operator]
+    def _check_budget(self, max_tokens: object) -> int:
+        """``max_tokens`` (a plain attribute, or a budget asked about) as an ``int`` that holds the longest sample."""
+        budget = _integer(max_tokens)
+        require_int(_OWNER, "max_tokens", budget, 1)
+        if budget < self.min_tokens:
             longest = max(self.lengths)
             raise ValueError(
-                f"`{_OWNER}(max_tokens={max_tokens})` is not valid: sample {self.lengths.index(longest)} of"
+                f"`{_OWNER}(max_tokens={budget})` is not valid: sample {self.lengths.index(longest)} of"
                 f" length {longest} alone costs {self.min_tokens} ({self.cost!r} cost). Expected an integer >="
                 f" {self.min_tokens} (`min_tokens`: the cost of the longest sample alone)."
             )
+        return budget
 
 
 _TRIALS = [0]  # open `heaviest_batches_first` blocks
@@ -299,37 +324,52 @@ def _world() -> tuple[int, int]:
 
 
 def _as_lengths(lengths: object) -> list[int]:
-    """``lengths`` as a list of ``int``: any collection (list, numpy array, tensor) of non-negative whole numbers."""
+    """``lengths`` as a list of ``int``: any collection (list, numpy array, tensor) of whole numbers, 0 to 2**53."""
     if not is_collection(lengths):
-        shown = repr(lengths) if len(repr(lengths)) <= 60 else f"{repr(lengths)[:57]}..."
-        raise TypeError(f"`{_OWNER}(lengths={shown})` is not valid. Expected a sequence of non-negative integers.")
+        raise TypeError(
+            f"`{_OWNER}(lengths={shown(lengths)})` is not valid. Expected a sequence of non-negative integers."
+        )
     tolist = getattr(lengths, "tolist", None)  # numpy arrays and tensors: Python numbers at once
     values = tolist() if callable(tolist) else list(lengths)
+    if not isinstance(values, list):  # a `tolist` that is not numpy's or torch's
+        values = list(lengths)
     found = []
     for index, value in enumerate(values):
-        number = _whole(value)
+        number = as_whole_number(value)
         if number is None:
             raise TypeError(
-                f"`{_OWNER}(lengths=...)` is not valid: lengths[{index}] is {value!r}. Expected a non-negative integer."
+                f"`{_OWNER}(lengths=...)` is not valid: lengths[{index}] is {shown(value)}. Expected a non-negative"
+                " integer (a whole number of any numeric type)."
             )
-        if number < 0:
+        if not 0 <= number <= MAX_LENGTH:
             raise ValueError(
-                f"`{_OWNER}(lengths=...)` is not valid: lengths[{index}] is {number}. Expected a non-negative integer."
+                f"`{_OWNER}(lengths=...)` is not valid: lengths[{index}] is {shown(value)}. Expected a non-negative"
+                " integer up to 2**53 (the longest length a float holds exactly: costs are floats)."
             )
         found.append(number)
     return found
 
 
-def _whole(value: object) -> int | None:
-    """``value`` as an ``int`` where it is a whole number (not a ``bool``), else ``None``."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        if is_finite_number(value) and float(value).is_integer():  # type: ignore[arg-type]
-            return int(value)  # type: ignore[call-overload]
-        return None
+def _integer(value: Any) -> Any:
+    """An integer of any type (numpy's, a 0-d tensor) as an ``int``; anything else as it is, for the checks."""
+    number = as_integer(value)
+    return value if number is None else number
+
+
+def _is_order(value: object) -> bool:
+    """Whether ``value`` could be a ``DataLoader``'s sampler although no ``Sampler``: an iterable of indices."""
+    return isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping))
+
+
+def _check_finite_cost(lengths: list[int], cost: Cost, quadratic: float) -> None:
+    """Every batch's cost is a finite float: the whole dataset's is, the largest any batch (or a tuner) can ask."""
+    if math.isinf(batch_cost(lengths, cost=cost, quadratic=quadratic)):
+        longest = max(lengths)
+        raise ValueError(
+            f"`{_OWNER}(quadratic={quadratic!r})` is not valid: with samples of up to {longest} tokens the cost of"
+            f" the {len(lengths)} samples together is beyond a float's range. Expected a smaller finite number >= 0"
+            " (the weight of a term in L**2 per sample)."
+        )
 
 
 def _check_dataset_size(sampler: DistributedSampler[Any], size: int) -> None:

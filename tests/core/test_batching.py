@@ -6,6 +6,7 @@ import itertools
 import random
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from lightning_gpumem._core.batching import batch_cost, heaviest_first, padding_fraction, plan_batches
@@ -247,6 +248,13 @@ def test_padding_fraction_counts_padded_positions():
         ({"lengths": [1, 2.0]}, TypeError, r"lengths\[1\] is 2.0"),
         ({"lengths": 5}, TypeError, "lengths=5"),
         ({"lengths": iter([1, 2])}, TypeError, "lengths=<list_iterator"),
+        # issue 41: astronomically long lengths, huge quadratic terms and rank counts, arrays where a name belongs
+        ({"lengths": [1, 10**400], "max_cost": 10**401}, ValueError, r"lengths\[1\] is 1000.*up to 2\*\*53"),
+        ({"lengths": [1, 2**64], "max_cost": 2**65}, ValueError, r"lengths\[1\] is 18446744073709551616"),
+        ({"quadratic": 10**400}, ValueError, "quadratic=1000"),  # was taken, then OverflowError
+        ({"quadratic": 1e308}, ValueError, r"quadratic=1e\+308\).*alone costs more than a float holds"),
+        ({"cost": np.array(["padded", "tokens"])}, ValueError, r"cost=array\(\['padded', 'tokens'\]"),  # ambiguous
+        ({"num_replicas": 2**21}, ValueError, r"num_replicas=2097152\).*from 1 to 1048576"),  # was 2**21 batches
     ],
 )
 def test_a_bad_argument_is_named_with_its_value(kwargs, error, name):
@@ -260,3 +268,13 @@ def test_batch_cost_and_heaviest_first_check_the_cost():
         batch_cost([1], cost="square")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"`heaviest_first\(quadratic=-1\)` is not valid"):
         heaviest_first([[0]], [1], quadratic=-1)
+
+
+def test_batch_cost_names_lengths_beyond_a_float_and_the_largest_taken_are_planned():
+    with pytest.raises(ValueError, match=r"`batch_cost\(lengths=\[1000.*beyond a float's range"):
+        batch_cost([10**400])  # was a raw OverflowError
+    with pytest.raises(ValueError, match=r"`batch_cost\(quadratic=1000"):
+        batch_cost([3], quadratic=10**400)  # type: ignore[arg-type]
+    assert batch_cost([2**53], quadratic=1e300) == float("inf")  # a float's own overflow: its infinity
+    assert plan_batches([3, 2**53], max_cost=10**400) == [[0, 1]]  # the longest length, a budget beyond floats
+    assert len(plan_batches([1, 2, 3], max_cost=3, num_replicas=2**20)) == 2**20

@@ -257,6 +257,139 @@ HOSTILE = [
     (MemoryProbe, {"device": "cpu", "nvml": "yes"}, TypeError, "nvml="),
     (MemoryProbe, {"device": "cpu", "host": None}, TypeError, "host="),
 ]
+
+# Issue 41: every argument of MemoryPlanner and TokenBudgetSampler, and `length_fn` of both tuners, with non-finite,
+# huge and negative numbers, bools for ints, numpy values, strings, bytes and mappings.
+TOKENS = {"lengths": [3, 5], "max_tokens": 10}
+_PLANNER = [
+    ("budgets", [NAN], ValueError),
+    ("budgets", [INF], ValueError),
+    ("budgets", [-1], ValueError),
+    ("budgets", [1e400], ValueError),
+    ("budgets", [2**70], ValueError),  # beyond 2**64 bytes
+    ("budgets", [True], TypeError),
+    ("budgets", [np.int64(2**34)], TypeError),
+    ("budgets", [np.bool_(True)], TypeError),
+    ("budgets", [""], ValueError),
+    ("budgets", [b"24GiB"], TypeError),
+    ("budgets", [{"size": "24GiB"}], TypeError),
+    ("budgets", [None], TypeError),
+    ("budgets", b"24GiB", ValueError),
+    ("budgets", {"card": "24GiB"}, ValueError),
+    ("budgets", np.array(["24GiB"]), ValueError),
+    ("budgets", ("24GiB" for _ in range(1)), ValueError),
+    ("budgets", [np.float64(0.5)], None),  # a fraction of the device
+    ("budgets", ["24 GiB", 2**64], None),  # 2**64 bytes: the largest taken
+    *(
+        (flag, value, TypeError)
+        for flag in ("validate", "stop", "include_validation")
+        for value in (NAN, np.bool_(True), "yes", b"", {}, 1)
+    ),
+    *(
+        (count, value, ValueError)
+        for count in ("init_val", "steps_per_trial")
+        for value in (NAN, INF, 1e400, -1, 0, True, np.int64(2), np.float64(2.0), "2", b"2", {}, [2])
+    ),
+    ("init_val", 2**70, None),  # the search's start: the dataset bounds it
+    ("steps_per_trial", 10**400, None),  # as many as the user asks for
+    *(("batch_arg_name", value, ValueError) for value in ("", b"batch_size", NAN, 2**70, True, {}, ["batch_size"])),
+    *(
+        ("shape_margin", value, ValueError)
+        for value in (NAN, INF, -1, 1e400, 2**70, 10**400, True, np.bool_(True), "0.2", b"", {}, [0.2])
+    ),
+    ("shape_margin", np.float64(0.1), None),
+    ("shape_margin", np.float32(0.1), None),  # was refused: any real number type is a number
+    ("shape_margin", torch.tensor(0.1), None),
+]
+_LENGTH_FNS = [
+    *((value, TypeError) for value in (5, 2**70, NAN, True, np.int64(1), "", b"input_ids", ["input_ids"], {"n": 1})),
+    (None, None),
+    (lambda sample: len(sample), None),
+    ("input_ids", None),
+    (np.str_("input_ids"), None),
+]
+_SAMPLER = [
+    ("lengths", [3, 10**400], ValueError),  # was a raw OverflowError
+    ("lengths", [3, 2**64], ValueError),
+    ("lengths", [3, NAN], TypeError),
+    ("lengths", [3, INF], TypeError),
+    ("lengths", [3, True], TypeError),
+    ("lengths", [3, "5"], TypeError),
+    ("lengths", [3, b"5"], TypeError),
+    ("lengths", [3, None], TypeError),
+    ("lengths", "35", TypeError),
+    ("lengths", {0: 3, 1: 5}, TypeError),
+    ("lengths", (n for n in [3, 5]), TypeError),
+    ("lengths", np.array(5), TypeError),
+    ("lengths", [], None),  # no sample: an empty plan
+    ("lengths", [3.0, np.float32(5.0)], None),  # whole numbers of any type
+    ("lengths", [3, np.uint64(5)], None),
+    ("max_tokens", NAN, ValueError),
+    ("max_tokens", INF, ValueError),
+    ("max_tokens", 1e400, ValueError),
+    ("max_tokens", -1, ValueError),
+    ("max_tokens", 0, ValueError),
+    ("max_tokens", "10", ValueError),
+    ("max_tokens", np.float64(10.0), ValueError),
+    ("max_tokens", np.int64(10), None),  # was refused
+    ("max_tokens", torch.tensor(10), None),
+    ("sampler", 5, TypeError),  # was ignored
+    ("sampler", "sequential", TypeError),
+    ("sampler", b"", TypeError),
+    ("sampler", {"rank": 0}, TypeError),
+    ("sampler", NAN, TypeError),
+    ("sampler", None, None),
+    ("cost", np.array(["padded", "tokens"]), ValueError),  # was numpy's "truth value of an array is ambiguous"
+    ("cost", "", ValueError),
+    ("cost", b"padded", ValueError),
+    ("cost", None, ValueError),
+    ("cost", True, ValueError),
+    ("quadratic", 1e308, ValueError),  # was a raw OverflowError
+    ("quadratic", 10**400, ValueError),
+    ("quadratic", NAN, ValueError),
+    ("quadratic", INF, ValueError),
+    ("quadratic", -1, ValueError),
+    ("quadratic", True, ValueError),
+    ("quadratic", "0.1", ValueError),
+    ("quadratic", np.float32(0.0), None),  # was refused
+    ("max_samples", 0, ValueError),
+    ("max_samples", NAN, ValueError),
+    ("max_samples", True, ValueError),
+    ("max_samples", "4", ValueError),
+    ("max_samples", 10**400, None),  # no limit in practice
+    ("max_samples", np.int64(4), None),
+    ("shuffle", np.bool_(True), TypeError),
+    ("shuffle", 1, TypeError),
+    ("shuffle", None, TypeError),
+    ("seed", NAN, ValueError),
+    ("seed", 1.0, ValueError),
+    ("seed", True, ValueError),
+    ("seed", "0", ValueError),
+    ("seed", None, ValueError),
+    ("seed", 10**400, None),  # any integer seeds `random.Random`
+    ("seed", -1, None),
+    ("seed", np.int64(3), None),
+    ("drop_last", "yes", TypeError),
+    ("drop_last", 0, TypeError),
+    ("num_replicas", 2**21, ValueError),  # was a plan of 2**21 batches
+    ("num_replicas", 10**400, ValueError),  # was a plan that never ends
+    ("num_replicas", 0, ValueError),
+    ("num_replicas", INF, ValueError),
+    ("num_replicas", True, ValueError),
+    ("rank", 10**400, ValueError),  # was taken, refused only when planned
+    ("rank", -1, ValueError),
+    ("rank", NAN, ValueError),
+    ("rank", False, ValueError),
+]
+HOSTILE += [(MemoryPlanner, {name: value}, error, f"{name}=") for name, value, error in _PLANNER]
+HOSTILE += [
+    (cls, {"length_fn": value}, error, "length_fn=")
+    for cls in (BatchSizeTuner, MemoryPlanner)
+    for value, error in _LENGTH_FNS
+]
+HOSTILE += [(TokenBudgetSampler, {**TOKENS, name: value}, error, f"{name}=") for name, value, error in _SAMPLER]
+HOSTILE.append((BatchSizeTuner, {"method": np.array(["predict", "bisect"])}, ValueError, "method="))
+
 if not torch.cuda.is_available():
     HOSTILE += [
         (MemoryProbe, {"device": 0}, ValueError, "device=0"),
@@ -265,6 +398,12 @@ if not torch.cuda.is_available():
     ]
 else:
     HOSTILE.append((MemoryProbe, {"device": f"cuda:{torch.cuda.device_count()}"}, ValueError, "device='cuda:"))
+
+
+@pytest.mark.parametrize("cls", [MemoryPlanner, TokenBudgetSampler])
+def test_the_table_tries_every_argument_of_the_planner_and_the_sampler(cls):
+    tried = {name for case in HOSTILE if not hasattr(case, "values") and case[0] is cls for name in case[1]}
+    assert tried == set(inspect.signature(cls).parameters)
 
 
 def test_the_table_covers_every_exported_class():

@@ -231,8 +231,9 @@ def test_an_error_of_length_fn_reaches_the_user_from_the_planner():
         raise KeyError("input_ids")
 
     planner = FakePlanner(probe, length_fn=broken, budgets=["16GiB"], include_validation=False)
-    with pytest.raises(KeyError, match="input_ids"):
+    with pytest.raises(KeyError, match="input_ids") as info:  # the user's own error, unchanged
         tuner_trainer(planner, max_steps=1, limit_val_batches=0).fit(model)
+    assert "`length_fn=broken`" in info.value.__notes__[0]
 
 
 def test_default_budgets_that_validate_the_same_size_give_a_plan():

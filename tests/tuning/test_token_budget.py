@@ -3,6 +3,7 @@ injection of a DistributedSampler (under DDP) and a real fit on the CPU."""
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from unittest import mock
@@ -226,6 +227,95 @@ def test_a_rank_beyond_the_world_and_a_bad_epoch_are_refused_when_planned():
         len(sampler)
     with pytest.raises(ValueError, match=r"`TokenBudgetSampler.set_epoch\(epoch=-1\)`"):
         sampler.set_epoch(-1)
+
+
+# ---------------------------------------------------------------------- hostile values (issue 41)
+HUGE = 10**400
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (
+            {"lengths": [10, HUGE]},
+            ValueError,
+            r"lengths=\.\.\.\).*lengths\[1\] is 1000.*up to 2\*\*53",
+        ),  # OverflowError
+        ({"lengths": [10, 2**64]}, ValueError, r"lengths\[1\] is 18446744073709551616.*up to 2\*\*53"),
+        ({"lengths": [10, 2**53 + 1]}, ValueError, r"lengths\[1\] is 9007199254740993"),
+        ({"lengths": [10, 1e300]}, ValueError, r"lengths\[1\] is 1e\+300"),
+        ({"lengths": np.array([10, 2**63 - 1])}, ValueError, r"lengths\[1\] is 9223372036854775807"),
+        ({"quadratic": 1e308}, ValueError, r"quadratic=1e\+308\).*beyond a float's range"),  # OverflowError
+        ({"quadratic": 1e306, "max_tokens": HUGE}, ValueError, r"quadratic=1e\+306\)"),  # OverflowError
+        ({"cost": np.array(["padded", "tokens"])}, ValueError, r"cost=array\(\['padded', 'tokens'\]"),  # ambiguous
+        ({"max_tokens": np.int64(-5)}, ValueError, r"max_tokens=-5\)"),
+        ({"num_replicas": 2**21}, ValueError, r"num_replicas=2097152\).*from 1 to 1048576"),  # was a plan of 2**21
+        ({"num_replicas": HUGE}, ValueError, r"num_replicas=1000"),  # was a plan never done (its memory)
+        ({"rank": HUGE}, ValueError, r"rank=1000"),  # was taken, refused only when planned
+        ({"sampler": 5}, TypeError, r"sampler=5\).*Expected None or a sampler"),  # was ignored
+        ({"sampler": "sequential"}, TypeError, r"sampler='sequential'\)"),
+        ({"sampler": {"rank": 0}}, TypeError, r"sampler=\{'rank': 0\}\)"),
+    ],
+    ids=lambda value: value if isinstance(value, str) else repr(value)[:40],
+)
+def test_a_hostile_argument_is_refused_by_name_never_a_raw_error(kwargs, error, match):
+    # tests/package/test_bad_arguments.py tries every argument with many more values
+    arguments = {"lengths": [10, 20, 40], "max_tokens": 100, **kwargs}
+    with pytest.raises(error, match=rf"`TokenBudgetSampler\(.*{match}"):
+        TokenBudgetSampler(**arguments)
+
+
+def test_integers_of_any_type_are_taken_as_python_ints():
+    sampler = TokenBudgetSampler(
+        np.array([10, 20, 40], dtype=np.uint16),
+        max_tokens=np.int64(100),
+        quadratic=np.float32(0.0),
+        max_samples=torch.tensor(3),
+        seed=np.int32(4),
+        num_replicas=np.int64(2),
+        rank=np.int8(1),
+    )
+    assert (sampler.max_tokens, sampler.max_samples, sampler.seed, sampler.num_replicas, sampler.rank) == (
+        100,
+        3,
+        4,
+        2,
+        1,
+    )
+    assert all(type(value) is int for value in (sampler.max_tokens, sampler.max_samples, sampler.seed))
+    assert type(sampler.quadratic) is float
+    assert (
+        list(sampler)
+        == TokenBudgetSampler([10, 20, 40], 100, max_samples=3, seed=4, num_replicas=2, rank=1).plan()[1::2]
+    )
+    assert TokenBudgetSampler([3, 5], 10, sampler=[0, 1]).plan() == [[0, 1]]  # another sampler: ignored
+
+
+def test_the_longest_length_taken_is_2_53_and_every_cost_is_a_finite_float():
+    longest = TokenBudgetSampler([3, 2**53], max_tokens=HUGE)  # a budget no batch reaches: taken
+    assert longest.min_tokens == 2**53
+    assert longest.plan() == [[0, 1]]
+    assert math.isfinite(longest.worst_cost())
+    heavy = TokenBudgetSampler([3, 2**53], max_tokens=HUGE, quadratic=1e270)
+    whole = batch_cost(heavy.lengths, cost=heavy.cost, quadratic=heavy.quadratic)  # the tuner's largest budget
+    assert math.isfinite(whole)
+    assert math.isfinite(heavy.min_tokens)
+    assert math.isfinite(heavy.worst_cost())
+    assert TokenBudgetSampler([], max_tokens=10, quadratic=1e308).plan() == []  # no sample: no cost
+    with pytest.raises(ValueError, match=r"lengths\[1\] is 9007199254740993\. Expected a non-negative integer up to"):
+        TokenBudgetSampler([3, 2**53 + 1], max_tokens=HUGE)  # was taken: costs are floats, exact up to 2**53
+
+
+def test_a_budget_set_by_hand_may_be_any_integer_and_nothing_else():
+    sampler = TokenBudgetSampler([10, 20], max_tokens=100)
+    sampler.max_tokens = np.int64(20)  # was refused when planned
+    assert sampler.plan() == plan_batches([10, 20], 20)
+    for bad in (float("inf"), 1e303, "100", np.float64(100.0), None):
+        sampler.max_tokens = bad
+        with pytest.raises(ValueError, match=r"`TokenBudgetSampler\(max_tokens="):
+            len(sampler)
+    sampler.max_tokens = HUGE
+    assert len(sampler) == 1
 
 
 # ---------------------------------------------------------------------- Lightning's DistributedSampler injection

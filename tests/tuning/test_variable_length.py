@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch import LightningModule
@@ -20,6 +21,11 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:BatchSizeTuner. stopped at the upper bound"),
     pytest.mark.filterwarnings("ignore:.*does not have many workers"),
 ]
+
+
+SEARCH = 10**9
+"""A ``max_val`` that bounds nothing: on the CPU the tuner searches only where ``max_val`` is given (else it keeps the
+size), and the search is then bounded by the dataset as it was without one."""
 
 
 def skewed_lengths(n: int = 600, seed: int = 0) -> list[int]:
@@ -86,7 +92,7 @@ class TextModel(LightningModule):
 def test_length_fn_tunes_for_the_longest_batch_and_the_whole_epoch_runs():
     lengths = skewed_lengths()
     model = TextModel(lengths)
-    tuner = BatchSizeTuner(length_fn="input_ids")
+    tuner = BatchSizeTuner(length_fn="input_ids", max_val=SEARCH)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # no "changed shape" warning: the trials ran the longest
         warnings.filterwarnings("ignore", ".*does not have many workers")
@@ -120,16 +126,76 @@ def test_a_scan_past_its_time_limit_keeps_the_samples_scanned():
 
 def test_without_length_fn_batches_that_change_shape_are_named_in_a_warning():
     model = TextModel(skewed_lengths(), limit=10**9)
-    tuner = BatchSizeTuner()
+    tuner = BatchSizeTuner(max_val=SEARCH)
     with pytest.warns(UserWarning, match=r"changed shape .*Pass `length_fn`"):
         tuner_trainer(tuner, max_steps=1).fit(model)
 
 
-def test_the_users_error_in_length_fn_reaches_the_user():
+def test_a_key_the_samples_lack_is_named_and_the_users_error_reaches_the_user():
     model = TextModel(skewed_lengths())
-    with pytest.raises(KeyError, match="tokens"):
-        tuner_trainer(BatchSizeTuner(length_fn="tokens"), max_steps=1).fit(model)
+    with pytest.raises(ValueError, match=r"`length_fn='tokens'` found no key 'tokens' in .*keys 'input_ids'") as info:
+        tuner_trainer(BatchSizeTuner(length_fn="tokens", max_val=8), max_steps=1).fit(model)
+    assert isinstance(info.value.__cause__, KeyError)  # the lookup's own error, chained
     assert model.batch_size == 2  # the original size is back
+
+
+class Measured(TextModel):
+    """Samples carry their length in ``"n"``: a numpy integer, except sample ``BAD``'s, which is ``bad``."""
+
+    BAD = 100  # not among the 8 samples a dataset is told apart by (0, 85, 171, ...): the scan finds it
+
+    def __init__(self, bad: object, **kwargs) -> None:
+        super().__init__(skewed_lengths(), **kwargs)
+        self.bad = bad
+
+    def train_dataloader(self):
+        lengths, bad, at = self.lengths, self.bad, self.BAD
+
+        class Lengths(Texts):
+            def __getitem__(self, index: int) -> dict:
+                return {**super().__getitem__(index), "n": bad if index == at else np.int64(lengths[index])}
+
+        return DataLoader(Lengths(lengths), batch_size=self.batch_size, shuffle=True, collate_fn=pad)
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        (np.float64("nan"), TypeError),
+        (torch.tensor(float("inf")), TypeError),
+        (np.float64(3.7), TypeError),  # was taken as 3
+        (np.int64(-4), ValueError),
+        (2**64, ValueError),
+        ("long", TypeError),
+        (None, TypeError),
+    ],
+    ids=repr,
+)
+def test_a_bad_length_in_a_real_fit_is_named_with_its_sample_and_value(bad, error):
+    model = Measured(bad)
+    with pytest.raises(error) as info:
+        tuner_trainer(BatchSizeTuner(length_fn="n", max_val=8), max_steps=1, limit_val_batches=0).fit(model)
+    message = str(info.value)
+    assert message.startswith(f"`length_fn='n'` gave {bad!r} (type {type(bad).__name__}) for sample 100"), message
+    assert "Expected a whole number from 0 to 2**53" in message
+    assert model.batch_size == 2  # the original size is back
+
+
+class LengthError(Exception):
+    """The user's own error, raised by their ``length_fn``."""
+
+
+def test_a_length_fn_that_raises_reaches_the_user_unchanged_with_a_note():
+    def length_of(sample):
+        if sample["n"] == 0:
+            raise LengthError("no tokens counted")
+        return sample["n"]
+
+    model = Measured(np.int64(0))
+    with pytest.raises(LengthError, match="no tokens counted") as info:  # the user's own error, not one of ours
+        tuner_trainer(BatchSizeTuner(length_fn=length_of, max_val=8), max_steps=1, limit_val_batches=0).fit(model)
+    assert "`length_fn=length_of` for sample 100" in info.value.__notes__[0]
+    assert model.batch_size == 2
 
 
 @pytest.mark.parametrize("length_fn", [5, "", b"x"])
@@ -153,7 +219,7 @@ def test_a_token_budget_is_tuned_on_the_heaviest_batches_and_the_epoch_stays_und
     lengths = skewed_lengths()
     model = TokenModel(lengths, limit=6000)
     model.max_tokens = 512
-    tuner = BatchSizeTuner(batch_arg_name="max_tokens", headroom=0.0)
+    tuner = BatchSizeTuner(batch_arg_name="max_tokens", headroom=0.0, max_val=SEARCH)
     tuner_trainer(tuner).fit(model)
     assert tuner.optimal_batch_size >= 0.98 * 6000  # the search closes to within 1% on CPU
     assert model.max_tokens == tuner.optimal_batch_size
@@ -177,7 +243,7 @@ def test_the_tuned_budget_and_its_padding_are_logged(tmp_path):
     lengths = skewed_lengths()
     model = TokenModel(lengths, limit=6000)
     model.max_tokens = 512
-    tuner = BatchSizeTuner(batch_arg_name="max_tokens")
+    tuner = BatchSizeTuner(batch_arg_name="max_tokens", max_val=SEARCH)
     tuner_trainer(tuner, logger=CSVLogger(tmp_path, name="run", version=0), max_steps=2).fit(model)
     logged = {
         key: float(value)
@@ -207,14 +273,14 @@ def test_length_fn_draws_only_the_samples_the_loaders_own_sampler_yields():
                               collate_fn=pad)  # fmt: skip
 
     model = Split(lengths)
-    tuner_trainer(BatchSizeTuner(length_fn="input_ids"), limit_val_batches=0).fit(model)
+    tuner_trainer(BatchSizeTuner(length_fn="input_ids", max_val=SEARCH), limit_val_batches=0).fit(model)
     assert 0.95 * 128 <= model.batch_size <= 4096 // 32  # the split's longest samples, 32 tokens, bound the size
 
 
 def test_a_token_budget_leaves_the_epoch_the_batches_val_check_interval_needs():
     model = TokenModel(skewed_lengths(), limit=6000)
     model.max_tokens = 512
-    trainer = tuner_trainer(BatchSizeTuner(batch_arg_name="max_tokens"), val_check_interval=5)
+    trainer = tuner_trainer(BatchSizeTuner(batch_arg_name="max_tokens", max_val=SEARCH), val_check_interval=5)
     trainer.fit(model)  # a budget whose epoch has fewer than 5 batches would make Lightning refuse the fit
     assert len(model.seen) >= 5
 
@@ -227,13 +293,13 @@ def test_a_resumed_token_budget_logs_its_keys_again(tmp_path):
     lengths = skewed_lengths()
     first = TokenModel(lengths, limit=6000)
     first.max_tokens = 512
-    trainer = tuner_trainer(BatchSizeTuner(batch_arg_name="max_tokens"), max_steps=2)
+    trainer = tuner_trainer(BatchSizeTuner(batch_arg_name="max_tokens", max_val=SEARCH), max_steps=2)
     trainer.fit(first)
     trainer.save_checkpoint(tmp_path / "last.ckpt")
     resumed = TokenModel(lengths, limit=6000)
     resumed.max_tokens = 512
     logger = CSVLogger(tmp_path, name="resumed", version=0)
-    tuner = BatchSizeTuner(batch_arg_name="max_tokens")
+    tuner = BatchSizeTuner(batch_arg_name="max_tokens", max_val=SEARCH)
     tuner_trainer(tuner, logger=logger, max_epochs=2).fit(resumed, ckpt_path=tmp_path / "last.ckpt")
     assert resumed.max_tokens == first.max_tokens
     logged = {key for row in read_csv_metrics(tmp_path / "resumed") for key, value in row.items() if value}
