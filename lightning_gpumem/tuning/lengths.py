@@ -159,41 +159,44 @@ def _apply(sample: Any, length_fn: LengthFn, index: int | None) -> Any:
     ``KeyError``/``AttributeError``. An error raised by the user's own code (the function, a mapping's or a property's
     code) is the user's: it is raised unchanged, with a note naming ``length_fn`` and the sample.
     """
-    try:
-        if not isinstance(length_fn, str):
-            return length_fn(sample)
-        if isinstance(sample, Mapping):
-            try:
-                return sample[length_fn]
-            except KeyError as error:
-                if length_fn in sample:  # the mapping's own code raised it
-                    raise
-                keys = ", ".join(repr(key) for key in itertools.islice(sample, 8))
-                keys += ", ..." if len(sample) > 8 else ""
-                raise _Missing(
-                    f"`length_fn={length_fn!r}` found no key {length_fn!r} in {_sample(index)} (type"
-                    f" {type(sample).__name__}, keys {keys or 'none'}). Expected the key of a field every sample has,"
-                    " or a function of a sample returning its length."
-                ) from error
+    note = f"(raised by `length_fn={_name(length_fn)}` for {_sample(index)})"
+    if not isinstance(length_fn, str):
         try:
-            return getattr(sample, length_fn)
-        except AttributeError as error:
-            if hasattr(type(sample), length_fn):  # a property whose own code raised it
+            return length_fn(sample)
+        except Exception as error:
+            error.add_note(note)
+            raise
+    if isinstance(sample, Mapping):
+        try:
+            return sample[length_fn]
+        except Exception as error:
+            if not isinstance(error, KeyError) or _has(sample, length_fn):  # the mapping's own code raised it
+                error.add_note(note)
                 raise
-            raise _Missing(
-                f"`length_fn={length_fn!r}` found no attribute {length_fn!r} on {_sample(index)} (type"
-                f" {type(sample).__name__}). Expected the key (or attribute) of a field every sample has, or a"
-                " function of a sample returning its length."
+            keys = ", ".join(repr(key) for key in itertools.islice(sample, 8)) + (", ..." if len(sample) > 8 else "")
+            raise ValueError(
+                f"`length_fn={length_fn!r}` found no key {length_fn!r} in {_sample(index)} (type"
+                f" {type(sample).__name__}, keys {keys or 'none'}). Expected the key of a field every sample has,"
+                " or a function of a sample returning its length."
             ) from error
-    except _Missing:
-        raise
-    except Exception as error:  # the user's own error: unchanged, with where it came from
-        error.add_note(f"(raised by `length_fn={_name(length_fn)}` for {_sample(index)})")
-        raise
+    try:
+        return getattr(sample, length_fn)
+    except Exception as error:
+        if not isinstance(error, AttributeError) or hasattr(type(sample), length_fn):  # a property's own error
+            error.add_note(note)
+            raise
+        raise ValueError(
+            f"`length_fn={length_fn!r}` found no attribute {length_fn!r} on {_sample(index)} (type"
+            f" {type(sample).__name__}). Expected the key (or attribute) of a field every sample has, or a function"
+            " of a sample returning its length."
+        ) from error
 
 
-class _Missing(ValueError):
-    """A key or attribute ``length_fn`` names that a sample lacks."""
+def _has(mapping: Mapping[Any, Any], key: str) -> bool:
+    try:
+        return key in mapping
+    except Exception:
+        return False
 
 
 def scan_lengths(

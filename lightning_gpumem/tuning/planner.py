@@ -9,6 +9,7 @@ the validation step apart, nothing left behind) and the plan is the pure :class:
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -27,7 +28,7 @@ from lightning_gpumem._core.checks import (
     require_length_fn,
     require_trainer,
 )
-from lightning_gpumem._core.plan import Plan, Prediction, ProbePoint, format_table, probe_verdict
+from lightning_gpumem._core.plan import Plan, Prediction, ProbePoint, format_table
 from lightning_gpumem._core.units import GIB, check_budget, format_gib, parse_budget
 from lightning_gpumem._hw.allocator import expandable_segments, release_to
 from lightning_gpumem._hw.oom import expecting_oom
@@ -188,8 +189,8 @@ class MemoryPlanner(Callback):
         start = time.perf_counter()
         size = _session.get_batch_size(trainer, self.batch_arg_name)
         budgets = self._budgets(trainer, total)
-        length = loaders.epoch_samples(loaders.train_loaders(trainer))
-        upper = max(1, length) if length is not None else 2**20
+        length = loaders.epoch_samples(loaders.train_loaders(trainer))  # per rank: Lightning's sampler pads
+        upper = max(1, math.ceil(length / max(1, trainer.world_size))) if length is not None else 2**20
         baseline = probe.allocated_bytes()
         longest = LongestFirst("MemoryPlanner", self.length_fn) if self.length_fn is not None else None
         drawing = longest.drawing(trainer) if longest is not None else nullcontext()
@@ -222,6 +223,9 @@ class MemoryPlanner(Callback):
         self.predictions = []
         for budget in budgets:  # the size a trial ran replaces the prediction (a back-off may have found it)
             prediction = plan.predict(size, budget)
+            beyond = prediction.largest is None or prediction.largest > upper
+            if length is not None and plan.verdict == "settled" and beyond:  # no batch holds more than an epoch draws
+                prediction = replace(prediction, largest=upper)
             if budget in validated:
                 prediction = replace(prediction, largest=validated[budget], validated=True)
             self.predictions.append(prediction)
@@ -268,8 +272,8 @@ class MemoryPlanner(Callback):
                 f"MemoryPlanner: one probe ({self.batch_arg_name}={size}) left no room for another; no plan."
             )
             return None
-        if verdict is None:  # probing reached the dataset's size: the verdict on what it measured
-            verdict = probe_verdict(points, limit, upper)[0]
+        if verdict is None:  # probing reached the samples an epoch draws: every size that can run lies between
+            verdict = "settled"  # probes, where the plan interpolates what they measured; nothing to extrapolate
         plan = plan_builder(trainer, probe, runner, self)(points, verdict)
         plan.margin = margin_for(self.shape_margin, self.length_fn is not None)
         if verdict == "not_affine":

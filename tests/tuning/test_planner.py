@@ -283,3 +283,21 @@ def test_a_token_budget_is_refused_at_fit_start_naming_what_to_use():
             tuner_trainer(FakePlanner(probe, batch_arg_name=name), max_steps=1).fit(model)
         assert model.max_tokens == 512  # was: a probe's size written into the user's budget
         assert "max_tokens=2" not in str(info.value)
+
+
+def test_probes_that_reach_the_samples_an_epoch_draws_plan_every_size_without_a_false_warning(recwarn):
+    # A plateau up to 16 samples, then 100 MiB per sample: the probes reach the 48 samples before they settle. Every
+    # size that can run lies between probes, so the plan interpolates them (was: "not on a line", no size at all).
+    probe = CappedFakeProbe(base=GIB, total=24 * GIB)
+    model = PlateauModel(probe, per_sample=100 * MIB, plateau=2 * GIB, batch_size=4, n=48)
+    planner = FakePlanner(probe, budgets=["24GiB", "4GiB"])
+    tuner_trainer(planner, max_steps=1).fit(model)
+    assert planner.plan is not None
+    assert planner.plan.verdict == "settled"
+    assert not any("not on a line" in str(w.message) for w in recwarn)
+    large, small = planner.predictions
+    assert large.largest == 48  # no batch is larger than an epoch's samples
+    assert large.validated
+    exact = (4 * GIB - OUTSIDE - GIB) // (100 * MIB)  # 27: between the probes
+    assert small.validated
+    assert 0.95 * exact <= small.largest <= exact

@@ -120,3 +120,40 @@ def test_the_tuner_predicts_validates_and_closes_in_with_real_out_of_memory_erro
         assert min(failed) - result.batch_size - 1 <= 0.02 * result.batch_size + 1
     assert model.batch_size == result.batch_size
     assert trainer.global_step == 3  # and the fit ran at it under the same cap
+
+
+class FewDraws(MLP):
+    """The MLP on 256 tokens a sample (~25 MiB of activations), through a sampler drawing 200 samples an epoch."""
+
+    def __init__(self, batch_size: int) -> None:
+        super().__init__(batch_size)
+        generator = torch.Generator().manual_seed(0)
+        self.data = TensorDataset(torch.randn(400, 256, 1024, generator=generator), torch.randint(0, 10, (400,)))
+
+    def train_dataloader(self):
+        from torch.utils.data import WeightedRandomSampler
+
+        sampler = WeightedRandomSampler([1.0] * len(self.data), num_samples=200, replacement=True)
+        return DataLoader(self.data, batch_size=self.batch_size, sampler=sampler)
+
+
+def test_default_budgets_clamped_to_the_samples_an_epoch_draws_give_a_validated_plan():
+    # Issue 41: every default budget's largest size clamps to the 200 samples the sampler draws, so the validation
+    # trials run one size several times (was: ZeroDivisionError ending the fit; sizes past 200 never ran).
+    sizes: list[int] = []
+
+    class Sizes(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            sizes.append(batch[0].shape[0])
+
+    planner = MemoryPlanner()
+    trainer = quiet_trainer(accelerator="gpu", devices=1, max_steps=2, callbacks=[planner, Sizes()])
+    trainer.fit(FewDraws(batch_size=8))
+    assert trainer.global_step == 2
+    assert planner.plan is not None
+    assert planner.plan.verdict == "settled"
+    probes = [p.size for p in planner.plan.probes]
+    assert probes == sorted(set(probes))
+    assert max(probes) <= 200
+    assert all(p.validated and p.largest == 200 for p in planner.predictions), planner.predictions
+    assert sizes[-2:] == [8, 8]  # the fit ran at its own size after the trials
