@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import torch
 from lightning.pytorch import Trainer
+from torch.utils.data import Dataset
 
 from lightning_gpumem import BatchSizeTuner
 from tests.helpers.fakes import FakeProbe
 from tests.helpers.models import OOMModel
 from tests.helpers.trainer import quiet_trainer
 
-__all__ = ["CPU_SEARCH", "CappedFakeProbe", "FakeTuner", "FragileModel", "MemoryModel", "OOMModel", "tuner_trainer"]
+__all__ = [
+    "CPU_SEARCH",
+    "CappedFakeProbe",
+    "FakeTuner",
+    "FragileModel",
+    "MemoryModel",
+    "OOMModel",
+    "Texts",
+    "pad",
+    "tuner_trainer",
+]
 
 CPU_SEARCH = 10**6
 """A ``max_val`` above every test dataset: on a CPU the tuner searches only where ``max_val`` asks it to (the tests'
@@ -66,3 +77,21 @@ class FragileModel(MemoryModel):
         if batch.shape[0] in self.fake.holes:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake fragmentation at this size)")
         return super().training_step(batch, batch_idx)
+
+
+class Texts(Dataset):
+    """Samples of ``lengths[i]`` ones under ``input_ids``: variable-length text, padded by :func:`pad`."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.lengths = lengths
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": torch.ones(self.lengths[index], dtype=torch.long)}
+
+
+def pad(samples: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """The collate function of :class:`Texts`: ``input_ids`` padded to the longest sample."""
+    return torch.nn.utils.rnn.pad_sequence([s["input_ids"] for s in samples], batch_first=True)

@@ -12,11 +12,11 @@ import random
 import pytest
 import torch
 from lightning.pytorch import LightningModule
-from torch.utils.data import DataLoader, Dataset, WeightedRandomSampler
+from torch.utils.data import DataLoader, WeightedRandomSampler
 
 from lightning_gpumem import BatchSizeTuner, MemoryPlanner
 from lightning_gpumem._core.units import GIB, MIB
-from tests.helpers.tuning import CPU_SEARCH, CappedFakeProbe, tuner_trainer
+from tests.helpers.tuning import CPU_SEARCH, CappedFakeProbe, Texts, pad, tuner_trainer
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:`weights_only` was not set"),
@@ -24,21 +24,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers"),
 ]
 N = 200
-
-
-class Texts(Dataset):
-    def __init__(self, lengths: list[int]) -> None:
-        self.lengths = lengths
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": torch.ones(self.lengths[index], dtype=torch.long)}
-
-
-def pad(samples: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-    return torch.nn.utils.rnn.pad_sequence([s["input_ids"] for s in samples], batch_first=True)
 
 
 def lengths() -> list[int]:

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 from lightning.pytorch import LightningModule
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from lightning_gpumem import BatchSizeTuner, TokenBudgetSampler
 from lightning_gpumem.tuning.lengths import sample_length, scan_lengths
-from tests.helpers.tuning import tuner_trainer
+from tests.helpers.tuning import Texts, pad, tuner_trainer
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:`weights_only` was not set"),
@@ -35,21 +35,6 @@ def skewed_lengths(n: int = 600, seed: int = 0) -> list[int]:
     for index in rng.sample(range(n), 8):
         lengths[index] = 256
     return lengths
-
-
-class Texts(Dataset):
-    def __init__(self, lengths: list[int]) -> None:
-        self.lengths = lengths
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": torch.ones(self.lengths[index], dtype=torch.long)}
-
-
-def pad(samples: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-    return torch.nn.utils.rnn.pad_sequence([s["input_ids"] for s in samples], batch_first=True)
 
 
 class TextModel(LightningModule):
