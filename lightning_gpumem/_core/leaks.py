@@ -136,20 +136,23 @@ class LeakDetector:
         history spans about ``EARLY_SAMPLES * every`` steps after the warm-up (steps 10-72 by default). A rise seen
         over less is memory settling (the allocator, optimizer state, caches) as much as a leak; a leak that outgrows
         the threshold within the early phase is flagged there, and its rate given from then on. Before a verdict the
-        rate is what the whole history and its recent half both support (the smaller of their two rises, 0 where they
-        disagree in sign): a rise that stopped, memory settling, does not keep showing as growth.
+        rate is what both the whole history and its recent half support (the smaller of their two rises, 0 where they
+        disagree in sign): a rise that stopped, memory settling, does not keep showing as growth. The
+        history must also span ``(EARLY_SAMPLES - 1) * every`` steps, however often a logging step adds a sample.
         """
         if self._flagged_rate is not None:
             return self._flagged_rate
         if self._count < EARLY_SAMPLES or len(self.samples) < MIN_SAMPLES:
             return None
+        if self.samples[-1][0] - self.samples[0][0] < (EARLY_SAMPLES - 1) * self.every:
+            return None  # samples taken every step (every step logged) span too few steps yet
         if self._rate is None:  # asked on every logging step; the samples change every few
-            whole = _rise(self.samples)[0]
-            half = self.samples[len(self.samples) // 2 :]
-            recent = _rise(half)[0] if len(half) >= MIN_SAMPLES else whole
+            n = len(self.samples)
+            rises = [_rise(self.samples[start:])[0] for start in (0, n // 2) if n - start >= MIN_SAMPLES]
             # what both the whole history and its recent half support: a rise that stopped (memory settling after
-            # the warm-up) or only just began shows as the smaller of the two; halves that disagree in sign, none
-            self._rate = 0.0 if whole * recent <= 0 else min(whole, recent, key=abs)
+            # the warm-up) or only just began shows as the smaller; halves that disagree in sign, none
+            same_sign = all(r > 0 for r in rises) or all(r < 0 for r in rises)
+            self._rate = min(rises, key=abs) if same_sign else 0.0
         return self._rate
 
     def verdict(self) -> LeakVerdict | None:

@@ -53,6 +53,7 @@ from lightning_gpumem.tuning.search import (
     largest_held,
     search_batch_size,
     search_by_plan,
+    until_data_ends,
     walk_down,
 )
 from lightning_gpumem.tuning.token_budget import TokenBudgetSampler, heaviest_batches_first
@@ -360,26 +361,24 @@ class BatchSizeTuner(Callback):
                     validate=self.include_validation,
                     accumulation_for=self._accumulation_for,
                     check_batches=BatchCheck("BatchSizeTuner", self.batch_arg_name) if tokens is None else None,
+                    counts_samples=tokens is None,
                 )
                 try:
                     with expecting_oom(), self._heaviest_first(trainer, tokens):  # OOMs are the search's plan
-                        if self.method == "predict":  # probe, predict, validate, close in
-                            result = search_by_plan(
-                                self._raising(runner),
-                                init_val=init_val,
-                                upper=upper,
-                                limit_bytes=limit,
-                                max_trials=MAX_TRIALS,
-                                make_plan=plan_builder(trainer, probe, runner, self),
+                        make_plan = plan_builder(trainer, probe, runner, self)
+
+                        def search(run: Callable[[int], Trial], top: int) -> SearchResult:
+                            if self.method == "predict":  # probe, predict, validate, close in
+                                return search_by_plan(
+                                    run, init_val=init_val, upper=top, limit_bytes=limit, max_trials=MAX_TRIALS,
+                                    make_plan=make_plan,
+                                )  # fmt: skip
+                            # search: the largest size that runs in the budget
+                            return search_batch_size(
+                                run, init_val=init_val, upper=top, limit_bytes=limit, max_trials=MAX_TRIALS
                             )
-                        else:  # search: the largest size that runs in the budget
-                            result = search_batch_size(
-                                self._raising(runner),
-                                init_val=init_val,
-                                upper=upper,
-                                limit_bytes=limit,
-                                max_trials=MAX_TRIALS,
-                            )
+
+                        result = until_data_ends(search, self._raising(runner), upper)
                         result = self._leave_headroom(self._raising(runner), result, limit)
                 finally:
                     if previous_fraction is not None:
@@ -605,7 +604,7 @@ class BatchSizeTuner(Callback):
         columns = ["batch size", "outcome", "reserved GiB", "training allocated GiB", "validation allocated GiB"]
         columns.append("seconds")
         rows: list[list[object]] = [
-            [t.batch_size, "ok" if t.fits else "OOM", gib(t.peak_bytes), gib(t.train_peak_bytes)] for t in result.trials
+            [t.batch_size, _outcome(t), gib(t.peak_bytes), gib(t.train_peak_bytes)] for t in result.trials
         ]
         for row, t in zip(rows, result.trials, strict=True):
             row.extend([gib(t.val_peak_bytes), f"{t.seconds:.2f}"])
@@ -691,6 +690,12 @@ class BatchSizeTuner(Callback):
             self._yaml_path = path
         except OSError as error:
             rank_zero_warn(f"BatchSizeTuner: could not write {path} ({error!r}).")
+
+
+def _outcome(trial: Trial) -> str:
+    if not trial.fits:
+        return "OOM"
+    return "ok" if trial.ran_its_size else f"short: {trial.samples} samples"
 
 
 def _shown(shapes: tuple[tuple[int, ...], ...]) -> str:

@@ -31,8 +31,10 @@ class TrialRunner:
         steps: optimizer steps per trial.
         validate: run one validation batch where the fit validates.
         accumulation_for: ``accumulate_grad_batches`` for a size.
-        check_batches: called with the size, the samples of each training batch and the dataset's length (to refuse
-            a ``batch_arg_name`` that does not set the batch size).
+        check_batches: called with the size, the samples of each training batch, the dataset's length and whether
+            the data ran out short of the size (to refuse a ``batch_arg_name`` that does not set the batch size).
+        counts_samples: the size is a number of samples a batch holds (``False`` for a token budget): each trial
+            then records the samples its largest batch held (:attr:`Trial.samples`).
     """
 
     def __init__(
@@ -43,7 +45,8 @@ class TrialRunner:
         steps: int,
         validate: bool,
         accumulation_for: Callable[[int], int],
-        check_batches: Callable[[int, list[int], int | None], None] | None = None,
+        check_batches: BatchCheck | None = None,
+        counts_samples: bool = True,
     ) -> None:
         self.session = session
         self.probe = probe
@@ -51,6 +54,7 @@ class TrialRunner:
         self.validate = validate
         self.accumulation_for = accumulation_for
         self.check_batches = check_batches
+        self.counts_samples = counts_samples  # the size is a number of samples (not a token budget)
         self.baseline = probe.allocated_bytes()  # what each trial starts from, and the search ends at
         self.state_bytes: int | None = None  # the optimizers' state at the end of the last trial's training steps
 
@@ -76,9 +80,11 @@ class TrialRunner:
         fits = session.run()
         seconds = time.perf_counter() - start
         after = probe.read(nvml=False, host=False).alloc_retries
+        largest_batch = max(session.batches_seen, default=None) if self.counts_samples else None
+        # an epoch that ended on a batch short of the size: the data holds no more, whatever the attribute does
+        data_ended = session.epoch_ended and largest_batch is not None and largest_batch < size
         if self.check_batches is not None:
-            self.check_batches(size, session.batches_seen, session.dataset_samples)
-        largest_batch = max(session.batches_seen, default=None)
+            self.check_batches(size, session.batches_seen, session.dataset_samples, data_ended=data_ended)
         end = list(probe.read_peaks())
         if session.validated:
             train_peaks, val_peaks = train, end
@@ -126,8 +132,14 @@ class BatchCheck:
         self.name = batch_arg_name
         self.seen: dict[int, tuple[int, int | None]] = {}  # size: (largest batch, dataset length)
 
-    def __call__(self, size: int, seen: list[int], samples: int | None) -> None:
-        """Check the trial at ``size``: ``seen``, its training batches' samples; ``samples``, the dataset's length."""
+    def __call__(self, size: int, seen: list[int], samples: int | None, *, data_ended: bool = False) -> None:
+        """Check the trial at ``size``: ``seen``, its training batches' samples; ``samples``, the dataset's length.
+
+        ``data_ended``: the trial's epoch ended on a batch short of ``size`` (an iterable dataset or a sampler without
+        a length that holds fewer samples): the data, not the attribute, bounded it, so it proves nothing.
+        """
+        if data_ended:
+            return
         largest, name = max(seen, default=-1), self.name
         fix = (
             f" Build the dataloader's batch size from it (`DataLoader(..., batch_size=self.{name})`), or pass the"

@@ -205,11 +205,13 @@ class MemoryPlanner(Callback):
                     check_batches=BatchCheck("MemoryPlanner", self.batch_arg_name),
                 )
                 run = longest.raising(runner) if longest is not None else runner
-                plan = self._probe(run, runner, trainer, probe, total, upper)
+                plan, data_bound = self._probe(run, runner, trainer, probe, total, upper)
+                upper = data_bound or upper
                 self.probe_seconds = time.perf_counter() - start
                 validated: dict[int, int] = {}
                 if plan is not None:
-                    validated, measured = self._validate(run, probe, plan, budgets, total, upper)
+                    validated, measured, held = self._validate(run, probe, plan, budgets, total, upper)
+                    data_bound, upper = (held, held) if held < upper else (data_bound, upper)
                     if measured:  # the sizes that ran far out refine the line: between them it interpolates
                         sizes = {p.size for p in plan.probes}
                         extra = [p for p in measured if p.size not in sizes]
@@ -224,7 +226,8 @@ class MemoryPlanner(Callback):
         for budget in budgets:  # the size a trial ran replaces the prediction (a back-off may have found it)
             prediction = plan.predict(size, budget)
             beyond = prediction.largest is None or prediction.largest > upper
-            if length is not None and plan.verdict == "settled" and beyond:  # no batch holds more than an epoch draws
+            bounded = length is not None or data_bound is not None
+            if bounded and plan.verdict == "settled" and beyond:  # no batch holds more than an epoch draws
                 prediction = replace(prediction, largest=upper)
             if budget in validated:
                 prediction = replace(prediction, largest=validated[budget], validated=True)
@@ -256,22 +259,33 @@ class MemoryPlanner(Callback):
 
     def _probe(
         self, run: Callable[[int], Trial], runner: TrialRunner, trainer: pl.Trainer, probe: Any, total: int, upper: int
-    ) -> Plan | None:
-        """Probe from ``init_val``, doubling, until the line settles; the plan, or ``None`` with a warning."""
+    ) -> tuple[Plan | None, int | None]:
+        """Probe from ``init_val``, doubling, until the line settles; the plan (``None`` with a warning).
+
+        Also the samples the data holds where a probe's batches found fewer than its size (an iterable dataset, a
+        sampler without a length): the largest batch there is, probed too (``None``: not met).
+        """
         limit = probe.usable_bytes() or total
         probed = probe_until_line(run, init_val=self.init_val, upper=upper, limit=limit)
         points, verdict, size = probed.points, probed.verdict, probed.size
+        data_bound = probed.samples if probed.stop == "data" and probed.samples else None
+        if data_bound is not None and (not points or data_bound > points[-1].size):
+            trial = run(data_bound)  # the whole of the data in one batch: every size that can run is probed
+            point = probe_point(trial)
+            if accepted(trial, limit) and point is not None:
+                points = [*points, point]
+            probed = replace(probed, stop="upper")  # the plan covers every size the data can fill
         if probed.stop in ("rejected", "unmeasured"):
             what = "ran out of memory" if probed.stop == "rejected" else "measured no peak"
             rank_zero_warn(
                 f"MemoryPlanner: the probe at {self.batch_arg_name}={size} {what}; no plan. Lower `init_val`."
             )
-            return None
+            return None, data_bound
         if len(points) < 2:
             rank_zero_warn(
                 f"MemoryPlanner: one probe ({self.batch_arg_name}={size}) left no room for another; no plan."
             )
-            return None
+            return None, data_bound
         if verdict is None:  # probing reached the samples an epoch draws: every size that can run lies between
             verdict = "settled"  # probes, where the plan interpolates what they measured; nothing to extrapolate
         plan = plan_builder(trainer, probe, runner, self)(points, verdict)
@@ -283,14 +297,19 @@ class MemoryPlanner(Callback):
                 " data-dependent padding?), so the plan cannot predict larger sizes. Use `BatchSizeTuner`, which"
                 f" searches where it cannot predict.{tip}"
             )
-        return plan
+        return plan, data_bound
 
     def _validate(
         self, runner: Callable[[int], Trial], probe: Any, plan: Plan, budgets: list[int], total: int, upper: int
-    ) -> tuple[dict[int, int], list[ProbePoint]]:
-        """Run each budget's largest size under that budget; the size that ran per budget, and what those measured."""
+    ) -> tuple[dict[int, int], list[ProbePoint], int]:
+        """Run each budget's largest size under that budget.
+
+        Returns the size that ran per budget, what those trials measured, and the largest batch the data can make
+        (``upper``, or fewer where a trial's batches found the data ending short of its size: that size is not one
+        that ran, and the data's largest batch is tried in its place).
+        """
         if not self.validate or plan.verdict != "settled":
-            return {}, []
+            return {}, [], upper
         ran: dict[int, int] = {}
         measured: list[ProbePoint] = []
         for budget in budgets:
@@ -303,21 +322,18 @@ class MemoryPlanner(Callback):
             try:
                 tries = itertools.islice(itertools.chain([size], back_off_sizes(plan, size, 0)), VALIDATION_TRIES)
                 for size in tries:  # the prediction, then 6%, 12%... less live memory than it
-                    trial = runner(size)
-                    if not trial.ran_its_size:  # the loader could not fill it: not a size that ran
-                        rank_zero_warn(
-                            f"MemoryPlanner: the trial at {self.batch_arg_name}={size} ran batches of"
-                            f" {trial.samples} samples (its sampler yields no more), so it validates nothing."
-                        )
-                        break
+                    trial = runner(min(size, upper))
+                    if trial.fits and not trial.ran_its_size and trial.samples:  # the data ended short of it
+                        upper = trial.samples
+                        trial = runner(upper)
                     if accepted(trial, limit):
-                        ran[budget] = size
+                        ran[budget] = trial.batch_size
                         point = probe_point(trial)
                         measured += [point] if point is not None and trial.retries in (None, 0) else []
                         break
             finally:
                 probe.set_memory_fraction(previous)
-        return ran, measured
+        return ran, measured, upper
 
     def _report(self, trainer: pl.Trainer, plan: Plan, size: int) -> None:
         name = self.batch_arg_name

@@ -98,8 +98,13 @@ class Trial:
 
 
 def accepted(trial: Trial, limit_bytes: int | None) -> bool:
-    """The trial ran without OOM and, if a limit is given, its measured peak is at most the limit."""
-    return trial.fits and (limit_bytes is None or trial.peak_bytes is None or trial.peak_bytes <= limit_bytes)
+    """The trial ran its size without OOM and, if a limit is given, its measured peak is at most the limit.
+
+    A trial whose batches held fewer samples than its size (the data ran out) did not run that size.
+    """
+    if not (trial.fits and trial.ran_its_size):
+        return False
+    return limit_bytes is None or trial.peak_bytes is None or trial.peak_bytes <= limit_bytes
 
 
 @dataclass(frozen=True)
@@ -191,7 +196,7 @@ class MemoryModel:
     growth: Fraction = field(init=False)
 
     def __post_init__(self) -> None:
-        accepted = [t for t in self.trials if t.fits]
+        accepted = [t for t in self.trials if t.fits and t.ran_its_size]
         self.reserved = fit_line((t.batch_size, t.peak_bytes) for t in accepted if t.peak_bytes is not None)
         allocated = fit_line((t.batch_size, t.allocated_bytes) for t in accepted if t.allocated_bytes is not None)
         stages = [
@@ -590,15 +595,17 @@ class Probed:
         points: the accepted probes, by size.
         verdict: the probes' verdict (``None`` where probing stopped first).
         stop: why probing stopped before a verdict: ``"rejected"`` (the last size ran out of memory or peaked over
-            the limit), ``"unmeasured"`` (it measured no peak, as on a CPU), ``"upper"`` (it reached ``upper``), or
-            ``""``.
+            the limit), ``"unmeasured"`` (it measured no peak, as on a CPU), ``"upper"`` (it reached ``upper``),
+            ``"data"`` (its batches held fewer samples than the size: the data ran out), or ``""``.
         size: the last size probed.
+        samples: with ``"data"``, the samples the data held: no batch can be larger.
     """
 
     points: list[ProbePoint]
     verdict: Verdict | None
     stop: str
     size: int
+    samples: int | None = None
 
 
 def probe_until_line(
@@ -617,6 +624,8 @@ def probe_until_line(
             on_move(Proposal(Move.PROBE, size, "a probe of the plan: small sizes until memory is a line"))
         trial = run(size)
         point = probe_point(trial)
+        if trial.fits and not trial.ran_its_size:
+            return Probed(points, None, "data", size, trial.samples)
         if not accepted(trial, limit):
             return Probed(points, None, "rejected", size)
         if point is None:
@@ -628,6 +637,51 @@ def probe_until_line(
         if verdict != "more" or nxt is None:
             return Probed(points, verdict, "", size)
         size = nxt
+
+
+class DataEnds(Exception):
+    """A trial's batches held fewer samples than its size: the data holds no larger batch than ``samples``."""
+
+    def __init__(self, samples: int) -> None:
+        super().__init__(samples)
+        self.samples = samples
+
+
+def until_data_ends(
+    search: Callable[[Callable[[int], Trial], int], SearchResult], run_trial: Callable[[int], Trial], upper: int
+) -> SearchResult:
+    """``search(run, upper)``; where a trial finds the data ending short of its size, the search again up to there.
+
+    Where the loader's samples per epoch are not known beforehand (an iterable dataset, a sampler without a length),
+    a size past them runs the batch the data can make, not the size: no search may take it for that size. Each size
+    runs once across the searches; the result holds every trial in the order they ran.
+
+    >>> def run(bs):  # the data holds 100 samples; 1 GiB + 0.1 GiB a sample
+    ...     return Trial(bs, fits=True, peak_bytes=2**30 + min(bs, 100) * 2**30 // 10, samples=min(bs, 100))
+    >>> until_data_ends(lambda r, u: search_batch_size(r, upper=u, limit_bytes=24 * 2**30), run, 4096).batch_size
+    100
+    """
+    ran: dict[int, Trial] = {}
+
+    def run(size: int) -> Trial:
+        if size not in ran:
+            ran[size] = run_trial(size)
+        trial = ran[size]
+        if trial.fits and not trial.ran_its_size and trial.samples:
+            raise DataEnds(trial.samples)
+        return trial
+
+    note = ""
+    while True:
+        try:
+            result = search(run, upper)
+            break
+        except DataEnds as ended:
+            upper = min(upper - 1, ended.samples)  # every pass lowers it: the loop ends
+            note = f"the data makes batches of {ended.samples} samples at most: searched up to that"
+            if upper < 1:
+                raise ValueError("the training data gave an empty batch: nothing to search") from ended
+    return replace(result, trials=tuple(ran.values()), note=note or result.note)
 
 
 def back_off_sizes(plan: Plan, size: int, floor: int) -> Iterator[int]:

@@ -227,6 +227,11 @@ class TrialSession:
         return self.callback.batch_sizes if self.callback is not None else []
 
     @property
+    def epoch_ended(self) -> bool:
+        """Whether the last trial drew the last batch of an epoch (its data ran out within the trial)."""
+        return self.callback is not None and self.callback.epoch_ended
+
+    @property
     def dataset_samples(self) -> int | None:
         """Samples in the last trial's training dataset (``None``: no length)."""
         return self.callback.dataset_samples if self.callback is not None else None
@@ -263,6 +268,7 @@ class _TrialCallback(Callback):
         self.shapes: list[tuple[tuple[int, ...], ...]] = []  # each batch's tensor shapes, less the first dimension
         self.dataset_samples: int | None = None  # samples in the trial's training dataset
         self.validated = False
+        self.epoch_ended = False  # the trial drew the last batch of an epoch (the data ran out)
 
     @override
     def on_train_batch_start(
@@ -278,6 +284,8 @@ class _TrialCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
     ) -> None:
         agree_or_raise(trainer)
+        if batch_idx + 1 >= trainer.num_training_batches:
+            self.epoch_ended = True
         if len(self.batch_sizes) < self.batches and batch_idx + 1 < trainer.num_training_batches:
             return
         if self.validate:
@@ -286,6 +294,10 @@ class _TrialCallback(Callback):
         elif self.after_training is not None:
             self.after_training()
         raise TrialStop
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.epoch_ended = True  # an iterable dataset (or a sampler without a length) ran out
 
     @override
     def on_validation_batch_end(

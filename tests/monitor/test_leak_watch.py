@@ -151,3 +151,16 @@ def test_the_logged_rate_of_a_leak_that_starts_late_is_the_warnings(tmp_path):
     after = [rate for step, rate in rates.items() if step >= monitor.leak.last_step]
     assert after
     assert after == [pytest.approx(2.0, rel=0.05)] * len(after)
+
+
+def test_with_every_step_logged_no_rate_comes_before_the_history_spans_the_early_phase(tmp_path):
+    # Every logging step adds a free sample, so the detector's 32nd sample came at step 41 (was: 0.46 MiB/step there)
+    probe = FakeProbe(base=GIB, total=24 * GIB)
+    monitor = FakeMonitor(probe)
+    quiet_trainer(
+        max_steps=200, limit_val_batches=0, logger=CSVLogger(tmp_path), callbacks=[monitor], log_every_n_steps=1
+    ).fit(SettlingModel(probe))
+    rates = column(read_csv_metrics(tmp_path), "gpumem/leak_mib_per_step")
+    assert min(rates) >= 10 + (EARLY_SAMPLES - 1) * 2  # the warm-up, then 62 steps of history
+    assert max(rates.values()) < 0.5  # never more than the settle's own 0.5 MiB/step, which ended at step 60
+    assert all(abs(rate) < 0.02 for step, rate in rates.items() if step >= 150)  # then noise about 0

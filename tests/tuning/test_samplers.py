@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 from lightning.pytorch import LightningModule
-from torch.utils.data import DataLoader, WeightedRandomSampler
+from torch.utils.data import DataLoader, IterableDataset, Sampler, WeightedRandomSampler
 
 from lightning_gpumem import BatchSizeTuner, MemoryPlanner
 from lightning_gpumem._core.units import GIB, MIB
@@ -99,3 +99,73 @@ def test_the_planner_validates_only_sizes_a_trial_ran(name):
         if prediction.validated:
             assert prediction.largest in model.sizes  # a trial's batch had exactly that many samples
             assert prediction.largest <= draws
+
+
+# ---------------------------------------------------------------------- data that ends before a size: no length known
+class EvenIndices(Sampler):
+    """Draws 50 of 200 samples and has no length: nothing says how many an epoch draws until it ends."""
+
+    def __iter__(self):
+        return iter(range(0, 100, 2))
+
+
+class Stream(IterableDataset):
+    """A finite stream of 100 samples: no length either."""
+
+    def __iter__(self):
+        return iter(torch.ones(100, 32))
+
+
+class Unsized(LightningModule):
+    """10 MiB a sample on a fake allocator; its loader holds fewer samples than the searches would try."""
+
+    def __init__(self, probe: CappedFakeProbe, data: str) -> None:
+        super().__init__()
+        self.fake, self.data, self.batch_size = probe, data, 2
+        self.layer = torch.nn.Linear(32, 2)
+        self.sizes: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        self.sizes.append(batch.shape[0])
+        self.fake.spike(batch.shape[0] * 10 * MIB)
+        return self.layer(batch).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        if self.data == "stream":
+            return DataLoader(Stream(), batch_size=self.batch_size)
+        return DataLoader(torch.ones(200, 32), batch_size=self.batch_size, sampler=EvenIndices())
+
+
+@pytest.mark.parametrize("data", ["stream", "sampler-without-length"])
+def test_the_tuner_stops_where_the_data_ends_without_a_false_error(data):
+    # was: "`batch_size` does not set the training dataloader's batch size" (two sizes past the data, one batch)
+    probe = CappedFakeProbe(base=GIB, total=24 * GIB)
+    model = Unsized(probe, data)
+    tuner = BatchSizeTuner(max_val=10**6, include_validation=False)
+    tuner.fake = probe  # type: ignore[attr-defined]
+    tuner_trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
+    held = 100 if data == "stream" else 50
+    assert tuner.optimal_batch_size == held  # the largest batch the data can make
+    assert all(t.samples == t.batch_size for t in tuner.trials if t.batch_size <= held)
+
+
+@pytest.mark.parametrize("data", ["stream", "sampler-without-length"])
+def test_the_planner_plans_up_to_where_the_data_ends(data):
+    probe = CappedFakeProbe(base=GIB, total=24 * GIB)
+    model = Unsized(probe, data)
+    planner = MemoryPlanner(budgets=["24GiB", "1.5GiB"], stop=True)
+    planner.fake = probe  # type: ignore[attr-defined]
+    tuner_trainer(planner, limit_val_batches=0).fit(model)
+    held = 100 if data == "stream" else 50
+    assert planner.plan is not None
+    assert planner.plan.verdict == "settled"
+    assert max(p.size for p in planner.plan.probes) == held
+    large, small = planner.predictions
+    assert large.largest == held  # no batch is larger than the data
+    assert large.validated
+    assert small.largest == (int(1.5 * GIB) - 300 * MIB - GIB) // (10 * MIB)  # 20: under the budget
+    assert small.validated
+    assert small.largest in model.sizes
