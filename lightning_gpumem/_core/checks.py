@@ -159,12 +159,18 @@ def as_integer(value: object) -> int | None:
     """
     if type(value) is int:  # the common cases first, fast (a million lengths)
         return value
-    if type(value) is float:
+    if type(value) is float or not _numeric_dtype(value):
         return None
     number = plain_scalar(value)
     if isinstance(number, bool) or not isinstance(number, numbers.Integral):
         return None
     return int(number)
+
+
+def _numeric_dtype(value: object) -> bool:
+    """Not a numpy time delta or date (integers to ``numbers``), complex number or text: numpy's ``dtype.kind``."""
+    kind = getattr(getattr(value, "dtype", None), "kind", None)  # numpy's; a tensor's dtype has none
+    return not isinstance(kind, str) or kind in "iufb"
 
 
 def as_real(value: object) -> float | None:
@@ -176,7 +182,7 @@ def as_real(value: object) -> float | None:
     (3.0, 0.5, None, None, -inf, None)
     """
     number = plain_scalar(value)
-    if isinstance(number, bool) or not isinstance(number, numbers.Real):
+    if isinstance(number, bool) or not isinstance(number, numbers.Real) or not _numeric_dtype(value):
         return None
     try:
         return float(number)

@@ -143,8 +143,8 @@ class BatchSizeTuner(Callback):
         method: ``"predict"``: probe small sizes (from ``init_val``, doubling) until peak memory is a line in the
             batch size, predict the largest size under the budget, validate it in a trial, and close in to within 2%
             (:func:`~lightning_gpumem.tuning.search.search_by_plan`; where the probes are not on a line or measure
-            nothing, as on a CPU, it searches and says why in :attr:`result`'s ``note``). ``"search"``: the bracket
-            search from ``init_val`` alone, to within 1%.
+            nothing, as on a CPU given ``max_val``, it searches and says why in :attr:`result`'s ``note``).
+            ``"search"``: the bracket search from ``init_val`` alone, to within 1%.
         length_fn: how a training or validation sample's size is measured, for data whose batches change shape
             (text, speech): a function of the sample, or the key (or attribute) of a field holding the length or
             the sequence itself (``"input_ids"``). The datasets' lengths are scanned once (at most 30 s; past that,
@@ -339,7 +339,7 @@ class BatchSizeTuner(Callback):
                     " no batch size is known to exist in it. Pass `max_val`, the largest batch size the dataset can"
                     " fill."
                 )
-            upper = self._upper_bound(trainer, length)
+            upper = self._upper_bound(trainer, length, loaders.drops_last(built))
         del built
         baseline = probe.allocated_bytes()  # what each trial starts from, and the search ends at
         limit = self._limit_bytes(probe, trainer)  # budget
@@ -526,12 +526,12 @@ class BatchSizeTuner(Callback):
                 )
         return int(self.budget_bytes)
 
-    def _upper_bound(self, trainer: pl.Trainer, length: int | None) -> int:
+    def _upper_bound(self, trainer: pl.Trainer, length: int | None, drop_last: bool = False) -> int:
         candidates = [] if self.max_val is None else [self.max_val]
         if length is not None:
             per_rank = math.ceil(length / max(1, trainer.world_size))  # Lightning's DistributedSampler pads
             need = self._batches_needed(trainer)
-            candidates.append(_largest_size_with_batches(per_rank, trainer.limit_train_batches, need))
+            candidates.append(_largest_size_with_batches(per_rank, trainer.limit_train_batches, need, drop_last))
         return max(1, min(candidates))
 
     def _headroom_size(self, largest: int) -> int:
@@ -702,11 +702,14 @@ def _shown(shapes: tuple[tuple[int, ...], ...]) -> str:
     return ", ".join("x".join(map(str, shape)) or "scalar" for shape in shapes)
 
 
-def _largest_size_with_batches(samples: int, limit: int | float, need: int) -> int:
-    """The largest batch size whose epoch of ``samples`` still has ``need`` batches after ``limit_train_batches``."""
+def _largest_size_with_batches(samples: int, limit: int | float, need: int, drop_last: bool = False) -> int:
+    """The largest batch size whose epoch of ``samples`` still has ``need`` batches after ``limit_train_batches``.
+
+    ``drop_last``: the loader drops a last batch that is not full, so an epoch has ``samples // size`` batches.
+    """
 
     def batches(size: int) -> float:
-        length = math.ceil(samples / size)
+        length = samples // size if drop_last else math.ceil(samples / size)
         return int(length * limit) if isinstance(limit, float) else min(length, limit)  # Lightning's rule
 
     lo, hi = 1, max(1, samples)

@@ -115,7 +115,7 @@ def sample_length(sample: Any, length_fn: LengthFn, index: int | None = None) ->
     if isinstance(number, (bool, Mapping)) or number is None:
         raise TypeError(f"{_gave(length_fn, value, index)}. Expected {_EXPECTED}.")
     if isinstance(number, numbers.Real):
-        whole = as_whole_number(number)
+        whole = as_whole_number(value)
         if whole is None:
             raise TypeError(f"{_gave(length_fn, value, index)}: not a whole number. Expected {_EXPECTED}.")
     elif getattr(value, "ndim", 1) != 0 and isinstance(value, Sized):
@@ -123,6 +123,8 @@ def sample_length(sample: Any, length_fn: LengthFn, index: int | None = None) ->
             whole = len(value)
         except TypeError:  # sized, yet without a length
             raise TypeError(f"{_gave(length_fn, value, index)}. Expected {_EXPECTED}.") from None
+        except OverflowError:  # longer than any index: range(10**20)
+            raise ValueError(f"{_gave(length_fn, value, index)}. Expected {_EXPECTED}.") from None
     else:
         raise TypeError(f"{_gave(length_fn, value, index)}. Expected {_EXPECTED}.")
     if not 0 <= whole <= MAX_LENGTH:

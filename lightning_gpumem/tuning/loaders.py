@@ -57,6 +57,11 @@ def epoch_samples(loaders: Any) -> int | None:
     return dataset_length(loaders)
 
 
+def drops_last(loaders: Any) -> bool:
+    """Whether the first of ``loaders`` drops a last batch that is not full (``DataLoader(drop_last=True)``)."""
+    return bool(getattr(_first_loader(loaders), "drop_last", False))
+
+
 def _first_loader(loaders: Any) -> Any:
     if isinstance(loaders, dict):
         return _first_loader(next(iter(loaders.values()), None))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from typing import Any
 
@@ -325,7 +326,7 @@ def _world() -> tuple[int, int]:
 
 def _as_lengths(lengths: object) -> list[int]:
     """``lengths`` as a list of ``int``: any collection (list, numpy array, tensor) of whole numbers, 0 to 2**53."""
-    if not is_collection(lengths):
+    if not is_collection(lengths) or isinstance(lengths, (AbstractSet, Mapping)):  # a set has no index order
         raise TypeError(
             f"`{_OWNER}(lengths={shown(lengths)})` is not valid. Expected a sequence of non-negative integers."
         )

@@ -529,3 +529,21 @@ def test_on_a_cpu_an_explicit_max_val_searches_up_to_it():
     tuner = BatchSizeTuner(max_val=48)
     tuner_trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
     assert tuner.optimal_batch_size == model.batch_size == 48
+
+
+def test_with_drop_last_the_size_still_leaves_the_epoch_a_batch_after_limit_train_batches():
+    # was: 224 of 300 samples with drop_last=True and limit_train_batches=0.5: one batch, halved to none (Lightning
+    # refuses the fit), while the fit without the tuner runs
+    from tests.helpers.tuning import CappedFakeProbe, FakeTuner, MemoryModel
+
+    class DropLast(MemoryModel):
+        def train_dataloader(self):
+            return DataLoader(self.train_data, batch_size=self.batch_size, shuffle=True, drop_last=True)
+
+    probe = CappedFakeProbe(base=GIB, total=24 * GIB)
+    model = DropLast(probe, 100 * MIB, n=300)
+    tuner = FakeTuner(probe)
+    trainer = tuner_trainer(tuner, max_steps=1, limit_train_batches=0.5, limit_val_batches=0)
+    trainer.fit(model)
+    assert tuner.optimal_batch_size == 150  # 300 // 150 = 2 batches, half of them is 1
+    assert trainer.global_step == 1

@@ -166,3 +166,20 @@ def test_a_function_that_raises_gives_the_users_own_error_with_a_note_naming_the
 def test_a_sample_of_unknown_index_is_called_a_sample():
     with pytest.raises(TypeError, match=r"^`length_fn=<lambda>` gave nan \(type float\) for a sample: not a whole"):
         sample_length({}, lambda s: float("nan"))
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [(np.timedelta64(5), TypeError), (np.datetime64(5, "D"), TypeError), (range(10**20), ValueError)],
+    ids=["timedelta64", "datetime64", "range-past-any-index"],
+)
+def test_a_time_or_a_sequence_too_long_to_count_is_not_a_length(value, error):
+    with pytest.raises(error, match=r"`length_fn='n'` gave .* for sample 7"):
+        sample_length({"n": value}, "n", 7)
+
+
+def test_a_set_of_lengths_has_no_order_and_is_refused():
+    from lightning_gpumem import TokenBudgetSampler
+
+    with pytest.raises(TypeError, match=r"TokenBudgetSampler\(lengths=\{3, 5\}\)"):
+        TokenBudgetSampler({3, 5}, max_tokens=10)
