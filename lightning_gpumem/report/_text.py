@@ -24,9 +24,13 @@ def printable(text: str) -> str:
         'run\\x1b[2J\\x0aforged'
         >>> printable("run-\udcff\udcfe")  # os.fsdecode(b"run-\xff\xfe")
         'run-\\xff\\xfe'
+        >>> printable("\udce6\udc97\udca5")  # os.fsdecode(b"\xe6\x97\xa5") under a C locale: UTF-8 after all
+        '日'
     """
     if text.isprintable():  # the common case: nothing to escape (`isprintable` is false for all C*, Zl and Zp)
         return text
+    if any("\udc80" <= char <= "\udcff" for char in text):  # bytes a non-UTF-8 locale left undecoded: as UTF-8
+        text = text.encode("utf-8", "surrogateescape").decode("utf-8", "surrogateescape")
     return "".join(escape(char) if _hidden(unicodedata.category(char)) else char for char in text)
 
 
