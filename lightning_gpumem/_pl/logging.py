@@ -70,19 +70,40 @@ def log_to_loggers(
             _warn_once(logger, f"{owner}: could not log `gpumem/*` metrics to {type(logger).__name__} ({error!r});")
 
 
-_failed = weakref.WeakSet[Any]()  # loggers already named in a warning
-_failed_ids: set[int] = set()  # ... those that take no weak reference
+class _ByIdentity:
+    """What is known of each logger, by identity, never by its ``__hash__`` or ``__eq__``.
+
+    A custom logger's may raise, or call two loggers equal. A logger is held by a weak reference, or, where it takes
+    none, by itself (an ``id`` alone could be reused by a later logger).
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[Any, Any]] = {}  # id -> (weak reference or the logger, value)
+
+    def get(self, logger: object) -> Any:
+        entry = self._entries.get(id(logger))
+        if entry is None:
+            return None
+        held, value = entry
+        return value if (held() if isinstance(held, weakref.ref) else held) is logger else None
+
+    def put(self, logger: object, value: Any) -> Any:
+        key = id(logger)
+        try:
+            held: Any = weakref.ref(logger, lambda _: self._entries.pop(key, None))
+        except TypeError:  # no weak references: held as it is
+            held = logger
+        self._entries[key] = (held, value)
+        return value
+
+
+_warned = _ByIdentity()  # loggers already named in a warning
 
 
 def _warn_once(logger: object, what: str) -> None:
-    try:
-        if logger in _failed:
-            return
-        _failed.add(logger)
-    except TypeError:  # not weakly referenceable (or unhashable): by identity
-        if id(logger) in _failed_ids:
-            return
-        _failed_ids.add(id(logger))
+    if _warned.get(logger) is not None:
+        return
+    _warned.put(logger, True)
     rank_zero_warn(f"{what} training goes on; further failures of this logger are not reported.")
 
 
@@ -182,15 +203,12 @@ def log_table(
     return written
 
 
-_own_files = weakref.WeakKeyDictionary[Any, dict[Path, Path]]()  # logger -> {name asked for: file it wrote}
+_own_files = _ByIdentity()  # logger -> {name asked for: file it wrote}
 
 
 def _own_path(logger: object, path: Path) -> Path:
     """Where ``logger``'s table ``path`` goes: the file it wrote before under that name, else a name not taken."""
-    try:
-        own = _own_files.setdefault(logger, {})
-    except TypeError:  # a logger without weak references: every table a new file
-        return unique_path(path)
+    own = _own_files.get(logger) or _own_files.put(logger, {})
     if path not in own or not own[path].parent.is_dir():
         own[path] = unique_path(path)
     return own[path]

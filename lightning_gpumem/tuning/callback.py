@@ -332,7 +332,7 @@ class BatchSizeTuner(Callback):
         if tokens is not None:  # a token budget: from the longest sample's own cost to the whole dataset's
             init_val, upper = self._token_bounds(trainer, tokens)
         else:
-            length = loaders.epoch_samples(built)
+            length = loaders.samples_per_rank(built, trainer.world_size)
             if length is None and self.max_val is None:
                 raise ValueError(
                     "`BatchSizeTuner(max_val=None)`: the training dataset has no length (an `IterableDataset`), so"
@@ -528,10 +528,9 @@ class BatchSizeTuner(Callback):
 
     def _upper_bound(self, trainer: pl.Trainer, length: int | None, drop_last: bool = False) -> int:
         candidates = [] if self.max_val is None else [self.max_val]
-        if length is not None:
-            per_rank = math.ceil(length / max(1, trainer.world_size))  # Lightning's DistributedSampler pads
+        if length is not None:  # the samples a rank draws an epoch (`loaders.samples_per_rank`)
             need = self._batches_needed(trainer)
-            candidates.append(_largest_size_with_batches(per_rank, trainer.limit_train_batches, need, drop_last))
+            candidates.append(_largest_size_with_batches(length, trainer.limit_train_batches, need, drop_last))
         return max(1, min(candidates))
 
     def _headroom_size(self, largest: int) -> int:

@@ -12,6 +12,8 @@ to stop a ``DataLoader``'s workers without waiting for them: this module reaches
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
@@ -41,6 +43,11 @@ def dataset_length(loaders: Any) -> int | None:
         return None
 
 
+MAX_DRAWS = 16
+"""With ``length_fn``, a sampler that draws more than this many times its dataset's samples an epoch (or without end)
+is left as it is: its draws are not counted."""
+
+
 def epoch_samples(loaders: Any) -> int | None:
     """Samples an epoch of the first of ``loaders`` draws: its sampler's length, else its dataset's (``None``: none).
 
@@ -55,6 +62,21 @@ def epoch_samples(loaders: Any) -> int | None:
         except TypeError:  # a sampler without a length
             pass
     return dataset_length(loaders)
+
+
+def samples_per_rank(loaders: Any, world_size: int) -> int | None:
+    """Samples an epoch of the first of ``loaders`` draws on each rank (``None``: not known).
+
+    The user's own ``DistributedSampler`` draws one rank's share already; any other sampler is split by Lightning's,
+    which pads every rank to the same count.
+    """
+    samples = epoch_samples(loaders)
+    if samples is None:
+        return None
+    sampler = getattr(_first_loader(loaders), "sampler", None)
+    if isinstance(sampler, torch.utils.data.DistributedSampler):
+        return samples
+    return math.ceil(samples / max(1, world_size))
 
 
 def drops_last(loaders: Any) -> bool:
@@ -237,7 +259,11 @@ def longest_first(trainer: pl.Trainer, order_for: Callable[[Any], list[int] | No
         split = isinstance(base, torch.utils.data.DistributedSampler)
         whole = isinstance(base, (torch.utils.data.SequentialSampler, torch.utils.data.RandomSampler))
         if not (whole and len(base) == len(dataset)):  # type: ignore[arg-type]  # a split: only its samples
-            drawn = Counter(iter(base))  # the session puts back the RNG streams this draws from
+            cap = MAX_DRAWS * max(1, len(dataset))  # type: ignore[arg-type]  # a sampler without a length may draw without end
+            drawn = Counter(itertools.islice(iter(base), cap + 1))  # the session puts back the RNG streams it draws
+            if sum(drawn.values()) > cap:
+                skipped.append(f"{type(base).__name__}, the loader's sampler, draws more than {MAX_DRAWS}x its dataset")
+                return loader
             order = [i for i in order for _ in range(drawn[i])]  # as often as the sampler draws it (replacement)
         sampler = _InOrder(dataset, order) if split else _InOrder(dataset, order, replicas, rank)
         try:

@@ -80,7 +80,7 @@ class TrialRunner:
         fits = session.run()
         seconds = time.perf_counter() - start
         after = probe.read(nvml=False, host=False).alloc_retries
-        largest_batch = max(session.batches_seen, default=None) if self.counts_samples else None
+        largest_batch = _largest_batch(session.batches_seen) if self.counts_samples else None
         # an epoch that ended on a batch short of the size: the data holds no more, whatever the attribute does
         data_ended = session.epoch_ended and largest_batch is not None and largest_batch < size
         if self.check_batches is not None:
@@ -159,6 +159,17 @@ class BatchCheck:
                     f" {size} samples, so `{name}` sets the dataset's length, not the batch size.{fix}"
                 )
         self.seen[size] = (largest, samples)
+
+
+def _largest_batch(seen: list[int]) -> int | None:
+    """Samples in the largest training batch a trial ran.
+
+    0 where it ran none (a ``drop_last`` loader of fewer samples than the size), ``None`` where a batch cannot be
+    counted (no tensor in it).
+    """
+    if any(size < 0 for size in seen):
+        return None
+    return max(seen, default=0)
 
 
 def optimizer_state_bytes(trainer: pl.Trainer) -> int:

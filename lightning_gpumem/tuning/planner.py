@@ -9,7 +9,6 @@ the validation step apart, nothing left behind) and the plan is the pure :class:
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -189,8 +188,8 @@ class MemoryPlanner(Callback):
         start = time.perf_counter()
         size = _session.get_batch_size(trainer, self.batch_arg_name)
         budgets = self._budgets(trainer, total)
-        length = loaders.epoch_samples(loaders.train_loaders(trainer))  # per rank: Lightning's sampler pads
-        upper = max(1, math.ceil(length / max(1, trainer.world_size))) if length is not None else 2**20
+        length = loaders.samples_per_rank(loaders.train_loaders(trainer), trainer.world_size)
+        upper = max(1, length) if length is not None else 2**20
         baseline = probe.allocated_bytes()
         longest = LongestFirst("MemoryPlanner", self.length_fn) if self.length_fn is not None else None
         drawing = longest.drawing(trainer) if longest is not None else nullcontext()
@@ -265,15 +264,17 @@ class MemoryPlanner(Callback):
         Also the samples the data holds where a probe's batches found fewer than its size (an iterable dataset, a
         sampler without a length): the largest batch there is, probed too (``None``: not met).
         """
-        limit = probe.usable_bytes() or total
+        limit = min(probe.usable_bytes() or total, budget_bytes(trainer) or total)  # a MemoryBudget caps the probes
         probed = probe_until_line(run, init_val=self.init_val, upper=upper, limit=limit)
         points, verdict, size = probed.points, probed.verdict, probed.size
-        data_bound = probed.samples if probed.stop == "data" and probed.samples else None
-        if data_bound is not None and (not points or data_bound > points[-1].size):
-            trial = run(data_bound)  # the whole of the data in one batch: every size that can run is probed
-            point = probe_point(trial)
-            if accepted(trial, limit) and point is not None:
-                points = [*points, point]
+        data_bound = None
+        if probed.stop == "data":  # a probe's batches held fewer samples than its size: the data ends there
+            data_bound = probed.samples or (points[-1].size if points else None)  # 0: no batch at all (drop_last)
+            if data_bound is not None and (not points or data_bound > points[-1].size):
+                trial = run(data_bound)  # the whole of the data in one batch: every size that can run is probed
+                point = probe_point(trial)
+                if accepted(trial, limit) and point is not None:
+                    points = [*points, point]
             probed = replace(probed, stop="upper")  # the plan covers every size the data can fill
         if probed.stop in ("rejected", "unmeasured"):
             what = "ran out of memory" if probed.stop == "rejected" else "measured no peak"
@@ -323,8 +324,9 @@ class MemoryPlanner(Callback):
                 tries = itertools.islice(itertools.chain([size], back_off_sizes(plan, size, 0)), VALIDATION_TRIES)
                 for size in tries:  # the prediction, then 6%, 12%... less live memory than it
                     trial = runner(min(size, upper))
-                    if trial.fits and not trial.ran_its_size and trial.samples:  # the data ended short of it
-                        upper = trial.samples
+                    if trial.fits and not trial.ran_its_size:  # the data ended short of it
+                        # its largest batch; where a drop_last loader made none, the largest probe (which ran)
+                        upper = trial.samples or max(p.size for p in plan.probes)
                         trial = runner(upper)
                     if accepted(trial, limit):
                         ran[budget] = trial.batch_size

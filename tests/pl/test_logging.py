@@ -208,3 +208,53 @@ def test_a_table_file_of_another_run_in_a_reused_logger_directory_is_kept(tmp_pa
     fit(first, 300 * 2**20)  # the first run's logger again: its own file is replaced, no -v2
     assert (run / "gpumem_batch_size_trials.csv").read_text() not in (before, second)
     assert not (run / "gpumem_batch_size_trials-v2.csv").exists()
+
+
+class Unhashable(CSVLogger):
+    """A logger whose hash and equality raise (a custom logger), and whose log_metrics fails."""
+
+    def __hash__(self):
+        raise NotImplementedError("loggers are not hashable here")
+
+    def __eq__(self, other):
+        raise RuntimeError("ambiguous comparison")
+
+    def log_metrics(self, metrics, step=None):
+        raise ConnectionError("tracker unreachable")
+
+
+class EqualByName(FailingLogger):
+    """Distinct loggers that call each other equal."""
+
+    def __eq__(self, other):
+        return isinstance(other, EqualByName)
+
+    def __hash__(self):
+        return 1
+
+
+def test_loggers_are_known_by_identity_never_by_their_hash_or_equality(tmp_path):
+    from lightning_gpumem._pl.logging import log_to_loggers
+
+    loggers = [Unhashable(tmp_path / "u"), EqualByName(tmp_path / "a"), EqualByName(tmp_path / "b")]
+    trainer = SimpleNamespace(loggers=loggers, default_root_dir=str(tmp_path))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for step in range(3):
+            log_to_loggers(trainer, {"gpumem/x": 1.0}, step=step)  # was: NotImplementedError ended the fit
+    named = [str(w.message) for w in record if "could not log" in str(w.message)]
+    assert len(named) == 3  # one per logger, however they compare
+
+
+def test_a_logger_without_weak_references_replaces_its_own_table(tmp_path):
+    class NoWeakReferences:  # a custom logger object of slots only (not a Lightning Logger subclass)
+        __slots__ = ("name", "save_dir", "version")
+
+        def __init__(self, root):
+            self.save_dir, self.name, self.version = str(root), "nw", 0
+
+    logger = NoWeakReferences(tmp_path)
+    trainer = SimpleNamespace(loggers=[logger], default_root_dir=str(tmp_path))
+    for _ in range(3):
+        log_table(trainer, "gpumem/trials", COLUMNS, ROWS, step=0, text="")
+    assert sorted(p.name for p in tmp_path.rglob("*.csv")) == ["gpumem_trials.csv"]  # was: -v1, -v2

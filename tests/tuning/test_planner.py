@@ -301,3 +301,16 @@ def test_probes_that_reach_the_samples_an_epoch_draws_plan_every_size_without_a_
     exact = (4 * GIB - OUTSIDE - GIB) // (100 * MIB)  # 27: between the probes
     assert small.validated
     assert 0.95 * exact <= small.largest <= exact
+
+
+def test_next_to_a_memory_budget_the_probes_stay_under_its_cap():
+    # was: probes doubled up to half the device, ran out of memory under the 8 GiB budget, and there was no plan
+    from tests.helpers.fakes import FakeBudget
+
+    probe = CappedFakeProbe(base=GIB, total=24 * GIB)
+    planner = FakePlanner(probe)
+    trainer = tuner_trainer(None, callbacks=[FakeBudget(probe, "8GiB"), planner], max_steps=1)
+    trainer.fit(PlateauModel(probe, per_sample=100 * MIB, n=4096))
+    assert planner.plan is not None
+    assert [p.budget for p in planner.predictions] == [8 * GIB]  # the budget, not the device
+    assert planner.predictions[0].validated

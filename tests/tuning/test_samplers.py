@@ -169,3 +169,105 @@ def test_the_planner_plans_up_to_where_the_data_ends(data):
     assert small.largest == (int(1.5 * GIB) - 300 * MIB - GIB) // (10 * MIB)  # 20: under the budget
     assert small.validated
     assert small.largest in model.sizes
+
+
+# ---------------------------------------------------------------------- found on review
+class Words(LightningModule):
+    """Batches of strings (`collate_fn=list`), tokenized in the step: no tensor to count a batch by."""
+
+    def __init__(self, probe: CappedFakeProbe) -> None:
+        super().__init__()
+        self.fake, self.batch_size = probe, 2
+        self.embedding = torch.nn.Embedding(64, 8)
+
+    def training_step(self, batch, batch_idx):
+        self.fake.spike(len(batch) * 50 * MIB)
+        return self.embedding(torch.tensor([len(text) for text in batch])).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader([f"sample {i}" for i in range(500)], batch_size=self.batch_size, collate_fn=list)
+
+
+@pytest.mark.parametrize("which", ["tuner", "planner"])
+def test_batches_without_a_tensor_to_count_are_not_taken_for_data_that_ended(which):
+    # was: samples=-1 read as "the data ended": "an empty batch" (tuner), batch_size=-1 (planner)
+    probe = CappedFakeProbe(base=GIB, total=24 * GIB)
+    callback = BatchSizeTuner(max_val=4096) if which == "tuner" else MemoryPlanner(stop=True)
+    callback.fake = probe  # type: ignore[attr-defined]
+    tuner_trainer(callback, max_steps=1, limit_val_batches=0).fit(Words(probe))
+    if isinstance(callback, BatchSizeTuner):
+        assert all(t.samples is None for t in callback.trials)  # not counted
+        assert callback.optimal_batch_size is not None
+        assert callback.optimal_batch_size > 400
+    else:
+        assert callback.plan is not None
+        assert callback.plan.verdict == "settled"
+
+
+class DropLastStream(Unsized):
+    """The stream of 100 samples through a loader that drops a batch that is not full."""
+
+    def train_dataloader(self):
+        return DataLoader(Stream(), batch_size=self.batch_size, drop_last=True)
+
+
+def test_a_trial_that_ran_no_batch_is_not_a_size_that_ran():
+    # was: drop_last on a stream: sizes past the data ran no batch, were accepted, and the fit trained 0 steps
+    probe = CappedFakeProbe(base=GIB, total=24 * GIB)
+    tuner = BatchSizeTuner(max_val=4096, include_validation=False)
+    tuner.fake = probe  # type: ignore[attr-defined]
+    trainer = tuner_trainer(tuner, max_steps=1, limit_val_batches=0)
+    trainer.fit(DropLastStream(probe, "stream"))
+    assert trainer.global_step == 1
+    assert tuner.optimal_batch_size is not None
+    assert tuner.optimal_batch_size <= 100
+    assert all(t.samples == 0 for t in tuner.trials if t.batch_size > 100)
+
+    probe = CappedFakeProbe(base=GIB, total=24 * GIB)
+    planner = MemoryPlanner(budgets=["24GiB"], stop=True)
+    planner.fake = probe  # type: ignore[attr-defined]
+    model = DropLastStream(probe, "stream")
+    tuner_trainer(planner, limit_val_batches=0).fit(model)
+    (prediction,) = planner.predictions
+    assert prediction.largest is not None
+    assert prediction.largest <= 100
+    assert prediction.validated
+    assert prediction.largest in model.sizes  # validated: a trial's batch held that many samples
+
+
+def test_the_users_own_distributed_sampler_draws_one_ranks_share_already():
+    # was: its length (already per rank) divided by the world size again: half the sizes under DDP
+    from torch.utils.data import DistributedSampler
+
+    from lightning_gpumem.tuning.loaders import samples_per_rank
+
+    data = torch.ones(100, 2)
+    own = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, num_replicas=2, rank=0))
+    assert samples_per_rank(own, world_size=2) == 50
+    assert samples_per_rank(DataLoader(data, batch_size=2), world_size=2) == 50  # Lightning's sampler splits it
+    assert samples_per_rank(DataLoader(data, batch_size=2), world_size=1) == 100
+
+
+class Endless(Sampler):
+    """Draws without end and has no length."""
+
+    def __iter__(self):
+        while True:
+            yield from range(0, 100, 2)
+
+
+def test_length_fn_with_a_sampler_that_never_ends_leaves_it_and_says_so(recwarn):
+    # was: the longest-first order counted the sampler's draws forever (the fit hung)
+    lengths_ = lengths()
+
+    class EndlessTexts(TextModel):
+        def train_dataloader(self):
+            return DataLoader(Texts(lengths_), batch_size=self.batch_size, sampler=Endless(), collate_fn=pad)
+
+    tuner = BatchSizeTuner(length_fn="input_ids", max_val=64, include_validation=False)
+    tuner_trainer(tuner, max_steps=3, limit_val_batches=0, limit_train_batches=5).fit(EndlessTexts(None))
+    assert tuner.optimal_batch_size == 64
+    assert any("`length_fn` was not applied" in str(w.message) and "draws more than" in str(w.message) for w in recwarn)
