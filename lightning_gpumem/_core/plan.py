@@ -138,10 +138,10 @@ def _check_point(p: ProbePoint) -> None:
 
 
 def _stage_points(probes: list[ProbePoint]) -> list[list[tuple[int, float]]]:
-    ordered = merged(probes)
-    stages = [[(p.size, float(p.train_bytes)) for p in ordered]]
-    if ordered and all(p.val_bytes is not None for p in ordered):
-        stages.append([(p.size, float(p.val_bytes or 0)) for p in ordered])
+    """Each stage's ``(size, bytes)`` points of ``probes``, which :func:`merged` has made one per size, by size."""
+    stages = [[(p.size, float(p.train_bytes)) for p in probes]]
+    if probes and all(p.val_bytes is not None for p in probes):
+        stages.append([(p.size, float(p.val_bytes or 0)) for p in probes])
     return stages
 
 

@@ -53,13 +53,11 @@ def is_accumulating(trainer: pl.Trainer) -> bool:
     return bool(should_accumulate())
 
 
-def log_to_loggers(
-    trainer: pl.Trainer, metrics: Mapping[str, float], step: int, owner: str = "lightning_gpumem"
-) -> None:
+def log_to_loggers(trainer: pl.Trainer, metrics: Mapping[str, float], step: int) -> None:
     """Send ``metrics`` to every logger in ``trainer.loggers`` (loggers write on global rank zero only).
 
     A logger whose ``log_metrics`` raises (a tracker's network error, a full disk) is named in one warning, the first
-    time, by ``owner``; the other loggers still get the metrics and the run goes on: metrics never end it.
+    time; the other loggers still get the metrics and the run goes on: metrics never end it.
     """
     if not metrics:
         return
@@ -67,7 +65,9 @@ def log_to_loggers(
         try:
             logger.log_metrics(dict(metrics), step=step)
         except Exception as error:
-            _warn_once(logger, f"{owner}: could not log `gpumem/*` metrics to {type(logger).__name__} ({error!r});")
+            _warn_once(
+                logger, f"lightning_gpumem: could not log `gpumem/*` metrics to {type(logger).__name__} ({error!r});"
+            )
 
 
 class _ByIdentity:
@@ -208,7 +208,9 @@ _own_files = _ByIdentity()  # logger -> {name asked for: file it wrote}
 
 def _own_path(logger: object, path: Path) -> Path:
     """Where ``logger``'s table ``path`` goes: the file it wrote before under that name, else a name not taken."""
-    own = _own_files.get(logger) or _own_files.put(logger, {})
+    own = _own_files.get(logger)
+    if own is None:
+        own = _own_files.put(logger, {})
     if path not in own or not own[path].parent.is_dir():
         own[path] = unique_path(path)
     return own[path]

@@ -694,7 +694,7 @@ class BatchSizeTuner(Callback):
 def _outcome(trial: Trial) -> str:
     if not trial.fits:
         return "OOM"
-    return "ok" if trial.ran_its_size else f"short: {trial.samples} samples"
+    return f"short: {trial.samples} samples" if trial.short else "ok"
 
 
 def _shown(shapes: tuple[tuple[int, ...], ...]) -> str:

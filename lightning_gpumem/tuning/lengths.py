@@ -161,19 +161,18 @@ def _apply(sample: Any, length_fn: LengthFn, index: int | None) -> Any:
     ``KeyError``/``AttributeError``. An error raised by the user's own code (the function, a mapping's or a property's
     code) is the user's: it is raised unchanged, with a note naming ``length_fn`` and the sample.
     """
-    note = f"(raised by `length_fn={_name(length_fn)}` for {_sample(index)})"
     if not isinstance(length_fn, str):
         try:
             return length_fn(sample)
         except Exception as error:
-            error.add_note(note)
+            error.add_note(_raised_by(length_fn, index))
             raise
     if isinstance(sample, Mapping):
         try:
             return sample[length_fn]
         except Exception as error:
             if not isinstance(error, KeyError) or _has(sample, length_fn):  # the mapping's own code raised it
-                error.add_note(note)
+                error.add_note(_raised_by(length_fn, index))
                 raise
             keys = ", ".join(repr(key) for key in itertools.islice(sample, 8)) + (", ..." if len(sample) > 8 else "")
             raise ValueError(
@@ -185,13 +184,17 @@ def _apply(sample: Any, length_fn: LengthFn, index: int | None) -> Any:
         return getattr(sample, length_fn)
     except Exception as error:
         if not isinstance(error, AttributeError) or hasattr(type(sample), length_fn):  # a property's own error
-            error.add_note(note)
+            error.add_note(_raised_by(length_fn, index))
             raise
         raise ValueError(
             f"`length_fn={length_fn!r}` found no attribute {length_fn!r} on {_sample(index)} (type"
             f" {type(sample).__name__}). Expected the key (or attribute) of a field every sample has, or a function"
             " of a sample returning its length."
         ) from error
+
+
+def _raised_by(length_fn: LengthFn, index: int | None) -> str:
+    return f"(raised by `length_fn={_name(length_fn)}` for {_sample(index)})"
 
 
 def _has(mapping: Mapping[Any, Any], key: str) -> bool:

@@ -48,33 +48,22 @@ MAX_DRAWS = 16
 is left as it is: its draws are not counted."""
 
 
-def epoch_samples(loaders: Any) -> int | None:
-    """Samples an epoch of the first of ``loaders`` draws: its sampler's length, else its dataset's (``None``: none).
-
-    A sampler that draws a part of the dataset (``SubsetRandomSampler``) or draws with replacement
-    (``WeightedRandomSampler(num_samples=...)``) bounds the batch a loader can fill, not the dataset.
-    """
-    loader = _first_loader(loaders)
-    sampler = getattr(loader, "sampler", None)
-    if isinstance(loader, torch.utils.data.DataLoader) and loader.batch_size is not None:
-        try:
-            return len(sampler)  # type: ignore[arg-type]
-        except TypeError:  # a sampler without a length
-            pass
-    return dataset_length(loaders)
-
-
 def samples_per_rank(loaders: Any, world_size: int) -> int | None:
     """Samples an epoch of the first of ``loaders`` draws on each rank (``None``: not known).
 
-    The user's own ``DistributedSampler`` draws one rank's share already; any other sampler is split by Lightning's,
-    which pads every rank to the same count.
+    Its sampler's length, else its dataset's: a sampler that draws a part of the dataset (``SubsetRandomSampler``)
+    or draws with replacement (``WeightedRandomSampler(num_samples=...)``) bounds the batch a loader can fill, not
+    the dataset. The user's own ``DistributedSampler`` draws one rank's share already; any other sampler is split by
+    Lightning's, which pads every rank to the same count.
     """
-    samples = epoch_samples(loaders)
-    if samples is None:
-        return None
-    sampler = getattr(_first_loader(loaders), "sampler", None)
-    if isinstance(sampler, torch.utils.data.DistributedSampler):
+    loader = _first_loader(loaders)
+    sampler = getattr(loader, "sampler", None)
+    samples = None
+    if isinstance(loader, torch.utils.data.DataLoader) and loader.batch_size is not None:
+        with suppress(TypeError):  # a sampler without a length
+            samples = len(sampler)  # type: ignore[arg-type]
+    samples = dataset_length(loaders) if samples is None else samples
+    if samples is None or isinstance(sampler, torch.utils.data.DistributedSampler):
         return samples
     return math.ceil(samples / max(1, world_size))
 

@@ -166,14 +166,17 @@ class MemoryPlanner(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         require_trainer("MemoryPlanner", trainer)
         _session.require_settable_batch(trainer, self.batch_arg_name, "MemoryPlanner")
-        self._refuse_token_budget(trainer)
-        self._plan(trainer)
+        built = loaders.train_loaders(trainer)  # the user's hook, called once for both
+        self._refuse_token_budget(trainer, built)
+        self._plan(trainer, loaders.samples_per_rank(built, trainer.world_size))
+        del built
         if self.stop:  # a dry run on every device, planned or not
             trainer.num_sanity_val_steps = 0
             trainer.should_stop = True
             rank_zero_info("MemoryPlanner: `stop=True`: the fit ends after planning (a dry run).")
 
-    def _plan(self, trainer: pl.Trainer) -> None:
+    def _plan(self, trainer: pl.Trainer, length: int | None) -> None:
+        """Probe, plan and validate; ``length``: the samples a rank draws an epoch (``None``: not known)."""
         if trainer.fast_dev_run or trainer.limit_train_batches == 0:  # type: ignore[attr-defined]
             rank_zero_warn("MemoryPlanner: skipped: the fit runs no training step to plan (fast_dev_run, limit 0).")
             return
@@ -188,7 +191,6 @@ class MemoryPlanner(Callback):
         start = time.perf_counter()
         size = _session.get_batch_size(trainer, self.batch_arg_name)
         budgets = self._budgets(trainer, total)
-        length = loaders.samples_per_rank(loaders.train_loaders(trainer), trainer.world_size)
         upper = max(1, length) if length is not None else 2**20
         baseline = probe.allocated_bytes()
         longest = LongestFirst("MemoryPlanner", self.length_fn) if self.length_fn is not None else None
@@ -205,12 +207,13 @@ class MemoryPlanner(Callback):
                 )
                 run = longest.raising(runner) if longest is not None else runner
                 plan, data_bound = self._probe(run, runner, trainer, probe, total, upper)
-                upper = data_bound or upper
+                upper = data_bound or upper  # the data's largest batch, where a probe found it
                 self.probe_seconds = time.perf_counter() - start
                 validated: dict[int, int] = {}
                 if plan is not None:
                     validated, measured, held = self._validate(run, probe, plan, budgets, total, upper)
-                    data_bound, upper = (held, held) if held < upper else (data_bound, upper)
+                    if held < upper:  # a validation trial found it
+                        data_bound = upper = held
                     if measured:  # the sizes that ran far out refine the line: between them it interpolates
                         sizes = {p.size for p in plan.probes}
                         extra = [p for p in measured if p.size not in sizes]
@@ -234,9 +237,9 @@ class MemoryPlanner(Callback):
         self._report(trainer, plan, size)
 
     # ------------------------------------------------------------------ helpers
-    def _refuse_token_budget(self, trainer: pl.Trainer) -> None:
+    def _refuse_token_budget(self, trainer: pl.Trainer, built: Any) -> None:
         """A ``TokenBudgetSampler``'s ``max_tokens`` is not a batch size: probing it would write sizes into it."""
-        sampler = loaders.token_sampler(loaders.train_loaders(trainer))
+        sampler = loaders.token_sampler(built)
         if sampler is None:
             return
         named = sampler.max_tokens == _session.get_batch_size(trainer, self.batch_arg_name)
@@ -324,7 +327,7 @@ class MemoryPlanner(Callback):
                 tries = itertools.islice(itertools.chain([size], back_off_sizes(plan, size, 0)), VALIDATION_TRIES)
                 for size in tries:  # the prediction, then 6%, 12%... less live memory than it
                     trial = runner(min(size, upper))
-                    if trial.fits and not trial.ran_its_size:  # the data ended short of it
+                    if trial.short:  # the data ended short of it
                         # its largest batch; where a drop_last loader made none, the largest probe (which ran)
                         upper = trial.samples or max(p.size for p in plan.probes)
                         trial = runner(upper)

@@ -30,8 +30,8 @@ peak plus the growth of that need times a factor ``g`` in [1, 1.5] (reserved gro
 fragmentation), the *safe* model; the *optimistic* model is live tensors alone. Without allocated peaks the model is
 a line through the reserved peaks. Slopes are exact fractions, so a cap exactly on a size's peak is hit exactly.
 
-A size is *accepted* when its trial ran without OOM and, if a limit is given, its measured peak is at most the
-limit. The result is always a size that was actually run and accepted.
+A size is *accepted* when its trial ran that many samples without OOM and, if a limit is given, its measured peak is
+at most the limit. The result is always a size that was actually run and accepted.
 
 After the search, :func:`walk_down` keeps a smaller size (the tuner's headroom), or where it is not accepted the first
 accepted one going down from it in steps of 1%, 2%, 4%... of it; a size a trial of the search accepted is kept without
@@ -96,13 +96,18 @@ class Trial:
         """Whether its training batches had ``batch_size`` samples (``True`` where not counted)."""
         return self.samples is None or self.samples >= self.batch_size
 
+    @property
+    def short(self) -> bool:
+        """It ran, on fewer samples than its size: the data ended first (no OOM said anything of the size)."""
+        return self.fits and not self.ran_its_size
+
 
 def accepted(trial: Trial, limit_bytes: int | None) -> bool:
     """The trial ran its size without OOM and, if a limit is given, its measured peak is at most the limit.
 
     A trial whose batches held fewer samples than its size (the data ran out) did not run that size.
     """
-    if not (trial.fits and trial.ran_its_size):
+    if not trial.fits or trial.short:
         return False
     return limit_bytes is None or trial.peak_bytes is None or trial.peak_bytes <= limit_bytes
 
@@ -196,15 +201,15 @@ class MemoryModel:
     growth: Fraction = field(init=False)
 
     def __post_init__(self) -> None:
-        accepted = [t for t in self.trials if t.fits and t.ran_its_size]
-        self.reserved = fit_line((t.batch_size, t.peak_bytes) for t in accepted if t.peak_bytes is not None)
-        allocated = fit_line((t.batch_size, t.allocated_bytes) for t in accepted if t.allocated_bytes is not None)
+        ran = [t for t in self.trials if accepted(t, None)]
+        self.reserved = fit_line((t.batch_size, t.peak_bytes) for t in ran if t.peak_bytes is not None)
+        allocated = fit_line((t.batch_size, t.allocated_bytes) for t in ran if t.allocated_bytes is not None)
         stages = [
-            fit_line((t.batch_size, t.train_peak_bytes) for t in accepted if t.train_peak_bytes is not None),
-            fit_line((t.batch_size, t.val_peak_bytes) for t in accepted if t.val_peak_bytes is not None),
+            fit_line((t.batch_size, t.train_peak_bytes) for t in ran if t.train_peak_bytes is not None),
+            fit_line((t.batch_size, t.val_peak_bytes) for t in ran if t.val_peak_bytes is not None),
         ]
         # Stage lines where every stage measured at the largest accepted size has one; else the overall line.
-        last = max(accepted, key=lambda t: t.batch_size, default=None)
+        last = max(ran, key=lambda t: t.batch_size, default=None)
         measured = [last.train_peak_bytes, last.val_peak_bytes] if last is not None else [None, None]
         usable = [line for line, value in zip(stages, measured, strict=True) if value is not None]
         if usable and all(line is not None for line in usable):
@@ -624,7 +629,7 @@ def probe_until_line(
             on_move(Proposal(Move.PROBE, size, "a probe of the plan: small sizes until memory is a line"))
         trial = run(size)
         point = probe_point(trial)
-        if trial.fits and not trial.ran_its_size:
+        if trial.short:
             return Probed(points, None, "data", size, trial.samples)
         if not accepted(trial, limit):
             return Probed(points, None, "rejected", size)
@@ -667,7 +672,7 @@ def until_data_ends(
         if size not in ran:
             ran[size] = run_trial(size)
         trial = ran[size]
-        if trial.fits and not trial.ran_its_size and trial.samples:
+        if trial.short and trial.samples:  # 0: no batch at all (drop_last), a rejection like any other
             raise DataEnds(trial.samples)
         return trial
 
@@ -679,8 +684,6 @@ def until_data_ends(
         except DataEnds as ended:
             upper = min(upper - 1, ended.samples)  # every pass lowers it: the loop ends
             note = f"the data makes batches of {ended.samples} samples at most: searched up to that"
-            if upper < 1:
-                raise ValueError("the training data gave an empty batch: nothing to search") from ended
     return replace(result, trials=tuple(ran.values()), note=note or result.note)
 
 
