@@ -342,16 +342,6 @@ def _stage_problems(text: str) -> list[str]:
     return [f"stage {stage!r}: the code prints one of {keys.STAGES}" for stage in shown if stage not in keys.STAGES]
 
 
-@pytest.mark.parametrize("page", [README, *DOCS], ids=lambda p: p.name)
-def test_every_key_a_page_shows_is_one_the_code_logs(page):
-    assert _key_problems(page.read_text(encoding="utf-8")) == []
-
-
-@pytest.mark.parametrize("page", [README, *DOCS], ids=lambda p: p.name)
-def test_every_stage_a_sample_shows_is_one_the_code_prints(page):
-    assert _stage_problems(page.read_text(encoding="utf-8")) == []
-
-
 def test_the_key_and_stage_checks_catch_what_they_are_for():
     summary = (
         "```\nMemoryMonitor summary (NVIDIA H200 (cuda:0))\n"
@@ -408,13 +398,13 @@ def _missing_paths(text: str, base: Path = ROOT) -> list[str]:
 
 
 @pytest.mark.parametrize("page", [README, *DOCS], ids=lambda p: p.name)
-def test_no_sample_says_the_code_prints_something_else(page):
-    assert _stale_samples(page.read_text(encoding="utf-8")) == []
-
-
-@pytest.mark.parametrize("page", [README, *DOCS], ids=lambda p: p.name)
-def test_every_file_a_page_names_exists(page):
-    assert _missing_paths(page.read_text(encoding="utf-8")) == []
+def test_every_key_stage_sample_and_path_a_page_shows_is_the_codes(page):
+    """Keys the code logs, stages it prints, no sample excusing itself, files that exist (the checks above)."""
+    text = page.read_text(encoding="utf-8")
+    assert _key_problems(text) == []
+    assert _stage_problems(text) == []
+    assert _stale_samples(text) == []
+    assert _missing_paths(text) == []
 
 
 def test_the_sample_and_path_checks_catch_what_they_are_for():
