@@ -19,15 +19,23 @@ Workloads (``--quick`` swaps in tiny versions for a CPU smoke run):
   (``torch.utils.checkpoint``, non-reentrant); ``encoder``: a 12-layer bidirectional transformer encoder (d_model
   768, 12 heads, sequence 512, vocabulary 32768) classifying the mean-pooled sequence into 2 classes; ``vit``:
   timm's ViT-B/16 (``vit_base_patch16_224``, 1000 classes) on random 224x224 images.
+* ``hf-gpt2``: Hugging Face transformers' ``GPT2LMHeadModel`` with a GPT-2-medium ``GPT2Config`` (n_embd 1024,
+  24 layers, 16 heads, 512 positions, vocabulary 50257; about 355M parameters), randomly initialised (no download),
+  the config's defaults otherwise (dropout 0.1, ``use_cache``, the library's default attention); random tokens of
+  sequence 512, next-token loss on ``model(input_ids=...).logits`` as for ``gpt``. ``--quick``: n_embd 64, 2
+  layers, 4 heads, vocabulary 256, sequence (and n_positions) 32; where ``import transformers`` fails (a CPU machine
+  without it), the tiny ``gpt`` decoder stands in, and a line on stderr says so.
 
-Both train with AdamW. In ``--quick`` mode every workload has a *simulated* out-of-memory threshold: a step at a batch
+All train with AdamW. In ``--quick`` mode every workload has a *simulated* out-of-memory threshold: a step at a batch
 size above it raises ``torch.cuda.OutOfMemoryError`` (a CPU never runs out of memory, so without it no search would
 ever stop before its upper bound).
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +49,7 @@ SIMULATED_OOM_MESSAGE = "CUDA out of memory. Tried to allocate 1.00 GiB (simulat
 
 @dataclass(frozen=True)
 class Workload:
-    """Everything that defines one workload; ``kind`` is ``"gpt"``, ``"resnet"`` or ``"cnn"``."""
+    """Everything that defines one workload; ``kind``: ``"gpt"``, ``"hfgpt2"``, ``"resnet"``, ``"vit"``, ``"cnn"``."""
 
     name: str
     kind: str
@@ -50,7 +58,7 @@ class Workload:
     num_workers: int = 0  # DataLoader workers of the Lightning runs
     simulated_oom_above: int | None = None  # --quick: batch sizes above this raise an OOM
     simulated_val_oom_above: int | None = None  # --quick: the same in validation (None: simulated_oom_above)
-    # GPT
+    # GPT and hf-gpt2
     vocab: int = 0
     seq_len: int = 0
     val_seq_len: int = 0  # validation sequences (0: seq_len)
@@ -65,7 +73,7 @@ class Workload:
 
 
 def workload(name: str, quick: bool) -> Workload:
-    """The workload called ``name`` (``gpt``, ``gpt-longval`` or ``resnet``), full size or tiny (``quick``)."""
+    """The workload called ``name`` (see the module docstring), full size or tiny (``quick``)."""
     if name == "gpt-longval":
         if quick:
             return Workload(
@@ -97,14 +105,37 @@ def workload(name: str, quick: bool) -> Workload:
                             checkpointing=True)  # fmt: skip
         return Workload(name, "gpt", 16384, 4096, vocab=32768, seq_len=512, d_model=768, layers=12, heads=12,
                         causal=name != "encoder")  # fmt: skip
+    if name == "hf-gpt2":
+        if quick:
+            tiny = {"vocab": 256, "seq_len": 32, "d_model": 64, "layers": 2, "heads": 4}
+            kind = "hfgpt2" if _transformers_importable() else "gpt"  # the tiny GPT stands in without transformers
+            return Workload(name, kind, 4096, 2048, simulated_oom_above=37, **tiny)
+        # 16384 samples as for `gpt`: 50 steps at any plausible size stay inside one epoch (16384 x 513 int64, 67 MB).
+        return Workload(name, "hfgpt2", 16384, 2048, vocab=50257, seq_len=512, d_model=1024, layers=24, heads=16)
     if name == "vit":
         if quick:
             return Workload("vit", "cnn", 4096, 1024, simulated_oom_above=53, image_size=32, num_classes=10)
         workers = max(0, min(6, (os.cpu_count() or 2) // 2))
         return Workload("vit", "vit", 65536, 2048, num_workers=workers, image_size=224, num_classes=1000)
     raise ValueError(
-        f"Unknown workload {name!r}; expected one of gpt, gpt-longval, gpt124, gpt-ckpt, encoder, resnet, vit."
+        f"Unknown workload {name!r}; expected one of gpt, gpt-longval, gpt124, gpt-ckpt, encoder, resnet, vit, hf-gpt2."
     )
+
+
+@functools.cache
+def _transformers_importable() -> bool:
+    """Whether ``import transformers`` works (``--quick`` only); if not, say once per process on stderr."""
+    try:
+        import transformers  # noqa: F401
+    except Exception as error:
+        print(
+            f"hf-gpt2 --quick: `import transformers` failed ({type(error).__name__}: {error}); the tiny GPT decoder"
+            " of the `gpt` workload stands in for GPT2LMHeadModel",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------- models
@@ -189,6 +220,14 @@ def build_model(w: Workload) -> nn.Module:
         return GPT(
             w.vocab, max(w.seq_len, w.val_seq_len), w.d_model, w.layers, w.heads, w.checkpointing, w.causal, classes
         )
+    if w.kind == "hfgpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel  # only the hf-gpt2 workload needs it
+
+        config = GPT2Config(
+            vocab_size=w.vocab, n_positions=w.seq_len, n_embd=w.d_model, n_layer=w.layers, n_head=w.heads,
+            bos_token_id=w.vocab - 1, eos_token_id=w.vocab - 1,  # GPT-2's 50256 at full size; inside a tiny vocabulary
+        )  # fmt: skip
+        return GPT2LMHeadModel(config)
     if w.kind == "vit":
         import timm  # only the ViT workload needs it
 
@@ -227,7 +266,7 @@ class RandomImages(Dataset):
 
 def build_dataset(w: Workload) -> Dataset:
     """The synthetic training (and validation) set of ``w``."""
-    if w.kind == "gpt":
+    if w.kind in ("gpt", "hfgpt2"):
         generator = torch.Generator().manual_seed(0)
         return TensorDataset(torch.randint(w.vocab, (w.num_samples, w.seq_len + 1), generator=generator))
     return RandomImages(w.num_samples, w.image_size, w.num_classes)
@@ -255,8 +294,12 @@ def batch_length(batch: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> int:
 def compute_loss(
     w: Workload, model: nn.Module, batch: list[torch.Tensor] | tuple[torch.Tensor, ...], validation: bool = False
 ) -> torch.Tensor:
-    """Next-token cross-entropy (GPT) or classification cross-entropy (images); raises a simulated OOM in --quick."""
+    """Next-token cross-entropy (GPTs) or classification cross-entropy (images); raises a simulated OOM in --quick."""
     check_simulated_oom(w, batch_length(batch), validation)
+    if w.kind == "hfgpt2":
+        tokens = batch[0]
+        logits = model(input_ids=tokens[:, :-1]).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
     if w.kind == "gpt":
         tokens = batch[0]
         logits = model(tokens[:, :-1])
@@ -303,9 +346,15 @@ def count_parameters(model: nn.Module) -> int:
 
 def describe(w: Workload) -> str:
     """One line describing the workload."""
+    if w.kind == "hfgpt2":
+        return (
+            f"Hugging Face GPT2LMHeadModel (random init) n_embd={w.d_model} n_layer={w.layers} n_head={w.heads}"
+            f" vocab={w.vocab} seq={w.seq_len}, {w.num_samples} random-token samples"
+        )
     if w.kind == "gpt":
         kind = "GPT" if w.causal else "encoder"
         kind += " with activation checkpointing" if w.checkpointing else ""
+        kind += " (stand-in for hf-gpt2: transformers not importable)" if w.name == "hf-gpt2" else ""
         return (
             f"{kind} d_model={w.d_model} layers={w.layers} heads={w.heads} vocab={w.vocab} seq={w.seq_len},"
             f"{f' validation seq={w.val_seq_len},' if w.val_seq_len else ''} {w.num_samples} random-token samples"

@@ -4,13 +4,23 @@
 #
 #   bash benchmarks/gpu_session.sh [PART]...   (default: tests monitor microbatch)
 #   PART: tests, monitor, microbatch, microbatch-gpt, microbatch-gpt-profile, profile, tuner, tuner-gpt, tuner-resnet,
-#         tuner-resnet-12, tuner-longval, plan, plan-expandable, tuner-predict, tuner-predict-12, token-budget, ddp2
+#         tuner-resnet-12, tuner-longval, plan, plan-expandable, tuner-predict, tuner-predict-12, tuner-42a, tuner-42b,
+#         tuner-42c, token-budget, ddp2
 #
 # plan: MemoryPlanner's predictions against measured peaks on six workloads (benchmarks/plan.py) -> plan.json, .log;
 # plan-expandable: the same for the two GPTs with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; tuner-predict:
 # BatchSizeTuner (predict, then validate; headroom 0 and 0.05) against BatchSizeFinder(mode="binsearch") and the
 # true maximum (a 4-step fit + 1 validation batch in a fresh process) at 24 GiB on gpt, gpt124, vit and resnet
 # (TUNER_MODELS overrides) -> tuner-predict-24gib.json; tuner-predict-12: gpt, gpt-ckpt, encoder at 12 GiB.
+#
+# tuner-42a, tuner-42b, tuner-42c: BatchSizeTuner's default search (finder "default": no `method` passed) against the
+# previous version of the package (previous-predict, previous-search: method="predict"/"search", imported from
+# out/previous/lightning_gpumem, which the caller must carry to the device) and BatchSizeFinder(mode="binsearch"), at
+# 24 GiB, headroom 0.02, a 4-step fit + 1 validation batch after each search, and the true maximum (the same fit at a
+# fixed size, up to 5 at once: 3 on an 80 GB card; its first round centred on "default"'s answer). Five workloads in
+# three parts of about 6-8 minutes each on an H100 (TUNER_MODELS overrides a part's list): tuner-42a: gpt, hf-gpt2
+# (transformers' GPT2LMHeadModel, GPT-2 medium config, random init); tuner-42b: resnet; tuner-42c: gpt-longval, vit
+# -> tuner-42a.json, .log and so on. TUNER_S (default 540) bounds each part; --time-limit is 30 s under it.
 #
 # token-budget: TokenBudgetSampler with a tuned max_tokens against BatchSizeFinder, the worst-case batch size and a
 # hand-set budget, one epoch each (benchmarks/token_budget.py; TOKEN_ATTENTION, TOKEN_DATASETS, TOKEN_CONFIGS,
@@ -31,6 +41,9 @@ mkdir -p "$OUT"
 export PYTHONPATH=.
 failed=0
 parts=("$@")
+declare -A TUNER42_MODELS=([tuner-42a]=gpt,hf-gpt2 [tuner-42b]=resnet [tuner-42c]=gpt-longval,vit)
+TUNER42_ARGS=(--budget-gib 24 --headroom 0.02 --fit-steps 4 --fit-val-batches 1 --true-max fit --parallel 5
+  --finders default,previous-predict,previous-search,binsearch --previous out/previous)
 [ ${#parts[@]} -eq 0 ] && parts=(tests monitor microbatch)
 for part in "${parts[@]}"; do
   start=$(date +%s)
@@ -73,6 +86,9 @@ for part in "${parts[@]}"; do
     tuner-predict-12) timeout ${TUNER_S:-400} python3 benchmarks/tuner.py --models ${TUNER_MODELS:-gpt,gpt-ckpt,encoder} \
       --budget-gib 12 --parallel 10 --finders predict,binsearch --headroom 0.0 --fit-steps 4 --fit-val-batches 1 \
       --time-limit $(( ${TUNER_S:-400} - 40 )) --json "$OUT/tuner-predict-12gib.json" > "$OUT/tuner-predict-12gib.log" 2>&1 ;;
+    tuner-42a|tuner-42b|tuner-42c) HF_HUB_OFFLINE=1 timeout ${TUNER_S:-540} python3 benchmarks/tuner.py \
+      --models ${TUNER_MODELS:-${TUNER42_MODELS[$part]}} "${TUNER42_ARGS[@]}" --time-limit $(( ${TUNER_S:-540} - 30 )) \
+      --json "$OUT/$part.json" > "$OUT/$part.log" 2>&1 ;;
     token-budget) name=token-budget-${TOKEN_ATTENTION:-sdpa}${TOKEN_EXPANDABLE:+-expandable}${TOKEN_SHAPE_MARGIN:+-margin$TOKEN_SHAPE_MARGIN}
       timeout ${TOKEN_S:-420} python3 benchmarks/token_budget.py --attention ${TOKEN_ATTENTION:-sdpa} \
       --datasets ${TOKEN_DATASETS:-zipf,skewed} --configs ${TOKEN_CONFIGS:-worst,tuned,hand,finder} \

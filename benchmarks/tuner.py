@@ -5,17 +5,38 @@ Run it from the repository root on one CUDA GPU (about 5-8 minutes on an H200; `
     PYTHONPATH=. python3 benchmarks/tuner.py     # gpt and resnet, 24 GiB budget; JSON in benchmarks/results/tuner.json
     PYTHONPATH=. python3 benchmarks/tuner.py --models gpt-longval --budget-gib 12 --headroom 0.05,0.02
     PYTHONPATH=. python3 benchmarks/tuner.py --quick                     # CPU smoke run of the whole pipeline
+    PYTHONPATH=. python3 benchmarks/tuner.py --models gpt,hf-gpt2 --headroom 0.02 \
+        --finders default,previous-predict,previous-search,binsearch --previous out/previous   # against a previous copy
 
 Workloads (``benchmarks/_tuner_models.py``): a GPT-style decoder of about 235M parameters (d_model 1024, 16 layers,
 vocabulary 32768, sequence 512) on random tokens (``gpt``; ``gpt-longval`` validates on sequences 8x longer, so
-validation needs more memory than training), and torchvision's ResNet-50 on random 224x224 images; all
-``bf16-mixed`` with AdamW. For each workload and a budget ``B`` (``--budget-gib``, default 24 GiB):
+validation needs more memory than training), torchvision's ResNet-50 on random 224x224 images, Hugging Face
+transformers' ``GPT2LMHeadModel`` with a GPT-2-medium config (``hf-gpt2``: about 355M parameters, random init,
+sequence 512) and others (``gpt124``, ``gpt-ckpt``, ``encoder``, ``vit``); all ``bf16-mixed`` with AdamW. For each
+workload and a budget ``B`` (``--budget-gib``, default 24 GiB):
 
-1. **Finders.** Each finder runs in a fresh subprocess whose allocator is capped at ``B`` with
-   ``torch.cuda.set_per_process_memory_fraction(B / total)`` before anything is allocated, so the GPU behaves like a
-   ``B`` card: Lightning's ``BatchSizeFinder(mode="binsearch")`` and ``BatchSizeFinder(mode="power")`` with their
-   defaults, and ``lightning_gpumem.BatchSizeTuner(budget=B)`` with its defaults (``headroom=0.05``; ``--headroom
-   0.05,0.02`` runs it once per value, each in its own process). The process
+1. **Finders** (``--finders``, default ``default,binsearch,power``). Each finder runs in a fresh subprocess whose
+   allocator is capped at ``B`` with ``torch.cuda.set_per_process_memory_fraction(B / total)`` before anything is
+   allocated, so the GPU behaves like a ``B`` card:
+
+   * ``binsearch``, ``power``: Lightning's ``BatchSizeFinder(mode="binsearch")`` / ``(mode="power")``, defaults;
+   * ``default``: ``lightning_gpumem.BatchSizeTuner(budget=B, headroom=H)`` without ``method`` (the package's
+     default search);
+   * ``predict``, ``ours``: the same with ``method="predict"`` / ``method="search"``, as in earlier results (a
+     package that refuses the method reports the error);
+   * ``previous-predict``, ``previous-search``: ``BatchSizeTuner(budget=B, headroom=H, method="predict"/"search")``
+     of a previous copy of the package, ``--previous DIR/lightning_gpumem`` (default ``out/previous``). Before
+     anything imports the package, the worker removes an editable install's import hooks (``sys.meta_path`` and
+     ``sys.path_hooks`` entries whose type or repr mentions "editable": they would win over ``sys.path``), drops the
+     repository root, the working directory and ``''`` from ``sys.path`` and puts ``DIR`` first; if the package it
+     then imports is not under ``DIR``, the finder's status is ``error``.
+
+   ``H`` is the first ``--headroom`` value (default 0.05); further values (``--headroom 0.05,0.02``) run the guiding
+   tuner (the first of ``default``, ``predict``, ``ours``, ``previous-predict``, ``previous-search`` asked for; it
+   runs first) again, once per value, each in its own process. Each finder's JSON names the package its process
+   imported (``package_file``, ``package_version``; null for Lightning's finders, which do not import it) and the
+   tuner's ``method`` attribute (``tuner_method``, where it has one); the report's ``packages`` gives the directory,
+   ``__version__`` and a SHA-256 of the ``.py`` files of the current and of the previous package. The process
    runs ``Trainer.fit`` with the finder as its only callback: the finder searches in ``on_fit_start`` (*search s*
    is the wall time of that hook, CUDA synchronised), then the same fit continues at the size found for 50 training
    steps and a validation pass of 5 batches at step 50 (``val_check_interval=50, check_val_every_n_epoch=None,
@@ -40,8 +61,9 @@ validation needs more memory than training), and torchvision's ResNet-50 on rand
    one Lightning reaches. Each candidate prints one JSON line: ok, OOM, peak reserved and allocated bytes. Up to
    ``--parallel`` candidates run at once on the one GPU (each capped at ``B``; fewer are used if
    ``parallel * (B + 1 GiB)`` would not fit the card). The search is k-ary over a bracket ``(lo, hi)`` (largest size
-   that passed, smallest that failed): the first round is centred on the tuner's answer ``g`` (``g``, ``g + 1``, the
-   size where the line through the tuner's measured peaks meets ``B``, and a spread above); later rounds put a few
+   that passed, smallest that failed): the first round is centred on the guiding tuner's answer ``g`` (``g``,
+   ``g + 1``, the size where the line through its measured peaks meets ``B``, and a spread above; the workload's
+   ``true_max_guide`` in the JSON); later rounds put a few
    candidates next to the size the probes' own peaks predict and split the rest of the bracket evenly (geometrically
    while it spans more than 4x), until ``hi = lo + 1``. A probe that times out or fails for another reason counts as
    a failure but marks the result *uncertain*; a size that passed above one that failed is reported as
@@ -58,20 +80,27 @@ Every subprocess runs under a timeout (``--timeout``, default 150 s) and in its 
 on timeout ("timeout" is reported instead of hanging); no new subprocess starts once ``--time-limit`` (default
 500 s) is nearly spent. ``PYTHONPATH`` of the subprocesses gets the repository root prepended.
 
-``--quick`` runs on the CPU with a tiny GPT (d_model 64, 2 layers, sequence 32, vocabulary 256) and a tiny CNN in
-place of ResNet-50, without a memory cap. A CPU never runs out of memory, so every model raises
-``torch.cuda.OutOfMemoryError`` in its loss above a fixed batch size (37 for the GPT, 53 for the CNN), in the probes
-and in the finders' processes alike, and the whole pipeline, tables included, is exercised. It trains in 32-bit
-(``precision="32-true"``, autocast off in the probes), as bf16 on a CPU is several times slower.
+``--quick`` runs on the CPU with a tiny GPT (d_model 64, 2 layers, sequence 32, vocabulary 256), a tiny
+``GPT2LMHeadModel`` for ``hf-gpt2`` (n_embd 64, 2 layers, 4 heads, vocabulary 256, sequence and n_positions 32; the
+tiny GPT stands in, with a line on stderr, where ``import transformers`` fails) and a tiny CNN in place of ResNet-50
+and ViT, without a memory cap. A CPU never runs out of memory, so every model raises ``torch.cuda.OutOfMemoryError``
+in its loss above a fixed batch size (37 for the GPTs, 53 for the CNN), in the probes and in the finders' processes
+alike, and the whole pipeline, tables included, is exercised; every tuner finder gets ``max_val=2**31`` there (on a
+CPU the tuner keeps the batch size unless ``max_val`` is given). It trains in 32-bit (``precision="32-true"``,
+autocast off in the probes), as bf16 on a CPU is several times slower.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import hashlib
+import importlib
+import importlib.util
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 import time
@@ -86,12 +115,22 @@ import _harness as H
 import _tuner_models as M
 
 GIB = H.GIB
-FINDERS = ("binsearch", "power", "ours", "predict")  # table order
+FINDERS = ("binsearch", "power", "ours", "predict", "previous-search", "previous-predict", "default")  # table order
+DEFAULT_FINDERS = ("default", "binsearch", "power")
+# The BatchSizeTuner finders: the package they import ("current": the repository's; "previous": --previous DIR's) and
+# the `method` they pass (None: not passed, the package's default). "ours" and "predict" keep the meaning they have in
+# earlier JSON (method passed explicitly).
+TUNER_FINDERS: dict[str, tuple[str, str | None]] = {
+    "default": ("current", None),
+    "predict": ("current", "predict"),
+    "ours": ("current", "search"),
+    "previous-predict": ("previous", "predict"),
+    "previous-search": ("previous", "search"),
+}
+GUIDES = ("default", "predict", "ours", "previous-predict", "previous-search")  # the first one run guides the true max
 FINDER_LABELS = {
     "binsearch": "Lightning `BatchSizeFinder(mode='binsearch')`",
     "power": "Lightning `BatchSizeFinder(mode='power')`",
-    "ours": "lightning_gpumem `BatchSizeTuner(budget=B, method='search')`",
-    "predict": "lightning_gpumem `BatchSizeTuner(budget=B)` (predict, then validate)",
 }
 CONTEXT_BYTES = GIB  # per-process CUDA context and slack, when deciding how many probes fit the card at once
 MIN_START_SECONDS = 20.0  # do not start a subprocess with less time left than this
@@ -191,13 +230,58 @@ def _fixed_size_callback(batch_size: int) -> Any:
     return FixedSize()
 
 
-def _lightning_classes() -> tuple[type, type, type]:
-    """The LightningModule and the two timed finders; built on demand so that probe workers never import Lightning."""
+def _is_editable_hook(hook: Any) -> bool:
+    """Whether an import hook comes from an editable install (setuptools' ``__editable__`` finders and path hooks)."""
+    names = (repr(hook), type(hook).__module__, getattr(hook, "__module__", None), getattr(hook, "__qualname__", None))
+    return any("editable" in str(name).lower() for name in names if name)
+
+
+def _use_previous_package(directory: str) -> Path:
+    """Import ``lightning_gpumem`` from ``directory`` (holding a ``lightning_gpumem/`` package); its ``__file__``.
+
+    Call it before anything imports the package. It wins over an editable install of the current package (whose
+    finder on ``sys.meta_path`` would answer first) and over the repository root that the orchestrator puts on
+    ``PYTHONPATH``: the editable finders and path hooks are removed, the repository root, the working directory and
+    ``''`` leave ``sys.path``, and ``directory`` goes first. Raises if the package then imported is not under it.
+    """
+    root = Path(directory).resolve()
+    if not (root / "lightning_gpumem" / "__init__.py").is_file():
+        raise RuntimeError(f"--previous {directory}: {root / 'lightning_gpumem' / '__init__.py'} does not exist")
+    if "lightning_gpumem" in sys.modules:
+        already = getattr(sys.modules["lightning_gpumem"], "__file__", None)
+        raise RuntimeError(f"--previous: lightning_gpumem was imported before it could be redirected (from {already})")
+    sys.meta_path[:] = [hook for hook in sys.meta_path if not _is_editable_hook(hook)]
+    sys.path_hooks[:] = [hook for hook in sys.path_hooks if not _is_editable_hook(hook)]
+    drop = {H.REPO_ROOT.resolve(), Path.cwd().resolve(), root}
+
+    def keep(entry: str) -> bool:
+        if entry in ("", ".") or "__editable__" in entry:
+            return False
+        try:
+            return Path(entry).resolve() not in drop
+        except OSError:
+            return True
+
+    sys.path[:] = [str(root), *(entry for entry in sys.path if keep(entry))]
+    sys.path_importer_cache.clear()
+    importlib.invalidate_caches()
+    import lightning_gpumem
+
+    imported = Path(lightning_gpumem.__file__ or "").resolve()
+    if root not in imported.parents:
+        raise RuntimeError(f"--previous {directory}: lightning_gpumem was imported from {imported}, not from {root}")
+    return imported
+
+
+def _lightning_classes(tuner: bool = True) -> tuple[type, type, Any]:
+    """The LightningModule and the two timed finders; built on demand so that probe workers never import Lightning.
+
+    With ``tuner=False`` the third is ``None`` and ``lightning_gpumem`` is not imported (Lightning's finders and the
+    fixed-size true-max candidates do not need it).
+    """
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import BatchSizeFinder
     from torch.utils.data import DataLoader
-
-    from lightning_gpumem import BatchSizeTuner
 
     class BenchModule(pl.LightningModule):
         """A workload as a LightningModule that records, per search trial, its batch size, steps and OOMs."""
@@ -292,6 +376,11 @@ def _lightning_classes() -> tuple[type, type, type]:
     class TimedBatchSizeFinder(_TimedSearch, BatchSizeFinder):
         """Lightning's finder, timed."""
 
+    if not tuner:
+        return BenchModule, TimedBatchSizeFinder, None
+
+    from lightning_gpumem import BatchSizeTuner
+
     class TimedBatchSizeTuner(_TimedSearch, BatchSizeTuner):
         """lightning_gpumem's tuner, timed."""
 
@@ -305,22 +394,27 @@ def finder_worker(args: argparse.Namespace) -> int:
     """One finder in a fresh process: search in ``on_fit_start``, then the following fit at the size found."""
     result: dict[str, Any] = {"finder": args.finder_worker, "model": args.model, "status": "error", "error": None}
     result.update(fit_steps=args.fit_steps, fit_val_batches=args.fit_val_batches)
+    package, method = TUNER_FINDERS.get(args.finder_worker, ("current", None))
     try:
+        if package == "previous":  # before anything imports lightning_gpumem
+            _use_previous_package(args.previous)
         device = _setup_device(args.quick, args.budget_bytes)
         warnings.filterwarnings("ignore", message=r".*(num_workers|does not have many workers|LightningModule\.log).*")
         import lightning.pytorch as pl
 
-        module_cls, finder_cls, tuner_cls = _lightning_classes()
+        module_cls, finder_cls, tuner_cls = _lightning_classes(tuner=args.finder_worker in TUNER_FINDERS)
         w = M.workload(args.model, args.quick)
         pl.seed_everything(0, verbose=False)
         model = module_cls(w)
         if device.type == "cuda":
             model.budget_fraction = min(1.0, args.budget_bytes / torch.cuda.get_device_properties(device).total_memory)
         result["parameters"] = M.count_parameters(model.net)
-        if args.finder_worker in ("ours", "predict"):
-            method = "search" if args.finder_worker == "ours" else "predict"
-            cpu = {} if device.type == "cuda" else {"max_val": CPU_MAX_VAL}  # on a CPU it searches only when asked
-            callback = tuner_cls(budget=args.budget_bytes, headroom=float(args.headroom), method=method, **cpu)
+        if args.finder_worker in TUNER_FINDERS:
+            options: dict[str, Any] = {} if method is None else {"method": method}  # None: the package's default
+            if device.type != "cuda":
+                options["max_val"] = CPU_MAX_VAL  # on a CPU it searches only when asked
+            callback = tuner_cls(budget=args.budget_bytes, headroom=float(args.headroom), **options)
+            result["tuner_method"] = getattr(callback, "method", None)  # the method the tuner says it runs
         elif args.finder_worker == "fixed":  # a true-max candidate: no finder, the size set by hand
             model.batch_size = args.batch_size
             callback = _fixed_size_callback(args.batch_size)
@@ -348,6 +442,9 @@ def finder_worker(args: argparse.Namespace) -> int:
             _collect_finder_result(result, callback, model, device, fit_error)
     except Exception as error:
         result["error"] = H.describe_error(error)
+    imported = sys.modules.get("lightning_gpumem")  # which copy of the package this process ran
+    result["package_file"] = getattr(imported, "__file__", None)
+    result["package_version"] = getattr(imported, "__version__", None)
     H.emit(result)
     return 0
 
@@ -432,7 +529,8 @@ class Runner:
         ]
         argv += ["--steps", str(self.args.steps), "--fit-steps", str(self.args.fit_steps)]
         headroom = self.args.headrooms[0] if headroom is None else headroom
-        argv += ["--fit-val-batches", str(self.args.fit_val_batches), "--headroom", str(headroom), *extra]
+        argv += ["--fit-val-batches", str(self.args.fit_val_batches), "--headroom", str(headroom)]
+        argv += ["--previous", str(self.args.previous), *extra]
         return [*argv, "--quick"] if self.args.quick else argv
 
     def run(self, argv: list[str], name: str) -> H.Worker:
@@ -692,12 +790,28 @@ def _table(model: str, w: M.Workload, entry: dict[str, Any], budget_bytes: int, 
 
 
 def _label(finder: str, r: dict[str, Any]) -> str:
+    """The table's name of a finder (``finder`` may end in ``-headroom-H``, a tuner's run at another headroom)."""
+    base = finder.split("-headroom-")[0]
+    if base not in TUNER_FINDERS:
+        return FINDER_LABELS.get(base, finder)
+    package, method = TUNER_FINDERS[base]
     headroom = r.get("headroom")
-    base = next((f for f in ("ours", "predict") if finder.startswith(f)), finder)
-    if base in ("ours", "predict") and headroom is not None and headroom != 0.05:
-        method = ", method='search'" if base == "ours" else ""
-        return f"lightning_gpumem `BatchSizeTuner(budget=B, headroom={headroom}{method})`"
-    return FINDER_LABELS[base]
+    arguments = "budget=B" + (f", headroom={headroom}" if headroom is not None and headroom != 0.05 else "")
+    arguments += f", method='{method}'" if method else ""
+    if package == "previous":
+        return f"previous version, {method}: `BatchSizeTuner({arguments})`"
+    return f"lightning_gpumem `BatchSizeTuner({arguments})`" + (" (default)" if method is None else "")
+
+
+def _package_stamp(directory: Path | None) -> dict[str, Any] | None:
+    """Where a ``lightning_gpumem`` package directory is, its ``__version__`` and a SHA-256 of its ``.py`` files."""
+    if directory is None or not (directory / "__init__.py").is_file():
+        return None
+    digest = hashlib.sha256()
+    for path in sorted(directory.rglob("*.py")):
+        digest.update(str(path.relative_to(directory)).encode() + b"\0" + path.read_bytes() + b"\0")
+    found = re.search(r"""^__version__\s*=\s*["']([^"']+)["']""", (directory / "__init__.py").read_text(), re.MULTILINE)
+    return {"dir": str(directory), "version": found and found.group(1), "sha256": digest.hexdigest()}
 
 
 def _true_max_line(true: dict[str, Any]) -> str:
@@ -734,6 +848,14 @@ def orchestrate(args: argparse.Namespace) -> int:
         sys.exit(f"--headroom {args.headroom!r}: expected values in [0, 1)")
     for name in models:
         M.workload(name, args.quick)  # unknown names fail now
+    args.previous = str(Path(args.previous).resolve())  # the workers run in the repository root
+    packages = {"current": _package_stamp(_current_package_dir()), "previous": None}
+    if any(TUNER_FINDERS.get(f, ("",))[0] == "previous" for f in finders):
+        packages["previous"] = _package_stamp(Path(args.previous) / "lightning_gpumem")
+        if packages["previous"] is None:
+            sys.exit(
+                f"--previous {args.previous}: no lightning_gpumem/__init__.py there (the previous-* finders need it)"
+            )
     budget_bytes = int(args.budget_gib * GIB)
     if args.quick:
         device = {"name": "cpu", "total_bytes": None}
@@ -747,9 +869,16 @@ def orchestrate(args: argparse.Namespace) -> int:
     else:
         sys.exit("No CUDA device: the full benchmark needs one. Use --quick for a CPU smoke run.")
 
-    versions = H.versions(("lightning", "torchvision", "lightning-gpumem"))
+    versions = H.versions(("lightning", "torchvision", "timm", "transformers", "lightning-gpumem"))
     print("# Batch-size finders under a memory budget\n")
     print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+    for which, stamp in packages.items():
+        if stamp is not None:
+            print(
+                f"{which} lightning_gpumem: {stamp['dir']} (version {stamp['version']}, sha256 {stamp['sha256'][:12]})"
+            )
+    if packages["previous"] and packages["current"] and packages["previous"]["sha256"] == packages["current"]["sha256"]:
+        print("note: the previous package's files are identical to the current one's")
     total = f"{device['total_bytes'] / GIB:.1f} GiB" if device["total_bytes"] else "no memory cap"
     print(f"device: {device['name']} ({total}); budget {args.budget_gib} GiB per process; {parallel} probes at once")
     fit_text = f"{args.fit_steps} steps + {args.fit_val_batches} validation batches"
@@ -765,6 +894,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {
         "settings": {**vars(args), "budget_bytes": budget_bytes, "parallel_used": parallel},
         "versions": versions,
+        "packages": packages,
         "device": device,
         "workloads": {},
     }
@@ -777,19 +907,23 @@ def orchestrate(args: argparse.Namespace) -> int:
         H.log(f"{model}: {M.describe(w)}")
         entry: dict[str, Any] = {"workload": M.describe(w), "finders": {}}
         report["workloads"][model] = entry
-        skipped = {"status": "skipped", "error": "--finders"}
-        guide = "predict" if "predict" in finders else "ours"  # the first tuner run guides the true-max search
-        for name in (guide, *(f for f in ("ours",) if f in finders and f != guide)):
-            entry["finders"][name] = run_finder(runner, model, name, args.headrooms[0]) if name in finders else skipped
-        ours = entry["finders"][guide]
-        if ours.get("status") == "ok" and len(ours.get("module_trials", [])) != ours.get("num_trials"):
-            seen = len(ours["module_trials"])
-            H.log(f"{model}: note: the module saw {seen} trials, the tuner reports {ours['num_trials']}")
-        guess = ours.get("batch_size") if ours.get("status") == "ok" else None
+        # The tuners first, the guide (the first of GUIDES asked for) first of all: it guides the true-max search.
+        guide = next((f for f in GUIDES if f in finders), None)
+        tuners = [f for f in finders if f in TUNER_FINDERS and f != guide]
+        for name in [guide, *tuners] if guide else []:
+            result = entry["finders"][name] = run_finder(runner, model, name, args.headrooms[0])
+            if result.get("status") == "ok" and len(result.get("module_trials", [])) != result.get("num_trials"):
+                seen = len(result["module_trials"])
+                H.log(f"{model}: {name}: note: the module saw {seen} trials, the tuner reports {result['num_trials']}")
+        guiding = entry["finders"].get(guide, {}) if guide else {}
+        guess = guiding.get("batch_size") if guiding.get("status") == "ok" else None
         hints = [
-            (t["batch_size"], t["peak_bytes"]) for t in ours.get("tuner_trials", []) if t["fits"] and t["peak_bytes"]
+            (t["batch_size"], t["peak_bytes"])
+            for t in guiding.get("tuner_trials") or []
+            if t["fits"] and t["peak_bytes"]
         ]
-        for headroom in args.headrooms[1:] if guide in finders else []:
+        entry["true_max_guide"] = guide
+        for headroom in args.headrooms[1:] if guide else []:
             entry["finders"][f"{guide}-headroom-{headroom}"] = run_finder(runner, model, guide, headroom)
         for finder in [f for f in ("binsearch", "power") if f in finders]:
             entry["finders"][finder] = run_finder(runner, model, finder)
@@ -804,12 +938,21 @@ def orchestrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _current_package_dir() -> Path | None:
+    """The directory of the ``lightning_gpumem`` this process would import (found, not imported)."""
+    try:
+        spec = importlib.util.find_spec("lightning_gpumem")
+    except (ImportError, ValueError):
+        return None
+    return Path(spec.origin).resolve().parent if spec is not None and spec.origin else None
+
+
 def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument(
         "--models",
         default="gpt,resnet",
-        help="workloads, comma-separated (gpt, gpt-longval, gpt124, gpt-ckpt, encoder, resnet, vit)",
+        help="workloads, comma-separated (gpt, gpt-longval, gpt124, gpt-ckpt, encoder, resnet, vit, hf-gpt2)",
     )
     parser.add_argument(
         "--expandable", action="store_true", help="every worker with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
@@ -823,12 +966,21 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="true-max candidates: the finders' following fit at a fixed size (fit), plain PyTorch steps (plain),"
         " or no true-max search (none)",
     )
-    parser.add_argument("--finders", default=",".join(FINDERS), help="finders to run, comma-separated")
+    parser.add_argument(
+        "--finders",
+        default=",".join(DEFAULT_FINDERS),
+        help=f"finders to run, comma-separated, of {', '.join(FINDERS)}",
+    )
+    parser.add_argument(
+        "--previous",
+        default="out/previous",
+        help="a directory holding a previous copy of the package (DIR/lightning_gpumem/) for the previous-* finders",
+    )
     parser.add_argument(
         "--headroom",
         default="0.05",
-        help="BatchSizeTuner's headroom; several, comma-separated, run the tuner once for each (the first guides the"
-        " true-max search)",
+        help="BatchSizeTuner's headroom (every tuner finder runs at the first); further values, comma-separated, run"
+        " the guiding tuner (the first of default, predict, ours, previous-predict, previous-search asked for) again",
     )
     parser.add_argument("--steps", type=int, default=3, help="training steps of a plain true-max candidate")
     parser.add_argument("--fit-steps", type=int, default=50, help="training steps of the fit after each search")

@@ -23,7 +23,7 @@ _EXPORTS = {
     "MemoryProbe": "lightning_gpumem._hw.probe",
     "MemorySample": "lightning_gpumem._core.sample",
     "OOMSnapshot": "lightning_gpumem.snapshot",
-    "TokenBudgetSampler": "lightning_gpumem.tuning.token_budget",
+    "TokenBudgetSampler": "lightning_gpumem.tuning.lengths.token_budget",
 }
 
 __all__ = [
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from lightning_gpumem.snapshot import OOMSnapshot
     from lightning_gpumem.tuning.callback import BatchSizeTuner
     from lightning_gpumem.tuning.planner import MemoryPlanner
-    from lightning_gpumem.tuning.token_budget import TokenBudgetSampler
+    from lightning_gpumem.tuning.lengths.token_budget import TokenBudgetSampler
 
 
 def __getattr__(name: str) -> Any:

@@ -1,8 +1,10 @@
 """Batch-size tuning and memory planning, driven by real trials run through Lightning.
 
-A pure search and plan (``search.py``, ``_core/plan.py``); ``callback.py`` (BatchSizeTuner) and ``planner.py``
-(MemoryPlanner) run the trials; ``token_budget.py`` (TokenBudgetSampler) batches variable-length data under a budget
-the tuner can tune, and ``lengths.py`` scans samples' lengths so that trials run the longest first.
+``search/`` is pure (one model of memory against the batch size, the plan, the search, the headroom);
+``trials/`` runs trials on the user's Trainer and undoes them (one bench for both callbacks); ``lengths/`` holds
+what variable-length data needs (the length scan, longest-first drawing, ``TokenBudgetSampler``). ``callback.py``
+(BatchSizeTuner) and ``planner.py`` (MemoryPlanner) are the callbacks; ``bounds.py`` and ``record.py`` the tuner's
+bounds and report.
 
 The names are imported on first use (PEP 562), so ``lightning_gpumem.tuning.search`` loads neither torch nor
 Lightning.
@@ -15,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lightning_gpumem.tuning.callback import BatchSizeTuner
+    from lightning_gpumem.tuning.lengths.token_budget import TokenBudgetSampler
     from lightning_gpumem.tuning.planner import MemoryPlanner
     from lightning_gpumem.tuning.search import SearchResult, Trial, search_batch_size, search_by_plan
-    from lightning_gpumem.tuning.token_budget import TokenBudgetSampler
 
 _EXPORTS = {
     "BatchSizeTuner": "lightning_gpumem.tuning.callback",
@@ -26,7 +28,7 @@ _EXPORTS = {
     "SearchResult": "lightning_gpumem.tuning.search",
     "Trial": "lightning_gpumem.tuning.search",
     "search_batch_size": "lightning_gpumem.tuning.search",
-    "TokenBudgetSampler": "lightning_gpumem.tuning.token_budget",
+    "TokenBudgetSampler": "lightning_gpumem.tuning.lengths.token_budget",
 }
 __all__ = [
     "BatchSizeTuner",

@@ -3,15 +3,14 @@
 Why real steps and not a trace: what decides a fit is the allocator (its blocks, its fragmentation), the optimizer
 step's temporaries and the kernels' workspaces, which only a real step shows; small batch sizes cost milliseconds.
 The probes run through the tuner's trial machinery (``TrialSession``: train mode, forward, backward, optimizer step,
-the validation step apart, nothing left behind) and the plan is the pure :class:`~lightning_gpumem._core.plan.Plan`.
+the validation step apart, nothing left behind) and the plan is the pure :class:`~lightning_gpumem.tuning.search.plan.Plan`.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -27,21 +26,21 @@ from lightning_gpumem._core.checks import (
     require_length_fn,
     require_trainer,
 )
-from lightning_gpumem._core.plan import Plan, Prediction, ProbePoint, format_table
 from lightning_gpumem._core.units import GIB, check_budget, format_gib, parse_budget
-from lightning_gpumem._hw.allocator import expandable_segments, release_to
-from lightning_gpumem._hw.oom import expecting_oom
-from lightning_gpumem._hw.probe import make_probe
+from lightning_gpumem._hw.allocator import expandable_segments
+from lightning_gpumem._hw.probe import Probe, make_probe
 from lightning_gpumem._pl.compat import Callback
 from lightning_gpumem._pl.logging import log_table, log_to_loggers
 from lightning_gpumem._pl.peers import budget_bytes
-from lightning_gpumem.tuning import loaders
-from lightning_gpumem.tuning import trials as _session
-from lightning_gpumem.tuning.lengths import LengthFn
-from lightning_gpumem.tuning.longest import LongestFirst, margin_for, margin_tip
-from lightning_gpumem.tuning.measure import LEFTOVER_BYTES, BatchCheck, TrialRunner, plan_builder
-from lightning_gpumem.tuning.search import Trial, accepted, back_off_sizes, probe_point, probe_until_line
-from lightning_gpumem.tuning.trials import TrialSession
+from lightning_gpumem.tuning.lengths.longest import LongestFirst, margin_for, margin_tip
+from lightning_gpumem.tuning.lengths.scan import LengthFn
+from lightning_gpumem.tuning.search.model import Point, accepted
+from lightning_gpumem.tuning.search.plan import Plan, Prediction, plan_table
+from lightning_gpumem.tuning.search.probes import back_off_sizes, probe_until_line
+from lightning_gpumem.tuning.trials import loaders
+from lightning_gpumem.tuning.trials import session as _session
+from lightning_gpumem.tuning.trials.bench import TrialBench
+from lightning_gpumem.tuning.trials.measure import BatchCheck, plan_builder
 
 CARDS_GIB = (16, 24, 40, 48, 80)
 """Common card sizes the plan answers for by default, besides the device (those up to the device's size)."""
@@ -156,7 +155,7 @@ class MemoryPlanner(Callback):
         self.plan: Plan | None = None
         """The last plan (``None`` before one, or where nothing could be measured)."""
         self.predictions: list[Prediction] = []
-        """One :class:`~lightning_gpumem._core.plan.Prediction` per budget, for the run's batch size."""
+        """One :class:`~lightning_gpumem.tuning.search.plan.Prediction` per budget, for the run's batch size."""
         self.seconds: float | None = None
         """Wall time of the last planning, probes and validation trials included."""
         self.probe_seconds: float | None = None
@@ -192,34 +191,32 @@ class MemoryPlanner(Callback):
         size = _session.get_batch_size(trainer, self.batch_arg_name)
         budgets = self._budgets(trainer, total)
         upper = max(1, length) if length is not None else 2**20
-        baseline = probe.allocated_bytes()
         longest = LongestFirst("MemoryPlanner", self.length_fn) if self.length_fn is not None else None
-        drawing = longest.drawing(trainer) if longest is not None else nullcontext()
-        try:
-            with TrialSession(trainer, self.batch_arg_name, owner=self) as session, expecting_oom(), drawing:
-                runner = TrialRunner(
-                    session,
-                    probe,
-                    steps=self.steps_per_trial,
-                    validate=self.include_validation,
-                    accumulation_for=lambda _: trainer.accumulate_grad_batches,
-                    check_batches=BatchCheck("MemoryPlanner", self.batch_arg_name),
-                )
-                run = longest.raising(runner) if longest is not None else runner
-                plan, data_bound = self._probe(run, runner, trainer, probe, total, upper)
-                upper = data_bound or upper  # the data's largest batch, where a probe found it
-                self.probe_seconds = time.perf_counter() - start
-                validated: dict[int, int] = {}
-                if plan is not None:
-                    validated, measured, held = self._validate(run, probe, plan, budgets, total, upper)
-                    if held < upper:  # a validation trial found it
-                        data_bound = upper = held
-                    if measured:  # the sizes that ran far out refine the line: between them it interpolates
-                        sizes = {p.size for p in plan.probes}
-                        extra = [p for p in measured if p.size not in sizes]
-                        plan = Plan([*plan.probes, *extra], plan.verdict, plan.outside, plan.terms, plan.margin)
-        finally:
-            release_to(probe, baseline, LEFTOVER_BYTES)
+        bench = TrialBench(
+            trainer,
+            self,
+            probe,
+            batch_arg_name=self.batch_arg_name,
+            steps=self.steps_per_trial,
+            validate=self.include_validation,
+            accumulation_for=lambda _: trainer.accumulate_grad_batches,
+            check_batches=BatchCheck("MemoryPlanner", self.batch_arg_name),
+            drawing=longest.drawing(trainer) if longest is not None else None,
+            raising=longest.raising if longest is not None else None,
+        )
+        with bench:
+            plan, data_bound = self._probe(bench, trainer, probe, total, upper)
+            upper = data_bound or upper  # the data's largest batch, where a probe found it
+            self.probe_seconds = time.perf_counter() - start
+            validated: dict[int, int] = {}
+            if plan is not None:
+                validated, measured, held = self._validate(bench, plan, budgets, upper)
+                if held < upper:  # a validation trial found it
+                    data_bound = upper = held
+                if measured:  # the sizes that ran far out refine the line: between them it interpolates
+                    sizes = {p.size for p in plan.probes}
+                    extra = [p for p in measured if p.size not in sizes]
+                    plan = Plan([*plan.probes, *extra], plan.verdict, plan.outside, plan.terms, plan.margin)
         self.seconds = time.perf_counter() - start
         self.plan = plan
         if plan is None:
@@ -260,7 +257,7 @@ class MemoryPlanner(Callback):
         return sorted(dict.fromkeys(int(b) for b in parsed), reverse=True)
 
     def _probe(
-        self, run: Callable[[int], Trial], runner: TrialRunner, trainer: pl.Trainer, probe: Any, total: int, upper: int
+        self, bench: TrialBench, trainer: pl.Trainer, probe: Probe, total: int, upper: int
     ) -> tuple[Plan | None, int | None]:
         """Probe from ``init_val``, doubling, until the line settles; the plan (``None`` with a warning).
 
@@ -268,15 +265,15 @@ class MemoryPlanner(Callback):
         sampler without a length): the largest batch there is, probed too (``None``: not met).
         """
         limit = min(probe.usable_bytes() or total, budget_bytes(trainer) or total)  # a MemoryBudget caps the probes
-        probed = probe_until_line(run, init_val=self.init_val, upper=upper, limit=limit)
+        probed = probe_until_line(bench.run, init_val=self.init_val, upper=upper, limit=limit)
         points, verdict, size = probed.points, probed.verdict, probed.size
         data_bound = None
         if probed.stop == "data":  # a probe's batches held fewer samples than its size: the data ends there
             data_bound = probed.samples or (points[-1].size if points else None)  # 0: no batch at all (drop_last)
             if data_bound is not None and (not points or data_bound > points[-1].size):
-                trial = run(data_bound)  # the whole of the data in one batch: every size that can run is probed
-                point = probe_point(trial)
-                if accepted(trial, limit) and point is not None:
+                trial = bench.run(data_bound)  # the whole of the data in one batch: every size that can run is probed
+                point = trial.point
+                if accepted(trial, limit) and point is not None and point.need is not None:
                     points = [*points, point]
             probed = replace(probed, stop="upper")  # the plan covers every size the data can fill
         if probed.stop in ("rejected", "unmeasured"):
@@ -292,7 +289,8 @@ class MemoryPlanner(Callback):
             return None, data_bound
         if verdict is None:  # probing reached the samples an epoch draws: every size that can run lies between
             verdict = "settled"  # probes, where the plan interpolates what they measured; nothing to extrapolate
-        plan = plan_builder(trainer, probe, runner, self)(points, verdict)
+        assert bench.runner is not None
+        plan = plan_builder(trainer, probe, bench.runner, self)(points, verdict)
         plan.margin = margin_for(self.shape_margin, self.length_fn is not None)
         if verdict == "not_affine":
             tip = "" if self.length_fn is not None else " Where samples vary in length, pass `length_fn`."
@@ -304,8 +302,8 @@ class MemoryPlanner(Callback):
         return plan, data_bound
 
     def _validate(
-        self, runner: Callable[[int], Trial], probe: Any, plan: Plan, budgets: list[int], total: int, upper: int
-    ) -> tuple[dict[int, int], list[ProbePoint], int]:
+        self, bench: TrialBench, plan: Plan, budgets: list[int], upper: int
+    ) -> tuple[dict[int, int], list[Point], int]:
         """Run each budget's largest size under that budget.
 
         Returns the size that ran per budget, what those trials measured, and the largest batch the data can make
@@ -315,34 +313,31 @@ class MemoryPlanner(Callback):
         if not self.validate or plan.verdict != "settled":
             return {}, [], upper
         ran: dict[int, int] = {}
-        measured: list[ProbePoint] = []
+        measured: list[Point] = []
         for budget in budgets:
             limit = plan.limit_for(budget)
             size = plan.largest_under(limit)
             if size is None or size < 1:
                 continue
             size = min(size, upper)
-            previous = probe.set_memory_fraction(min(1.0, limit / total))
-            try:
+            with bench.capped(limit):
                 tries = itertools.islice(itertools.chain([size], back_off_sizes(plan, size, 0)), VALIDATION_TRIES)
                 for size in tries:  # the prediction, then 6%, 12%... less live memory than it
-                    trial = runner(min(size, upper))
+                    trial = bench.run(min(size, upper))
                     if trial.short:  # the data ended short of it
                         # its largest batch; where a drop_last loader made none, the largest probe (which ran)
                         upper = trial.samples or max(p.size for p in plan.probes)
-                        trial = runner(upper)
+                        trial = bench.run(upper)
                     if accepted(trial, limit):
                         ran[budget] = trial.batch_size
-                        point = probe_point(trial)
+                        point = trial.point
                         measured += [point] if point is not None and trial.retries in (None, 0) else []
                         break
-            finally:
-                probe.set_memory_fraction(previous)
         return ran, measured, upper
 
     def _report(self, trainer: pl.Trainer, plan: Plan, size: int) -> None:
         name = self.batch_arg_name
-        table = format_table(plan, size, self.predictions, name)
+        table = plan_table(plan, size, self.predictions, name)
         lines = [table]
         for p in self.predictions:
             if p.fits:
@@ -364,8 +359,8 @@ class MemoryPlanner(Callback):
         scalars = {
             keys.PLAN_PEAK.format(): device.peak / GIB,
             keys.PLAN_BAND.format(): device.band / GIB,
-            keys.PLAN_PER_SAMPLE.format(): plan.per_sample / 2**20,
-            keys.PLAN_FIXED.format(): plan.lines[0].intercept / GIB,
+            keys.PLAN_PER_SAMPLE.format(): float(plan.per_sample) / 2**20,
+            keys.PLAN_FIXED.format(): float(plan.lines[0].intercept) / GIB,
         }
         if plan.outside is not None:
             scalars[keys.PLAN_OUTSIDE.format()] = plan.outside / GIB
@@ -399,7 +394,7 @@ class MemoryPlanner(Callback):
         tips.append("activation checkpointing trades compute for activation memory")
         if plan.growth > 1.05 and not expandable_segments():
             tips.append(
-                f"reserved memory grew {plan.growth:.2f}x as fast as live tensors: PYTORCH_CUDA_ALLOC_CONF="
+                f"reserved memory grew {float(plan.growth):.2f}x as fast as live tensors: PYTORCH_CUDA_ALLOC_CONF="
                 "expandable_segments:True (set before CUDA starts: in the shell, or before the first CUDA call)"
                 " may lower it"
             )

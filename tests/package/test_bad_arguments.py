@@ -63,7 +63,7 @@ _add(BatchSizeTuner, "steps_per_trial", [0, *COUNTS])
 _add(BatchSizeTuner, "batch_arg_name", ["", 5, None, True])
 for flag in ("include_validation", "keep_effective_batch", "retune_on_resume"):
     _add(BatchSizeTuner, flag, FLAGS)
-_add(BatchSizeTuner, "method", ["bisect", "", None, 1, True])
+_add(BatchSizeTuner, "method", ["bisect", "", 1, True])
 _add(BatchSizeTuner, "length_fn", [5, "", b"input_ids", True, ["input_ids"]])
 _add(BatchSizeTuner, "shape_margin", [-0.1, 1.0, 1.5, NAN, INF, "0.2", True])
 

@@ -25,7 +25,7 @@ PURE = [
     *sorted(str(path.relative_to(PACKAGE)) for path in (PACKAGE / "_core").glob("*.py")),
     "monitor/peak_window.py",
     "monitor/metrics.py",
-    "tuning/search.py",
+    *sorted(str(path.relative_to(PACKAGE)) for path in (PACKAGE / "tuning" / "search").glob("*.py")),
     *sorted(str(path.relative_to(PACKAGE)) for path in (PACKAGE / "report").glob("*.py")),
 ]
 MODULES = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py"))

@@ -58,8 +58,8 @@ def test_private_loop_attributes_the_tuner_uses_exist():
     """`lightning_gpumem/tuning/_session.py` relies on these; a Lightning upgrade that renames one fails here."""
     import lightning.pytorch as pl
 
-    from lightning_gpumem.tuning import loaders, saved_run
-    from lightning_gpumem.tuning import trials as _session
+    from lightning_gpumem.tuning.trials import loaders, saved_run
+    from lightning_gpumem.tuning.trials import session as _session
 
     trainer = quiet_trainer(max_steps=1, enable_model_summary=None)
     trainer.fit(BoringModel())
@@ -100,7 +100,7 @@ def test_ddp_strategy_keeps_its_ddp_kwargs():
 
 def test_current_fx_name_names_the_running_hook():
     """`BatchSizeTuner.scale` reads `LightningModule._current_fx_name` to refuse hooks it cannot run from."""
-    from lightning_gpumem.tuning import trials as _session
+    from lightning_gpumem.tuning.trials import session as _session
 
     seen = {}
 
@@ -127,7 +127,7 @@ def test_dataloader_workers_told_to_exit_are_gone_without_a_join():
     from lightning.pytorch.utilities.combined_loader import CombinedLoader
     from torch.utils.data import DataLoader
 
-    from lightning_gpumem.tuning import loaders
+    from lightning_gpumem.tuning.trials import loaders
 
     loader = DataLoader(torch.arange(64.0), batch_size=4, num_workers=2)
     combined = CombinedLoader(loader, "max_size_cycle")
@@ -222,7 +222,7 @@ def test_torch_and_torchmetrics_privates_the_package_uses_exist():
 
     torchmetrics = pytest.importorskip("torchmetrics")
     metric = torchmetrics.MeanMetric()
-    from lightning_gpumem.tuning.saved_run import TORCHMETRICS_COUNTERS
+    from lightning_gpumem.tuning.trials.saved_run import TORCHMETRICS_COUNTERS
 
     assert TORCHMETRICS_COUNTERS == ("_update_count", "_computed", "_forward_cache")
     assert all(hasattr(metric, name) for name in TORCHMETRICS_COUNTERS)

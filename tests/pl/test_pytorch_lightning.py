@@ -19,7 +19,7 @@ from lightning_gpumem import (  # noqa: E402
     OOMSnapshot,
 )
 from lightning_gpumem._core.units import GIB  # noqa: E402
-from lightning_gpumem.tuning.model_state import keeps_whole_model  # noqa: E402
+from lightning_gpumem.tuning.trials.model_state import keeps_whole_model  # noqa: E402
 from tests.helpers.fakes import CudaFakeProbe, FakeRelease, kept, read_csv_metrics  # noqa: E402
 from tests.helpers.models import OOMSteps  # noqa: E402
 from tests.helpers.tensorboard import read_layouts  # noqa: E402

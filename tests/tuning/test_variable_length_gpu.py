@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_gpumem import BatchSizeTuner, MemoryPlanner, TokenBudgetSampler
 from lightning_gpumem._core.units import GIB
 from lightning_gpumem._hw.allocator import expandable_segments
-from lightning_gpumem.tuning.longest import SHAPE_MARGIN, SHAPE_MARGIN_EXPANDABLE
+from lightning_gpumem.tuning.lengths.longest import SHAPE_MARGIN, SHAPE_MARGIN_EXPANDABLE
 from tests.helpers.trainer import quiet_trainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:`weights_only` was not set")]
@@ -108,8 +108,8 @@ def test_the_tuned_value_runs_a_whole_shuffled_epoch_under_the_budget(tokens):
     trainer.fit(model)  # an OOM in the epoch fails the test
     assert trainer.global_step == len(model.padded) > 0
     # shapes vary: the trials ran under the budget less the margin left for the allocator's fragmentation
-    assert tuner._margin == (SHAPE_MARGIN_EXPANDABLE if expandable_segments() else SHAPE_MARGIN)
-    assert max(t.peak_bytes for t in tuner.trials if t.fits) <= (1 - tuner._margin) * BUDGET
+    assert tuner.searched.margin == (SHAPE_MARGIN_EXPANDABLE if expandable_segments() else SHAPE_MARGIN)
+    assert max(t.peak_bytes for t in tuner.trials if t.fits) <= (1 - tuner.searched.margin) * BUDGET
     if tokens:
         assert model.max_tokens == tuner.optimal_batch_size >= 2 * 1024  # the longest sample, twice at least
         assert max(model.padded) <= model.max_tokens  # every batch within the budget

@@ -17,8 +17,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from lightning_gpumem._hw.allocator import expandable_segments
 from lightning_gpumem._pl.distributed import gather_values
-from lightning_gpumem.tuning import loaders
-from lightning_gpumem.tuning.lengths import LengthFn, Lengths, sample_length, scan_lengths
+from lightning_gpumem.tuning.lengths.scan import LengthFn, Lengths, sample_length, scan_lengths
+from lightning_gpumem.tuning.trials import loaders
 
 T = TypeVar("T")
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_gpumem._core.plan import Line, Plan, ProbePoint, Terms, format_table, probe_verdict
+from lightning_gpumem.tuning.search.model import Line, Point
+from lightning_gpumem.tuning.search.plan import Plan, Terms, plan_table, probe_verdict
 
 GIB, MIB = 2**30, 2**20
 
 
 def _probes(curve, sizes, val=None, reserved=None):
     return [
-        ProbePoint(
+        Point(
             b, int(curve(b)), None if val is None else int(val(b)), None if reserved is None else int(reserved(b))
         )
         for b in sizes
@@ -96,7 +97,7 @@ def test_budgets_count_the_memory_outside_pytorch_and_say_whether_the_size_fits(
     assert not tight.fits
     assert tight.largest == (9 * GIB) // (100 * MIB)
     assert fits.peak == curve(100)
-    table = format_table(plan, 100, [fits, tight])
+    table = plan_table(plan, 100, [fits, tight])
     assert "| 24.0 | 23.00 |" in table
     assert "| no |" in table
     assert "outside PyTorch" in table
@@ -104,7 +105,7 @@ def test_budgets_count_the_memory_outside_pytorch_and_say_whether_the_size_fits(
 
 
 def test_the_band_widens_with_the_distance_from_the_probes_by_the_slopes_disagreement():
-    points = [ProbePoint(8, 10 * GIB), ProbePoint(16, 11 * GIB), ProbePoint(32, int(13.06 * GIB))]  # 3% apart
+    points = [Point(8, 10 * GIB), Point(16, 11 * GIB), Point(32, int(13.06 * GIB))]  # 3% apart
     plan = Plan(points, "settled")
     near, far = plan.band(32), plan.band(320)
     assert near == pytest.approx(0.01 * plan.reserved(32))
@@ -116,7 +117,7 @@ def test_lines_and_bad_input():
     assert Line(5.0, 0.0).largest_under(4.0) == 0
     assert Line(5.0, 0.0).largest_under(6.0) is None
     with pytest.raises(ValueError, match="at least 2"):
-        Plan([ProbePoint(2, GIB)], "settled")
+        Plan([Point(2, GIB)], "settled")
     with pytest.raises(ValueError, match="empty"):
         probe_verdict([], GIB, 10)
 
@@ -131,7 +132,7 @@ def _random_points(rng, count):
         train = rng.choice([0, rng.randrange(0, 2**40), int(b * rng.random() * 2**24), 2**62])
         val = rng.randrange(0, 2**36) if with_val or rng.random() < 0.1 else None
         reserved = train + rng.randrange(0, 2**30) if with_reserved else None
-        points.append(ProbePoint(b, train, val, reserved))
+        points.append(Point(b, train, val, reserved))
     return points
 
 
@@ -153,28 +154,28 @@ def test_any_set_of_points_with_repeated_sizes_gives_a_plan_or_a_named_refusal()
                 largest = plan.largest_under(prediction.limit)
                 if largest:  # the size it gives fits the limit
                     assert plan.reserved(largest) <= prediction.limit
-            format_table(plan, 8, [plan.predict(8, 24 * GIB)])
+            plan_table(plan, 8, [plan.predict(8, 24 * GIB)])
         verdict, _ = probe_verdict(list(points), rng.choice([None, 24 * GIB]), 4096)
         assert verdict in ("settled", "more", "not_affine")
 
 
 def test_two_budgets_that_validate_one_size_give_one_point_of_that_size():
-    probes = [ProbePoint(2, 3 * GIB), ProbePoint(4, 4 * GIB), ProbePoint(8, 6 * GIB)]
-    validated = [ProbePoint(100, 52 * GIB, None, 53 * GIB), ProbePoint(100, 51 * GIB, None, 54 * GIB)]
+    probes = [Point(2, 3 * GIB), Point(4, 4 * GIB), Point(8, 6 * GIB)]
+    validated = [Point(100, 52 * GIB, None, 53 * GIB), Point(100, 51 * GIB, None, 54 * GIB)]
     plan = Plan([*probes, *validated], "settled")  # was: ZeroDivisionError
     assert [p.size for p in plan.probes] == [2, 4, 8, 100]
-    assert plan.last == ProbePoint(100, 52 * GIB, None, 54 * GIB)  # the larger of each peak
+    assert plan.last == Point(100, 52 * GIB, None, 54 * GIB)  # the larger of each peak
     assert plan.largest_under(80 * GIB) >= 100
 
 
 @pytest.mark.parametrize(
-    "point", [ProbePoint(0, GIB), ProbePoint(-2, GIB), ProbePoint(2, -1), ProbePoint(2, GIB, None, -5)]
+    "point", [Point(0, GIB), Point(-2, GIB), Point(2, -1), Point(2, GIB, None, -5)]
 )
 def test_a_nonsense_point_is_refused_naming_probes(point):
-    with pytest.raises(ValueError, match="`probes` holds ProbePoint"):
-        Plan([ProbePoint(1, GIB), ProbePoint(4, 2 * GIB), point], "settled")
+    with pytest.raises(ValueError, match="`probes` holds Point"):
+        Plan([Point(1, GIB), Point(4, 2 * GIB), point], "settled")
 
 
 def test_a_plan_of_one_size_is_refused_naming_probes():
     with pytest.raises(ValueError, match="`probes` has 1 batch size"):
-        Plan([ProbePoint(8, GIB), ProbePoint(8, 2 * GIB)], "settled")
+        Plan([Point(8, GIB), Point(8, 2 * GIB)], "settled")

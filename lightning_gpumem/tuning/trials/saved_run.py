@@ -17,8 +17,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_gpumem.tuning.loaders import dataloaders_loaded, loader_generators
-from lightning_gpumem.tuning.model_state import ModelState
+from lightning_gpumem.tuning.trials.loaders import dataloaders_loaded, loader_generators
+from lightning_gpumem.tuning.trials.model_state import ModelState
 
 try:
     import numpy as np

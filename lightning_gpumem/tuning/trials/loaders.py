@@ -278,8 +278,8 @@ def longest_first(trainer: pl.Trainer, order_for: Callable[[Any], list[int] | No
 
 
 def token_sampler(loaders: Any) -> Any:
-    """The :class:`~lightning_gpumem.tuning.token_budget.TokenBudgetSampler` of the first of ``loaders``, if any."""
-    from lightning_gpumem.tuning.token_budget import TokenBudgetSampler
+    """The :class:`~lightning_gpumem.tuning.lengths.token_budget.TokenBudgetSampler` of the first of ``loaders``, if any."""
+    from lightning_gpumem.tuning.lengths.token_budget import TokenBudgetSampler
 
     sampler = getattr(_first_loader(loaders), "batch_sampler", None)
     return sampler if isinstance(sampler, TokenBudgetSampler) else None

@@ -12,12 +12,12 @@ from collections.abc import Callable
 import lightning.pytorch as pl
 import torch
 
-from lightning_gpumem._core.plan import Plan, ProbePoint, Terms, Verdict
 from lightning_gpumem._hw.allocator import release_to
 from lightning_gpumem._hw.probe import Probe, make_probe
 from lightning_gpumem._pl.distributed import gather_named
-from lightning_gpumem.tuning.search import Trial
-from lightning_gpumem.tuning.trials import TrialSession
+from lightning_gpumem.tuning.search.model import Point, Trial
+from lightning_gpumem.tuning.search.plan import Plan, Terms, Verdict
+from lightning_gpumem.tuning.trials.session import TrialSession
 
 LEFTOVER_BYTES = 2**20  # allocated above the start that is not worth a garbage collection (see `release_to`)
 
@@ -201,7 +201,7 @@ def _max(a: int | None, b: int | None) -> int | None:
 
 def plan_builder(
     trainer: pl.Trainer, probe: Probe, runner: TrialRunner, owner: object
-) -> Callable[[list[ProbePoint], Verdict], Plan]:
+) -> Callable[[list[Point], Verdict], Plan]:
     """``build(points, verdict) -> Plan`` with the terms measured on ``trainer``'s module and optimizers.
 
     Parameters and gradients come from the module, the optimizer state from the last trial's training steps, the
@@ -210,7 +210,7 @@ def plan_builder(
     """
     outside_probe = make_probe(probe.device, owner, nvml=True) if probe.device.type == "cuda" else None
 
-    def build(points: list[ProbePoint], verdict: Verdict) -> Plan:
+    def build(points: list[Point], verdict: Verdict) -> Plan:
         parameters, gradients = module_bytes(trainer.lightning_module)
         outside = outside_probe.read(host=False).non_torch_bytes if outside_probe is not None else None
         lines = Plan(points, verdict)
@@ -219,8 +219,8 @@ def plan_builder(
             parameters=parameters,
             gradients=gradients,
             optimizer_state=state,
-            other_fixed=lines.lines[0].intercept - parameters - gradients - (state or 0),
-            per_sample=lines.per_sample,
+            other_fixed=float(lines.lines[0].intercept) - parameters - gradients - (state or 0),
+            per_sample=float(lines.per_sample),
             outside=outside,
         )
         return Plan(points, verdict, outside, terms)

@@ -28,7 +28,7 @@ from typing_extensions import override
 from lightning_gpumem._hw.oom import is_oom_error
 from lightning_gpumem._pl.compat import Callback
 from lightning_gpumem._pl.patching import Patches, with_log_argument
-from lightning_gpumem.tuning.loaders import (
+from lightning_gpumem.tuning.trials.loaders import (
     dataloaders_loaded,
     dataset_length,
     join_workers,
@@ -37,8 +37,8 @@ from lightning_gpumem.tuning.loaders import (
     train_source_is_module,
     unload_dataloaders,
 )
-from lightning_gpumem.tuning.model_state import ModelState, keeps_whole_model
-from lightning_gpumem.tuning.saved_run import SavedRun, capture_rng, restore_rng, set_loop_flags
+from lightning_gpumem.tuning.trials.model_state import ModelState, keeps_whole_model
+from lightning_gpumem.tuning.trials.saved_run import SavedRun, capture_rng, restore_rng, set_loop_flags
 
 try:
     import numpy as np

@@ -1,0 +1,1 @@
+"""Variable-length data: the length scan, longest-first drawing for trials, and ``TokenBudgetSampler``."""

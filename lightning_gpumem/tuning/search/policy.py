@@ -1,0 +1,197 @@
+"""The batch-size search as a pure function of ``run_trial(batch_size) -> Trial``: no Trainer, no CUDA.
+
+Why it is guided by memory and not only by pass/fail: peak memory is close to affine in the batch size, so a few
+measured peaks give a line, and the line gives the largest size under the limit. Bisection (what Lightning's
+``BatchSizeFinder`` does) needs about ``2 * log2(B)`` trials, several of them out-of-memory errors.
+
+The policy, one move per trial (:mod:`~lightning_gpumem.tuning.search.moves` names each, with its reason):
+
+1. **Probe**: ``init_val`` (or, where it does not fit, the largest size below it that the line through the
+   origin allows), then the largest size whose memory the probe's own peak allows if all of it grew with the size:
+   the smaller the first probe's memory against the budget, the larger this second size (``safe``).
+2. **Predict**: from two points, the model's largest size under the limit (``safe``: reserved grown from the
+   largest accepted size by the need times the measured growth); where peaks did not move, at least double.
+3. **Validate**: each prediction runs in a trial; an accepted size becomes ``lo``, a rejected one ``hi``.
+4. **Close** (one rule): until ``hi - lo - 1 <= tolerance * lo``, or one more sample than ``lo`` cannot fit
+   even with no waste: near the cap, from live tensors (``near_cap``, ``squeezed``, ``edge``, ``optimistic``);
+   just past the boundary, a step back by the tolerance (``step_back``); without a model, ``double`` and
+   ``bisect``.
+
+A size is *accepted* when its trial ran that many samples without OOM and, if a limit is given, its measured peak
+is at most the limit. The result is always a size that was actually run and accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from lightning_gpumem.tuning.search.model import Trial, TrialSource, accepted
+from lightning_gpumem.tuning.search.moves import Bracket, Evidence, Move, Proposal, next_move
+
+StopReason = Literal["bracketed", "predicted", "upper_bound", "max_trials", "nothing_fits"]
+TOLERANCE = 0.01  # the bracket closes once the sizes left open are at most this fraction of the size kept
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The chosen size (``None`` if even 1 does not fit), every trial in order, and why the search stopped.
+
+    ``note`` says what bounded the search where the data did (see :func:`until_data_ends`).
+    """
+
+    batch_size: int | None
+    trials: tuple[Trial, ...]
+    reason: StopReason
+    note: str = ""
+
+    @property
+    def num_ooms(self) -> int:
+        """Trials that ended in an out-of-memory error."""
+        return sum(not t.fits for t in self.trials)
+
+
+def search_batch_size(
+    run_trial: TrialSource,
+    *,
+    init_val: int = 2,
+    upper: int,
+    limit_bytes: int | None = None,
+    max_trials: int = 25,
+    tolerance: float = TOLERANCE,
+    on_move: Callable[[Proposal], None] | None = None,
+) -> SearchResult:
+    """Find the largest accepted batch size in ``[1, upper]``: probe, predict, validate, close (module docstring).
+
+    Args:
+        run_trial: runs a trial at a batch size and reports it; called at most once per size.
+        init_val: first size tried (clamped to ``upper``).
+        upper: largest size that may be tried (``max_val``, or the samples an epoch draws).
+        limit_bytes: peaks above this are rejected like OOMs; ``None`` accepts any size that runs.
+        max_trials: stop after this many trials with the best size found.
+        tolerance: stop once the sizes between the largest accepted and the smallest rejected one are at most
+            this fraction of the accepted one (0: always to the exact boundary). Below 100 the boundary is always
+            exact. A step back steps this fraction of the size that was just too large (at least 1).
+        on_move: called with each move's :class:`Proposal` (its size clamped to the open sizes) before its trial
+            runs; not called for the sizes tried on the way down to the first accepted one.
+
+    Returns:
+        The largest accepted size and the trials.
+
+    Example:
+        >>> def run(bs):  # 1 GiB fixed + 0.5 GiB per sample, 24 GiB card
+        ...     peak = 2**30 + bs * 2**29
+        ...     return Trial(bs, fits=peak <= 24 * 2**30, peak_bytes=peak)
+        >>> result = search_batch_size(run, upper=4096, limit_bytes=int(0.95 * 24 * 2**30))
+        >>> result.batch_size, len(result.trials), result.num_ooms
+        (43, 3, 0)
+    """
+    if upper < 1:
+        raise ValueError(f"`upper={upper}` must be at least 1.")
+    trials: dict[int, Trial] = {}
+
+    def run(batch_size: int) -> Trial:
+        if batch_size not in trials:
+            trials[batch_size] = run_trial(batch_size)
+        return trials[batch_size]
+
+    # 1. One accepted size, going down from init_val.
+    size = max(1, min(init_val, upper))
+    hi: int | None = None
+    while not accepted(run(size), limit_bytes):
+        hi = size
+        if size == 1:
+            return SearchResult(None, tuple(trials.values()), "nothing_fits")
+        if len(trials) >= max_trials:
+            return SearchResult(None, tuple(trials.values()), "max_trials")
+        ev = Evidence(list(trials.values()), limit_bytes)
+        guess = ev.safe_size(trials[size])  # the line through the origin
+        size = guess if guess is not None and 1 <= guess < size else max(1, size // 2)
+
+    # 2. Up the bracket, one move per trial.
+    bracket = Bracket(lo=size, hi=hi, upper=upper)
+    while True:
+        lo = bracket.lo
+        stop = _stop(bracket, trials, limit_bytes, max_trials, tolerance)
+        if stop is not None:
+            return SearchResult(lo, tuple(trials.values()), stop)
+        ev = Evidence(list(trials.values()), limit_bytes)
+        proposal = next_move(bracket, ev, tolerance)
+        move, size = proposal.move, min(max(proposal.size, lo + 1), bracket.top)
+        if on_move is not None:
+            on_move(Proposal(move, size, proposal.reason))
+        if move is Move.EDGE:
+            bracket.edge_at = lo
+        ok = accepted(run(size), limit_bytes)
+        if move is Move.EDGE and ok and ev.has_model:
+            bracket.refuted = True
+        if ok:
+            bracket.lo, bracket.lo_move = size, move
+        else:
+            bracket.hi = size
+        bracket.back = bracket.last_size - size if move is Move.STEP_BACK else 0
+        bracket.last_move, bracket.last_accepted, bracket.last_size = move, ok, size
+
+
+def _stop(
+    b: Bracket, trials: dict[int, Trial], limit: int | None, max_trials: int, tolerance: float
+) -> StopReason | None:
+    """Why the search ends now (``None``: it goes on); the one closing rule."""
+    if b.lo >= b.top:
+        return "bracketed" if b.hi is not None else "upper_bound"
+    if b.hi is not None and b.hi - b.lo - 1 <= tolerance * b.lo:
+        return "bracketed"
+    if len(trials) >= max_trials:
+        return "max_trials"
+    if b.hi is None and Evidence(list(trials.values()), limit).next_one_crosses(trials[b.lo]):
+        return "predicted"
+    return None
+
+
+def search_by_plan(run_trial: TrialSource, *, tolerance: float = 0.02, **kwargs: Any) -> SearchResult:
+    """:func:`search_batch_size` under the name of the former default (``method="predict"``), closing to 2%."""
+    return search_batch_size(run_trial, tolerance=tolerance, **kwargs)
+
+
+class DataEnds(Exception):
+    """A trial's batches held fewer samples than its size: the data holds no larger batch than ``samples``."""
+
+    def __init__(self, samples: int) -> None:
+        super().__init__(samples)
+        self.samples = samples
+
+
+def until_data_ends(
+    search: Callable[[TrialSource, int], SearchResult], run_trial: TrialSource, upper: int
+) -> SearchResult:
+    """``search(run, upper)``; where a trial finds the data ending short of its size, search again up to there.
+
+    Where the loader's samples per epoch are not known beforehand (an iterable dataset, a sampler without a
+    length), a size past them runs the batch the data can make, not the size: no search may take it for that size.
+    Each size runs once across the searches; the result holds every trial in the order they ran.
+
+    >>> def run(bs):  # the data holds 100 samples; 1 GiB + 0.1 GiB a sample
+    ...     return Trial(bs, fits=True, peak_bytes=2**30 + min(bs, 100) * 2**30 // 10, samples=min(bs, 100))
+    >>> until_data_ends(lambda r, u: search_batch_size(r, upper=u, limit_bytes=24 * 2**30), run, 4096).batch_size
+    100
+    """
+    ran: dict[int, Trial] = {}
+
+    def run(size: int) -> Trial:
+        if size not in ran:
+            ran[size] = run_trial(size)
+        trial = ran[size]
+        if trial.short and trial.samples:  # 0: no batch at all (drop_last), a rejection like any other
+            raise DataEnds(trial.samples)
+        return trial
+
+    note = ""
+    while True:
+        try:
+            result = search(run, upper)
+            break
+        except DataEnds as ended:
+            upper = min(upper - 1, ended.samples)  # every pass lowers it: the loop ends
+            note = f"the data makes batches of {ended.samples} samples at most: searched up to that"
+    return replace(result, trials=tuple(ran.values()), note=note or result.note)
