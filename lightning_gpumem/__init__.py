@@ -1,7 +1,8 @@
 """lightning-gpumem: PyTorch Lightning callbacks that make GPU memory visible and manageable.
 
-The callbacks are imported on first use (PEP 562), so ``gpumem`` and ``lightning_gpumem.report`` start without
-importing torch or Lightning; where Lightning is imported already, they are imported with the package (see the end).
+The callbacks are imported on first use (PEP 562), so ``gpumem`` and ``lightning_gpumem.report`` start
+without importing torch or Lightning; where Lightning is imported already, they are imported with the package
+(see the end).
 """
 
 from __future__ import annotations
@@ -69,9 +70,9 @@ def __dir__() -> list[str]:
 
 
 if "lightning.pytorch" in sys.modules or "pytorch_lightning" in sys.modules:
-    # Lightning, and so torch, is loaded already: the laziness would save nothing. Define the callbacks now, so that
-    # LightningCLI's short form (`--trainer.callbacks+=MemoryMonitor`), which looks among the `Callback` subclasses
-    # defined so far, finds them after a plain `import lightning_gpumem`.
+    # Lightning, and so torch, is loaded already: the laziness would save nothing. Define the callbacks now,
+    # so that LightningCLI's short form (`--trainer.callbacks+=MemoryMonitor`), which looks among the
+    # `Callback` subclasses defined so far, finds them after a plain `import lightning_gpumem`.
     for _name in _EXPORTS:
         __getattr__(_name)
     del _name

@@ -1,10 +1,10 @@
 """MemoryBudget: hold this process to a memory budget, as if the card were smaller.
 
-Why the allocator's own cap (``torch.cuda.set_per_process_memory_fraction``) and not a check of our own: the cap is
-enforced at every allocation, before the memory is taken, and an allocation past it raises the very
-``torch.OutOfMemoryError`` a smaller card would raise, after the allocator has freed its cache and retried, as it
-would there. A run that fits under ``MemoryBudget("24GiB")`` on an 80 GiB card fits a 24 GiB card (less what
-that card's CUDA context takes, which the cap does not count).
+Why the allocator's own cap (``torch.cuda.set_per_process_memory_fraction``) and not a check of our own: the
+cap is enforced at every allocation, before the memory is taken, and an allocation past it raises the very
+``torch.OutOfMemoryError`` a smaller card would raise, after the allocator has freed its cache and retried,
+as it would there. A run that fits under ``MemoryBudget("24GiB")`` on an 80 GiB card fits a 24 GiB card (less
+what that card's CUDA context takes, which the cap does not count).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from lightning_gpumem._pl.compat import Callback
 class MemoryBudget(Callback):
     r"""Cap this process's device memory at a budget from setup to teardown, then restore the previous cap.
 
-    Allocations past the budget raise ``torch.OutOfMemoryError``, as on a card of that size, so a run can be proven
-    to fit a smaller card on a bigger one. The budget is also what the other callbacks of this package measure
-    against: :class:`~lightning_gpumem.MemoryMonitor` logs it and shows usage against it in the progress bar,
-    :class:`~lightning_gpumem.EmptyCacheOnThreshold` takes its threshold as a fraction of it. Under DDP each rank
-    is capped on its own device. Without a CUDA device it warns once and does nothing.
+    Allocations past the budget raise ``torch.OutOfMemoryError``, as on a card of that size, so a run can be
+    proven to fit a smaller card on a bigger one. The budget is also what the other callbacks of this package
+    measure against: :class:`~lightning_gpumem.MemoryMonitor` logs it and shows usage against it in the
+    progress bar, :class:`~lightning_gpumem.EmptyCacheOnThreshold` takes its threshold as a fraction of it.
+    Under DDP each rank is capped on its own device. Without a CUDA device it warns once and does nothing.
 
     **Logged metrics**: none of its own; with a :class:`~lightning_gpumem.MemoryMonitor` in the callbacks,
     ``gpumem/budget_gib`` (GiB) is logged with the device-wide keys.
@@ -37,8 +37,8 @@ class MemoryBudget(Callback):
 
     Raises:
         TypeError: if ``budget`` is not an ``int``, ``float`` or ``str``.
-        ValueError: if it is not a size of 1 MiB to 2**64 bytes, a fraction in (0, 1] or a size string; at setup,
-            if a fraction comes to less than 1 MiB of the device.
+        ValueError: if it is not a size of 1 MiB to 2**64 bytes, a fraction in (0, 1] or a size string; at
+            setup, if a fraction comes to less than 1 MiB of the device.
 
     Example::
 
@@ -67,7 +67,9 @@ class MemoryBudget(Callback):
         if not total:
             if not self._warned:
                 self._warned = True
-                rank_zero_warn(f"MemoryBudget: `{device}` has no memory cap to set; the budget is not enforced.")
+                rank_zero_warn(
+                    f"MemoryBudget: `{device}` has no memory cap to set; the budget is not enforced."
+                )
             return
         self._probe = probe
         budget = parse_budget(self.budget, total, "MemoryBudget")
@@ -78,7 +80,8 @@ class MemoryBudget(Callback):
             )
         self.budget_bytes = min(budget, total)
         previous = probe.set_memory_fraction(self.budget_bytes / total)
-        if self._previous_fraction is None:  # a second setup (fit, then test) keeps the first one's previous cap
+        # a second setup (fit, then test) keeps the first one's previous cap
+        if self._previous_fraction is None:
             self._previous_fraction = previous
         rank_zero_info(f"MemoryBudget: this process is capped at {format_gib(self.budget_bytes)}.")
 
@@ -87,7 +90,9 @@ class MemoryBudget(Callback):
         self._restore()
 
     @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         self._restore()  # Lightning skips the callbacks' `teardown` after an exception
 
     def _restore(self) -> None:
@@ -96,5 +101,5 @@ class MemoryBudget(Callback):
         self._previous_fraction = None
 
     def gpumem_budget(self) -> int | None:
-        """The budget in bytes once set up (how the other callbacks find it: ``lightning_gpumem._pl.peers``)."""
+        """The budget in bytes once set up; the other callbacks find it through ``_pl.peers``."""
         return self.budget_bytes

@@ -27,19 +27,21 @@ def _parser() -> argparse.ArgumentParser:
         "report",
         help="summarize the gpumem/ metrics of the runs under a log directory",
         description=(
-            "Read the gpumem/ metrics that MemoryMonitor (and the other lightning-gpumem callbacks) logged to"
-            " TensorBoard event files or CSVLogger CSVs under LOGDIR; print a summary table per run, and draw"
-            " the memory timeline to a PNG (needs matplotlib) and/or a self-contained HTML page."
+            "Read the gpumem/ metrics that MemoryMonitor (and the other lightning-gpumem callbacks) logged"
+            " to TensorBoard event files or CSVLogger CSVs under LOGDIR; print a summary table per run, and"
+            " draw the memory timeline to a PNG (needs matplotlib) and/or a self-contained HTML page."
         ),
     )
     report.add_argument("logdir", metavar="LOGDIR", help="a logger's save_dir, name or version directory")
-    report.add_argument("--png", metavar="FILE", help="write the memory timeline, one panel per run, as a PNG")
+    report.add_argument(
+        "--png", metavar="FILE", help="write the memory timeline, one panel per run, as a PNG"
+    )
     report.add_argument("--html", metavar="FILE", help="write the tables and timelines as one HTML page")
     report.add_argument(
         "--force",
         action="store_true",
-        help="overwrite an existing --png/--html file that gpumem report did not write, or write a link's target"
-        " (never a file the report reads)",
+        help="overwrite an existing --png/--html file that gpumem report did not write, or write a link's"
+        " target (never a file the report reads)",
     )
     return parser
 
@@ -73,8 +75,9 @@ def report(logdir: str, png: str | None = None, html: str | None = None, force: 
 def _say(text: str = "", stream: TextIO | None = None) -> None:
     r"""Print ``text`` (already :func:`printable`) and a newline to ``stream`` (by default standard output).
 
-    What the stream's encoding cannot hold (a run named with an emoji, on an ASCII terminal) is written as its escape
-    (``\U0001f980``), as Python writes to standard error, rather than ending the report with ``UnicodeEncodeError``.
+    What the stream's encoding cannot hold (a run named with an emoji, on an ASCII terminal) is written as
+    its escape (``\U0001f980``), as Python writes to standard error, rather than ending the report with
+    ``UnicodeEncodeError``.
     """
     stream = sys.stdout if stream is None else stream
     encoding = getattr(stream, "encoding", None) or "utf-8"
@@ -113,15 +116,16 @@ def _check_outputs(png: str | None, html: str | None) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``gpumem`` and ``python -m lightning_gpumem``.
 
-    A closed standard output (``gpumem report LOGDIR | head``) ends it quietly with status 141, as a shell reports
-    a program stopped by SIGPIPE.
+    A closed standard output (``gpumem report LOGDIR | head``) ends it quietly with status 141, as a shell
+    reports a program stopped by SIGPIPE.
     """
     args = _parser().parse_args(argv)
     try:
         try:
             status = report(args.logdir, png=args.png, html=args.html, force=args.force)
         except ReportError as error:
-            lines = "\n".join(map(printable, str(error).split("\n")))  # its own line breaks kept, none from a name
+            # its own line breaks kept, none from a name
+            lines = "\n".join(map(printable, str(error).split("\n")))
             _say(f"gpumem report: error: {lines}", sys.stderr)
             status = 1
         sys.stdout.flush()  # here, so that a closed pipe is met inside the `try`, not at exit

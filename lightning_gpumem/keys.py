@@ -1,13 +1,14 @@
 """Every ``gpumem/*`` key the package logs, with its unit and meaning, once.
 
 The callbacks build the keys they log from here, the report (``gpumem report``) parses logged keys with
-:func:`parse`, and the key tables in ``docs/`` are generated from :data:`KEYS` (``python tools/key_tables.py``; a test
-checks they match). Keys follow ``gpumem/<stage>_<what>_<unit>`` where they belong to a stage, else
-``gpumem/<what>_<unit>``; counts carry no unit. Under DDP/FSDP a key may also be logged with a suffix: ``_max`` and
-``_min`` (over ranks) or ``_rank<r>`` (one rank's own value).
+:func:`parse`, and the key tables in ``docs/`` are generated from :data:`KEYS`
+(``python tools/key_tables.py``; a test checks they match). Keys follow ``gpumem/<stage>_<what>_<unit>``
+where they belong to a stage, else ``gpumem/<what>_<unit>``; counts carry no unit. Under DDP/FSDP a key may
+also be logged with a suffix: ``_max`` and ``_min`` (over ranks) or ``_rank<r>`` (one rank's own value).
 
-One stage vocabulary: ``train``, ``val``, ``test``, ``predict`` (:data:`STAGES`), in keys, the fit-end summary and
-the report alike. This module imports nothing beyond the standard library, so the report starts without torch.
+One stage vocabulary: ``train``, ``val``, ``test``, ``predict`` (:data:`STAGES`), in keys, the fit-end
+summary and the report alike. This module imports nothing beyond the standard library, so the report starts
+without torch.
 
 Example:
     >>> from lightning_gpumem import keys
@@ -37,13 +38,14 @@ class Key:
     """One logged key.
 
     Attributes:
-        name: the key; ``{stage}`` stands for the stage where the key has one, ``{stat}`` for an allocator statistic.
-        unit: ``GiB``, ``MiB``, ``MiB/step``, ``s``, ``%``, ``count``, ``raw`` (as the allocator reports it) or
-            ``table``.
+        name: the key; ``{stage}`` stands for the stage where the key has one, ``{stat}`` for an allocator
+            statistic.
+        unit: ``GiB``, ``MiB``, ``MiB/step``, ``s``, ``%``, ``count``, ``raw`` (as the allocator reports it)
+            or ``table``.
         meaning: what the value is, in a line.
         writer: the callback that logs it.
-        ranks: how it is logged under DDP/FSDP besides rank zero's value: ``"max_min"`` (``_max``/``_min`` over
-            ranks), ``"per_rank"`` (``_rank<r>`` for every rank, instead of the plain key), or ``""``.
+        ranks: how it is logged under DDP/FSDP besides rank zero's value: ``"max_min"`` (``_max``/``_min``
+            over ranks), ``"per_rank"`` (``_rank<r>`` for every rank, instead of the plain key), or ``""``.
         when: the condition for it to be logged, if any (shown in the docs), e.g. ``"verbose=True"``.
     """
 
@@ -60,17 +62,21 @@ class Key:
         return "{stage}" in self.name
 
     def format(self, stage: str | None = None, suffix: str = "") -> str:
-        """The key as logged, for ``stage`` (one of :data:`STAGES`) where it has one, with ``suffix`` appended."""
+        """The key as logged: for ``stage`` (one of :data:`STAGES`) where it has one, ``suffix`` appended."""
         if self.staged:
             if stage not in STAGES:
-                raise ValueError(f"`{self.name}` needs a stage: got stage={stage!r}, expected one of {STAGES}.")
+                raise ValueError(
+                    f"`{self.name}` needs a stage: got stage={stage!r}, expected one of {STAGES}."
+                )
             return self.name.format(stage=stage) + suffix
         if stage is not None:
             raise ValueError(f"`{self.name}` has no stage: got stage={stage!r}, expected None.")
         return self.name + suffix
 
 
-def _key(name: str, unit: str, meaning: str, writer: str = "MemoryMonitor", ranks: str = "", when: str = "") -> Key:
+def _key(
+    name: str, unit: str, meaning: str, writer: str = "MemoryMonitor", ranks: str = "", when: str = ""
+) -> Key:
     return Key(PREFIX + name, unit, meaning, writer, ranks, when)
 
 
@@ -83,12 +89,18 @@ PEAK_RESERVED = _key(
 ALLOCATED = _key("{stage}_allocated_gib", "GiB", "memory held by tensors at its end")
 RESERVED = _key("{stage}_reserved_gib", "GiB", "memory held by the caching allocator at its end")
 INACTIVE_SPLIT = _key("inactive_split_gib", "GiB", "cached memory in split blocks (fragmentation)")
-ALLOC_RETRIES = _key("alloc_retries", "count", "cudaMalloc failures that flushed the cache and retried, cumulative")
+ALLOC_RETRIES = _key(
+    "alloc_retries", "count", "cudaMalloc failures that flushed the cache and retried, cumulative"
+)
 OOMS = _key("ooms", "count", "out-of-memory errors raised by the allocator, cumulative")
 NVML_USED = _key("nvml_used_gib", "GiB", "device memory used by all processes (`nvidia-smi`)")
 NVML_TOTAL = _key("nvml_total_gib", "GiB", "device memory (the MIG instance's under MIG)")
-NVML_PROCESS = _key("nvml_process_gib", "GiB", "device memory NVML attributes to this process", ranks="max_min")
-NON_TORCH = _key("non_torch_gib", "GiB", "`nvml_process` minus reserved: CUDA context, NCCL, cuBLAS workspaces")
+NVML_PROCESS = _key(
+    "nvml_process_gib", "GiB", "device memory NVML attributes to this process", ranks="max_min"
+)
+NON_TORCH = _key(
+    "non_torch_gib", "GiB", "`nvml_process` minus reserved: CUDA context, NCCL, cuBLAS workspaces"
+)
 GPU_UTIL = _key("gpu_util_pct", "%", "GPU utilisation (NVML)")
 HOST_RSS = _key("host_rss_gib", "GiB", "resident host memory of this process", ranks="max_min")
 HOST_AVAILABLE = _key("host_available_gib", "GiB", "host memory available")
@@ -100,7 +112,9 @@ LEAK_RATE = _key(
     when="`detect_leaks`, from the leak detector's 32nd sample or a leak flagged sooner",
 )
 LEAK_WARNINGS = _key("leak_warnings", "count", "1 at the step a leak was flagged", when="`detect_leaks`")
-ALLOCATOR_STAT = _key("allocator/{stat}", "raw", "every `torch.cuda.memory_stats()` entry", when="`verbose=True`")
+ALLOCATOR_STAT = _key(
+    "allocator/{stat}", "raw", "every `torch.cuda.memory_stats()` entry", when="`verbose=True`"
+)
 
 CACHE_RELEASES = _key("cache_releases", "count", "releases so far", "EmptyCacheOnThreshold", "per_rank")
 RELEASED = _key(
@@ -111,11 +125,18 @@ RELEASED = _key(
     "per_rank",
 )
 RELEASE_SECONDS = _key(
-    "release_seconds", "s", "time spent releasing (`gc` + `empty_cache`), summed", "EmptyCacheOnThreshold", "per_rank"
+    "release_seconds",
+    "s",
+    "time spent releasing (`gc` + `empty_cache`), summed",
+    "EmptyCacheOnThreshold",
+    "per_rank",
 )
 
 BATCH_SIZE = _key(
-    "batch_size", "count", "the batch size (or token budget) chosen, at the step where tuning ran", "BatchSizeTuner"
+    "batch_size",
+    "count",
+    "the batch size (or token budget) chosen, at the step where tuning ran",
+    "BatchSizeTuner",
 )
 TOKEN_BUDGET = _key(
     "token_budget",
@@ -124,9 +145,11 @@ TOKEN_BUDGET = _key(
     "BatchSizeTuner",
 )
 PADDING = _key(
-    "padding_fraction", "%", "padded positions in the epoch's batches at the budget chosen (where a budget was tuned)",
+    "padding_fraction",
+    "%",
+    "padded positions in the epoch's batches at the budget chosen (where a budget was tuned)",
     "BatchSizeTuner",
-)  # fmt: skip
+)
 TUNED_BUDGET = _key(
     "batch_size_budget_gib",
     "GiB",
@@ -151,12 +174,20 @@ TRIAL_RETRIES = _key(
 PLAN_PEAK = _key(
     "plan_peak_gib", "GiB", "predicted reserved peak at the run's batch size, before step 1", "MemoryPlanner"
 )
-PLAN_BAND = _key("plan_band_gib", "GiB", "half-width of the prediction's band (peak +- band)", "MemoryPlanner")
+PLAN_BAND = _key(
+    "plan_band_gib", "GiB", "half-width of the prediction's band (peak +- band)", "MemoryPlanner"
+)
 PLAN_PER_SAMPLE = _key(
-    "plan_per_sample_mib", "MiB", "live memory per sample: the line's slope (the larger stage)", "MemoryPlanner"
+    "plan_per_sample_mib",
+    "MiB",
+    "live memory per sample: the line's slope (the larger stage)",
+    "MemoryPlanner",
 )
 PLAN_FIXED = _key(
-    "plan_fixed_gib", "GiB", "live memory that does not grow with the batch size: the line's intercept", "MemoryPlanner"
+    "plan_fixed_gib",
+    "GiB",
+    "live memory that does not grow with the batch size: the line's intercept",
+    "MemoryPlanner",
 )
 PLAN_OUTSIDE = _key(
     "plan_outside_gib", "GiB", "memory outside PyTorch (CUDA context, kernels)", "MemoryPlanner", when="NVML"
@@ -165,11 +196,20 @@ PLAN_LARGEST = _key(
     "plan_largest_batch_size", "count", "the largest batch size that fits the first budget", "MemoryPlanner"
 )
 MEMORY_PLAN = _key(
-    "memory_plan", "table", "one row per budget: limit, peak and band, fits, largest batch size", "MemoryPlanner"
+    "memory_plan",
+    "table",
+    "one row per budget: limit, peak and band, fits, largest batch size",
+    "MemoryPlanner",
 )
-MICROBATCHES = _key("microbatches", "count", "micro-batches a batch runs as now (1: unsplit)", "AutoMicrobatch")
-OOM_RECOVERIES = _key("oom_recoveries", "count", "out-of-memory errors recovered, cumulative", "AutoMicrobatch")
-LAYER_MEMORY = _key("layer_memory", "table", "activation memory kept for backward, per layer", "LayerMemoryProfiler")
+MICROBATCHES = _key(
+    "microbatches", "count", "micro-batches a batch runs as now (1: unsplit)", "AutoMicrobatch"
+)
+OOM_RECOVERIES = _key(
+    "oom_recoveries", "count", "out-of-memory errors recovered, cumulative", "AutoMicrobatch"
+)
+LAYER_MEMORY = _key(
+    "layer_memory", "table", "activation memory kept for backward, per layer", "LayerMemoryProfiler"
+)
 
 KEYS: tuple[Key, ...] = (
     PEAK_ALLOCATED,
@@ -216,7 +256,7 @@ KEYS: tuple[Key, ...] = (
 
 @dataclass(frozen=True)
 class Parsed:
-    """A logged key taken apart: its :class:`Key`, stage (``None`` where it has none) and DDP suffix (or ``""``)."""
+    """A logged key taken apart: its :class:`Key`, stage (or ``None``) and DDP suffix (or ``""``)."""
 
     key: Key
     stage: str | None
@@ -224,7 +264,7 @@ class Parsed:
 
 
 def parse(logged: str) -> Parsed | None:
-    """The :class:`Key` behind a logged key (with its stage and suffix), or ``None`` if it is not one of ours."""
+    """The :class:`Key` behind a logged key (with its stage and suffix); ``None`` for a key not ours."""
     if not logged.startswith(PREFIX):
         return None
     if logged.startswith(ALLOCATOR_STAT.name.split("{")[0]):
@@ -246,7 +286,7 @@ def parse(logged: str) -> Parsed | None:
 
 
 def _rows(writer: str, code: str) -> list[tuple[str, str, str]]:
-    r"""(key, unit, meaning) of ``writer``'s keys, with ``code`` around names (Markdown ``\```, RST ``\`\```)."""
+    r"""(key, unit, meaning) of ``writer``'s keys, ``code`` around names (Markdown ``\```, RST ``\`\```)."""
     rows = []
     for key in KEYS:
         if key.writer != writer:
@@ -280,7 +320,10 @@ def rst_table(writer: str, indent: int = 4) -> str:
 
 
 def document(cls: type, writer: str | None = None) -> type:
-    """Put ``writer``'s (default: the class name's) key table into ``cls``'s docstring at ``{logged_metrics}``."""
+    """Put ``writer``'s key table into ``cls``'s docstring at ``{logged_metrics}``.
+
+    ``writer`` is the class's name by default.
+    """
     if cls.__doc__:
         cls.__doc__ = cls.__doc__.replace("{logged_metrics}", rst_table(writer or cls.__name__))
     return cls

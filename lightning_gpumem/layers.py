@@ -1,11 +1,12 @@
 """LayerMemoryProfiler: which layer holds the memory of a training step.
 
-Why these measurements: what a layer costs is mostly what it keeps for backward. Allocated memory after a leaf
-module's forward minus before it is what that forward left alive (its output and what autograd saved), the figure
-activation checkpointing would save. Peaks come from the allocator's peak counter, reset at each hook. Backward is
-timed without module backward hooks (they wrap tensors and break in-place layers such as ``ReLU(inplace=True)``):
-a pre-hook on the ``grad_fn`` of each module's output marks where backward enters that module, so a module's
-backward window runs from there to where backward enters the next one, or to the end of backward.
+Why these measurements: what a layer costs is mostly what it keeps for backward. Allocated memory after a
+leaf module's forward minus before it is what that forward left alive (its output and what autograd saved),
+the figure activation checkpointing would save. Peaks come from the allocator's peak counter, reset at each
+hook. Backward is timed without module backward hooks (they wrap tensors and break in-place layers such as
+``ReLU(inplace=True)``): a pre-hook on the ``grad_fn`` of each module's output marks where backward enters
+that module, so a module's backward window runs from there to where backward enters the next one, or to the
+end of backward.
 """
 
 from __future__ import annotations
@@ -44,17 +45,18 @@ class LayerRecord:
     activation_bytes: int = 0
     forward_peak_bytes: int = 0
     backward_peak_bytes: int = 0
-    saved_bytes: int = 0  # tensors autograd saved for backward in its forward (storage bytes, each storage once)
+    # tensors autograd saved for backward in its forward (storage bytes, each storage once)
+    saved_bytes: int = 0
 
 
 def format_table(
     records: list[LayerRecord], top_k: int, step: int, step_peak: int | None, other: dict[str, int]
 ) -> str:
-    """The ``top_k`` layers by memory saved for backward, then totals reconciled with the step's measured peak.
+    """The ``top_k`` layers by memory saved for backward, and totals reconciled with the step's peak.
 
-    ``activations`` is what a layer's forward left allocated (its output and what it saved); ``saved`` what autograd
-    kept of it for backward (each storage counted once, for the first layer that saved it): activation
-    checkpointing frees the latter.
+    ``activations`` is what a layer's forward left allocated (its output and what it saved); ``saved`` what
+    autograd kept of it for backward (each storage counted once, for the first layer that saved it):
+    activation checkpointing frees the latter.
 
     Example:
         >>> rows = [LayerRecord("fc1", "Linear", 4 * _MIB, 4 * _MIB, 2 * _MIB, 3 * _MIB, 5 * _MIB, 1 * _MIB)]
@@ -63,8 +65,9 @@ def format_table(
         Layer memory at step 1 (MiB; top 1 of 1 layers by memory saved for backward)
         layer  type    params  grads  activations  saved  fwd peak  bwd peak
         fc1    Linear     4.0    4.0          2.0    1.0       3.0       5.0
-        total: parameters 4.0 + gradients 4.0 + saved for backward 1.0 + optimizer state 0.0 = 9.0 MiB; the step's
-        measured peak 12.0 MiB (the layers account for 75%; the rest is the batch, temporaries and workspaces)
+        total: parameters 4.0 + gradients 4.0 + saved for backward 1.0 + optimizer state 0.0 = 9.0 MiB;
+        the step's measured peak 12.0 MiB (the layers account for 75%; the rest is the batch, temporaries
+        and workspaces)
     """
     ranked = sorted(records, key=lambda r: (r.saved_bytes, r.activation_bytes), reverse=True)[:top_k]
     header = ("layer", "type", "params", "grads", "activations", "saved", "fwd peak", "bwd peak")
@@ -90,7 +93,8 @@ def format_table(
 
     def line(row: tuple[str, ...]) -> str:
         cells = [
-            str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            str(c).ljust(w) if i < 2 else str(c).rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
         ]
         return "  ".join(cells).rstrip()
 
@@ -99,7 +103,11 @@ def format_table(
     saved = sum(r.saved_bytes for r in records)
     total = params + grads + saved + sum(other.values())
     parts = " + ".join(
-        [f"parameters {params / _MIB:.1f}", f"gradients {grads / _MIB:.1f}", f"saved for backward {saved / _MIB:.1f}"]
+        [
+            f"parameters {params / _MIB:.1f}",
+            f"gradients {grads / _MIB:.1f}",
+            f"saved for backward {saved / _MIB:.1f}",
+        ]
         + [f"{name} {value / _MIB:.1f}" for name, value in other.items()]
     )
     footer = f"total: {parts} = {total / _MIB:.1f} MiB"
@@ -110,7 +118,8 @@ def format_table(
             " the rest is the batch, temporaries and workspaces)"
         )
     title = (
-        f"Layer memory at step {step} (MiB; top {len(ranked)} of {len(records)} layers by memory saved for backward)"
+        f"Layer memory at step {step} (MiB; top {len(ranked)} of {len(records)} layers by memory saved for"
+        " backward)"
     )
     return "\n".join([title, line(header), *(line(r) for r in rows), footer])
 
@@ -127,16 +136,16 @@ def to_csv(records: list[LayerRecord]) -> str:
 
 
 class _StepRecorder:
-    """The recording of one training step: hooks on every leaf module, a saved-tensors hook, and what they measured.
+    """One training step's recording: hooks on every leaf module, a saved-tensors hook, what they measured.
 
-    :meth:`start` registers forward hooks on every leaf module and enters a ``saved_tensors_hooks`` context whose pack
-    hook attributes each tensor saved for backward to the leaf module running; :meth:`end_forward` leaves that
-    context when backward begins (only the forward's saved tensors count); :meth:`end_backward` closes the last
-    backward window and reads the gradients; :meth:`end_step` reads the step's last peak and stops. :meth:`stop`
-    leaves the context if it is still entered and removes the hooks; it is idempotent, and the callback calls it on
-    every way out of the step (its end, an exception or Ctrl-C, a step skipped, teardown), so the context is entered
-    once and left exactly once. A stopped recorder's hooks that outlive it (``grad_fn`` pre-hooks on a graph kept
-    past the step) do nothing.
+    :meth:`start` registers forward hooks on every leaf module and enters a ``saved_tensors_hooks`` context
+    whose pack hook attributes each tensor saved for backward to the leaf module running; :meth:`end_forward`
+    leaves that context when backward begins (only the forward's saved tensors count); :meth:`end_backward`
+    closes the last backward window and reads the gradients; :meth:`end_step` reads the step's last peak and
+    stops. :meth:`stop` leaves the context if it is still entered and removes the hooks; it is idempotent,
+    and the callback calls it on every way out of the step (its end, an exception or Ctrl-C, a step skipped,
+    teardown), so the context is entered once and left exactly once. A stopped recorder's hooks that outlive
+    it (``grad_fn`` pre-hooks on a graph kept past the step) do nothing.
 
     Attributes:
         step: the ``global_step`` recorded.
@@ -163,7 +172,7 @@ class _StepRecorder:
         self._running: list[LayerRecord] = []
 
     def start(self, module: torch.nn.Module) -> None:
-        """Hook every leaf module of ``module`` and enter the saved-tensors context; on an error, undo both."""
+        """Hook every leaf module of ``module``, enter the saved-tensors context; on an error, undo both."""
         self._recording = True
         try:
             self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
@@ -174,7 +183,9 @@ class _StepRecorder:
                 if next(leaf.children(), None) is not None:
                     continue  # leaves only: a parent's window would contain its children's
                 record = LayerRecord(name or type(leaf).__name__, type(leaf).__name__)
-                record.param_bytes = sum(p.numel() * p.element_size() for p in leaf.parameters(recurse=False))
+                record.param_bytes = sum(
+                    p.numel() * p.element_size() for p in leaf.parameters(recurse=False)
+                )
                 self.records.append(record)
                 self._by_module[leaf] = record
                 self._handles.append(leaf.register_forward_pre_hook(self._forward_pre))
@@ -195,7 +206,9 @@ class _StepRecorder:
         self._close_backward()
         for module, record in self._by_module.items():
             record.grad_bytes = sum(
-                p.grad.numel() * p.grad.element_size() for p in module.parameters(recurse=False) if p.grad is not None
+                p.grad.numel() * p.grad.element_size()
+                for p in module.parameters(recurse=False)
+                if p.grad is not None
             )
 
     def end_step(self) -> None:
@@ -270,8 +283,8 @@ class _StepRecorder:
         self._reset()
 
     def _close_backward(self) -> None:
-        # Read the peak even with no module open: between the last forward and the first backward hook run the
-        # loss and its backward (a large-vocabulary cross-entropy is often the step's real peak).
+        # Read the peak even with no module open: between the last forward and the first backward hook run
+        # the loss and its backward (a large-vocabulary cross-entropy is often the step's real peak).
         peak = self._read_peak()
         record = self._backward_open
         if record is not None:
@@ -284,41 +297,43 @@ class _StepRecorder:
 class LayerMemoryProfiler(Callback):
     r"""Measure, for one training step, what each layer holds: parameters, gradients, activations, peaks.
 
-    At training step ``at_step`` hooks on every leaf module record, on the allocator: parameter and gradient bytes,
-    the activation bytes its forward leaves alive for backward (allocated after minus before), and the peaks during
-    its forward and its backward. The ``top_k`` layers by activation memory are printed as a table on rank zero,
-    with totals reconciled against the step's measured peak; the table goes to the loggers that take tables
-    (TensorBoard text, a W&B table, an MLflow artifact, a ``gpumem_layer_memory.csv`` in each other logger's run
-    directory) and every layer to ``layer_memory_step<n>.csv`` in the first logger's run directory (or
-    ``dirpath``; ``-v1``, ``-v2``... where another run took the name). A file that cannot be written is named in
-    a warning and training goes on. The layers with the most
-    activation memory are the candidates for activation checkpointing. The hooks are removed after that step, so
-    other steps run untouched. Without an accelerator it warns once and does nothing.
+    At training step ``at_step`` hooks on every leaf module record, on the allocator: parameter and gradient
+    bytes, the activation bytes its forward leaves alive for backward (allocated after minus before), and the
+    peaks during its forward and its backward. The ``top_k`` layers by activation memory are printed as a
+    table on rank zero, with totals reconciled against the step's measured peak; the table goes to the
+    loggers that take tables (TensorBoard text, a W&B table, an MLflow artifact, a
+    ``gpumem_layer_memory.csv`` in each other logger's run directory) and every layer to
+    ``layer_memory_step<n>.csv`` in the first logger's run directory (or ``dirpath``; ``-v1``, ``-v2``...
+    where another run took the name). A file that cannot be written is named in a warning and training goes
+    on. The layers with the most activation memory are the candidates for activation checkpointing. The hooks
+    are removed after that step, so other steps run untouched. Without an accelerator it warns once and does
+    nothing.
 
-    The hooks, and the ``saved_tensors_hooks`` context that counts what autograd saves, are removed on every way
-    out of the step: its end, an error or Ctrl-C in it (the error propagates unchanged), teardown. A step skipped
-    before it ran (the module's ``on_train_batch_start`` returned ``-1``) records nothing: the next batch starting
-    at ``at_step`` is profiled.
+    The hooks, and the ``saved_tensors_hooks`` context that counts what autograd saves, are removed on every
+    way out of the step: its end, an error or Ctrl-C in it (the error propagates unchanged), teardown. A step
+    skipped before it ran (the module's ``on_train_batch_start`` returned ``-1``) records nothing: the next
+    batch starting at ``at_step`` is profiled.
 
-    The peak counters are reset at each hook during that one step, so a :class:`~lightning_gpumem.MemoryMonitor`'s
-    ``train_peak_*`` for the profiled step covers only its end; the table's footer has the step's whole peak.
+    The peak counters are reset at each hook during that one step, so a
+    :class:`~lightning_gpumem.MemoryMonitor`'s ``train_peak_*`` for the profiled step covers only its end;
+    the table's footer has the step's whole peak.
 
     **Logged metrics** (a table, no scalars; from :mod:`lightning_gpumem.keys`):
 
     {logged_metrics}
 
     Args:
-        at_step: the training step (``global_step`` when it starts) to profile; after the first one, the optimizer
-            state exists and the step is a steady-state one.
+        at_step: the training step (``global_step`` when it starts) to profile; after the first one, the
+            optimizer state exists and the step is a steady-state one.
         top_k: layers in the printed table.
         dirpath: where to write the CSV (``~`` expanded); ``None``: the first logger's run directory
-            (``trainer.log_dir`` for TensorBoard and CSV, ``<save_dir>/<name>/<version>`` for MLflow and W&B, as
-            ``ModelCheckpoint``), else ``default_root_dir``.
+            (``trainer.log_dir`` for TensorBoard and CSV, ``<save_dir>/<name>/<version>`` for MLflow and W&B,
+            as ``ModelCheckpoint``), else ``default_root_dir``.
 
     Raises:
-        ValueError: if ``at_step`` is not an integer >= 0, ``top_k`` not an integer >= 1, or ``dirpath`` cannot be
-            a directory (an existing file, a path under a file, a blank name, a NUL byte, a name over 255 bytes);
-            at ``setup``, if ``dirpath`` cannot be created or written to.
+        ValueError: if ``at_step`` is not an integer >= 0, ``top_k`` not an integer >= 1, or ``dirpath``
+            cannot be a directory (an existing file, a path under a file, a blank name, a NUL byte, a name
+            over 255 bytes); at ``setup``, if ``dirpath`` cannot be created or written to.
         TypeError: if ``dirpath`` is not a path.
 
     Example::
@@ -358,13 +373,14 @@ class LayerMemoryProfiler(Callback):
             if not self._warned:
                 self._warned = True
                 rank_zero_warn(
-                    f"LayerMemoryProfiler: `{probe.device}` has no allocator statistics to read; doing nothing."
+                    f"LayerMemoryProfiler: `{probe.device}` has no allocator statistics to read; doing"
+                    " nothing."
                 )
             return
         self._probe = probe
 
     def gpumem_summary_context(self) -> dict[str, Any]:
-        """What this callback adds to ``MemoryMonitor``'s fit-end advice: the layers by memory saved for backward."""
+        """What this adds to ``MemoryMonitor``'s fit-end advice: the layers by memory saved for backward."""
         if not self.records:
             return {}
         ranked = sorted(self.records, key=lambda r: r.saved_bytes, reverse=True)
@@ -375,7 +391,12 @@ class LayerMemoryProfiler(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         probe = self._probe
-        if probe is None or self._recorder is not None or self.table is not None or trainer.global_step != self.at_step:
+        if (
+            probe is None
+            or self._recorder is not None
+            or self.table is not None
+            or trainer.global_step != self.at_step
+        ):
             return
         recorder = _StepRecorder(probe, trainer.global_step)
         self.records, self.step_peak_bytes = recorder.records, 0  # filled as the step runs
@@ -383,7 +404,9 @@ class LayerMemoryProfiler(Callback):
         self._recorder = recorder
 
     @override
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
+    ) -> None:
         if self._recorder is not None:
             self._recorder.end_forward()
 
@@ -393,7 +416,9 @@ class LayerMemoryProfiler(Callback):
             self._recorder.end_backward()
 
     @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         recorder = self._stop()
         if recorder is not None:
             self.step_peak_bytes = recorder.step_peak_bytes  # what the step measured before it failed
@@ -408,7 +433,12 @@ class LayerMemoryProfiler(Callback):
 
     @override
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: STEP_OUTPUT,
+        batch: Any,
+        batch_idx: int,
     ) -> None:
         recorder = self._recorder
         if recorder is None:
@@ -416,7 +446,10 @@ class LayerMemoryProfiler(Callback):
         recorder.end_step()
         self._recorder = None
         self.step_peak_bytes = recorder.step_peak_bytes
-        other = {"optimizer state": _optimizer_state_bytes(trainer), "saved outside layers": recorder.saved_outside}
+        other = {
+            "optimizer state": _optimizer_state_bytes(trainer),
+            "saved outside layers": recorder.saved_outside,
+        }
         self.table = format_table(self.records, self.top_k, recorder.step, self.step_peak_bytes, other)
         if not trainer.is_global_zero:
             return
@@ -450,8 +483,8 @@ class LayerMemoryProfiler(Callback):
         return recorder
 
     def _drop_skipped_step(self) -> None:
-        # Still recording when the epoch or the fit ends: the step never ran (`on_train_batch_start` returned -1 in
-        # the module). Nothing was measured; the next batch starting at `at_step` is profiled.
+        # Still recording when the epoch or the fit ends: the step never ran (`on_train_batch_start` returned
+        # -1 in the module). Nothing was measured; the next batch starting at `at_step` is profiled.
         if self._stop() is not None:
             self.records, self.step_peak_bytes = [], None
 

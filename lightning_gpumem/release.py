@@ -1,12 +1,12 @@
 """EmptyCacheOnThreshold: give cached memory back to the device when this process holds too much of it.
 
-Why a threshold and hysteresis, not ``empty_cache()`` every step: the caching allocator keeps freed blocks so the
-next step can reuse them without a ``cudaMalloc``; emptying the cache every step makes every step pay for those
-allocations again and frees nothing PyTorch itself could use. What the cache costs is the memory *other* processes
-on the card cannot have. So this releases only when the process holds more than a set share of its budget (after a
-one-off spike, say a validation pass with larger shapes), and, after a release, not again until usage has been seen
-below the mark on its own or ``min_steps_between`` steps have passed: a run whose steady state is above the mark
-releases at most once per ``min_steps_between`` steps, not every step.
+Why a threshold and hysteresis, not ``empty_cache()`` every step: the caching allocator keeps freed blocks so
+the next step can reuse them without a ``cudaMalloc``; emptying the cache every step makes every step pay for
+those allocations again and frees nothing PyTorch itself could use. What the cache costs is the memory
+*other* processes on the card cannot have. So this releases only when the process holds more than a set share
+of its budget (after a one-off spike, say a validation pass with larger shapes), and, after a release, not
+again until usage has been seen below the mark on its own or ``min_steps_between`` steps have passed: a run
+whose steady state is above the mark releases at most once per ``min_steps_between`` steps, not every step.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def _hook_names(value: object, name: str) -> tuple[str, ...]:
     """``value``, a hook name or a collection of them (any sequence or set), as a tuple of names.
 
     A ``ValueError`` naming the argument otherwise; the names are checked one by one, so a long collection of
-    something else (``range(10**12)``) is refused at its first item, and an iterator without a length is refused.
+    something else (``range(10**12)``) is refused at its first item, and an iterator without a length is
+    refused.
     """
     items = (value,) if isinstance(value, str) else value if is_collection(value) else ()
     hooks: list[str] = []
@@ -58,16 +59,17 @@ def _hook_names(value: object, name: str) -> tuple[str, ...]:
         hooks.append(str(hook))  # a numpy or OmegaConf string as a plain `str` (the state key shows it)
     if not hooks:
         raise ValueError(
-            f"`EmptyCacheOnThreshold({name}={value!r})` is not valid. Expected a name or a list of names, one or more"
-            f" of {', '.join(HOOKS)}."
+            f"`EmptyCacheOnThreshold({name}={value!r})` is not valid. Expected a name or a list of names,"
+            f" one or more of {', '.join(HOOKS)}."
         )
     return tuple(hooks)
 
 
 class ReleasePolicy:
-    """When to release: above ``mark_bytes``, then not again until seen below it or ``min_steps_between`` passed.
+    """When to release: above ``mark_bytes``; again only once seen below it or ``min_steps_between`` later.
 
-    Pure logic, no device: ``should_release(usage, step)`` for each check, ``released(step)`` after a release.
+    Pure logic, no device: ``should_release(usage, step)`` for each check, ``released(step)`` after a
+    release.
 
     Example:
         >>> policy = ReleasePolicy(mark_bytes=100, min_steps_between=10)
@@ -106,35 +108,38 @@ class ReleasePolicy:
 class EmptyCacheOnThreshold(Callback):
     r"""Empty the allocator's cache when this process holds more than ``threshold`` of its budget.
 
-    At each hook named in ``hooks`` it reads the memory the process holds (the allocator's reserved memory, or NVML's
-    figure for the process with ``measure="nvml"``, which includes the CUDA context) and, when that exceeds
-    ``threshold`` times the budget (a :class:`~lightning_gpumem.MemoryBudget`'s when there is one, else the device's
-    memory), runs ``gc.collect()`` if asked, then ``empty_cache()``. After a release it waits until usage has been
-    seen below the mark again, or ``min_steps_between`` training steps have passed, before the next. Each rank
-    decides for itself, with no collective. Without an accelerator it warns once and does nothing.
+    At each hook named in ``hooks`` it reads the memory the process holds (the allocator's reserved memory,
+    or NVML's figure for the process with ``measure="nvml"``, which includes the CUDA context) and, when that
+    exceeds ``threshold`` times the budget (a :class:`~lightning_gpumem.MemoryBudget`'s when there is one,
+    else the device's memory), runs ``gc.collect()`` if asked, then ``empty_cache()``. After a release it
+    waits until usage has been seen below the mark again, or ``min_steps_between`` training steps have
+    passed, before the next. Each rank decides for itself, with no collective. Without an accelerator it
+    warns once and does nothing.
 
-    **Logged metrics** (to every logger on Lightning's logging steps, at the end of each validation during fit and
-    at the end of training; the table comes from :mod:`lightning_gpumem.keys`):
+    **Logged metrics** (to every logger on Lightning's logging steps, at the end of each validation during
+    fit and at the end of training; the table comes from :mod:`lightning_gpumem.keys`):
 
     {logged_metrics}
 
     Args:
         threshold: fraction of the budget, in (0, 1], above which the cache is released.
-        relative_to: ``"budget"``: a :class:`~lightning_gpumem.MemoryBudget`'s budget if one is among the callbacks,
-            else the device's memory; ``"device"``: always the device's memory.
-        measure: ``"reserved"``: memory held by PyTorch's caching allocator; ``"nvml"``: memory NVML attributes to
-            this process (what ``nvidia-smi`` shows; falls back to reserved where NVML cannot see processes).
-        collect_garbage: run ``gc.collect()`` before emptying the cache, so tensors held only by reference cycles
-            are freed too (costs milliseconds with many Python objects).
-        min_steps_between: training steps to wait after a release before another while usage stays above the mark.
+        relative_to: ``"budget"``: a :class:`~lightning_gpumem.MemoryBudget`'s budget if one is among the
+            callbacks, else the device's memory; ``"device"``: always the device's memory.
+        measure: ``"reserved"``: memory held by PyTorch's caching allocator; ``"nvml"``: memory NVML
+            attributes to this process (what ``nvidia-smi`` shows; falls back to reserved where NVML cannot
+            see processes).
+        collect_garbage: run ``gc.collect()`` before emptying the cache, so tensors held only by reference
+            cycles are freed too (costs milliseconds with many Python objects).
+        min_steps_between: training steps to wait after a release before another while usage stays above the
+            mark.
         hooks: the hooks after which to check (a name, or any sequence or set of names), any of
             ``"train_batch_end"``, ``"train_epoch_end"``, ``"validation_batch_end"``, ``"validation_end"``,
             ``"test_batch_end"``, ``"test_end"``, ``"predict_batch_end"``, ``"predict_end"``.
 
     Raises:
-        ValueError: if ``threshold`` is not in (0, 1], ``relative_to``/``measure``/``hooks`` name something else
-            (``hooks``: also an iterator without a length, such as a generator), ``min_steps_between`` is not an
-            integer >= 0.
+        ValueError: if ``threshold`` is not in (0, 1], ``relative_to``/``measure``/``hooks`` name something
+            else (``hooks``: also an iterator without a length, such as a generator), ``min_steps_between``
+            is not an integer >= 0.
         TypeError: if ``collect_garbage`` is not a ``bool``.
 
     Example::
@@ -155,13 +160,19 @@ class EmptyCacheOnThreshold(Callback):
         min_steps_between: int = 50,
         hooks: Sequence[str] = DEFAULT_HOOKS,
     ) -> None:
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 < threshold <= 1.0:
+        if (
+            isinstance(threshold, bool)
+            or not isinstance(threshold, (int, float))
+            or not 0.0 < threshold <= 1.0
+        ):
             raise ValueError(
-                f"`EmptyCacheOnThreshold(threshold={threshold!r})` is not valid. Expected a number in (0, 1]."
+                f"`EmptyCacheOnThreshold(threshold={threshold!r})` is not valid. Expected a number in (0,"
+                " 1]."
             )
         if not isinstance(relative_to, str) or relative_to not in ("budget", "device"):
             raise ValueError(
-                f"`EmptyCacheOnThreshold(relative_to={relative_to!r})` is not valid. Expected 'budget' or 'device'."
+                f"`EmptyCacheOnThreshold(relative_to={relative_to!r})` is not valid. Expected 'budget' or"
+                " 'device'."
             )
         if not isinstance(measure, str) or measure not in ("reserved", "nvml"):
             raise ValueError(
@@ -205,16 +216,24 @@ class EmptyCacheOnThreshold(Callback):
             self._probe = self._policy = None
             if not self._warned:
                 self._warned = True
-                rank_zero_warn(f"EmptyCacheOnThreshold: `{device}` has no allocator cache to release; doing nothing.")
+                rank_zero_warn(
+                    f"EmptyCacheOnThreshold: `{device}` has no allocator cache to release; doing nothing."
+                )
             return
         self._probe = probe
         self._total = total
-        self._policy = None  # the mark is set at the first check, once every callback (a MemoryBudget) is set up
+        # the mark is set at the first check, once every callback (a MemoryBudget) is set up
+        self._policy = None
 
     # ------------------------------------------------------------------ hooks
     @override
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: STEP_OUTPUT,
+        batch: Any,
+        batch_idx: int,
     ) -> None:
         if "train_batch_end" in self.hooks:
             self._check(trainer)
@@ -243,10 +262,12 @@ class EmptyCacheOnThreshold(Callback):
         if "validation_end" in self.hooks:
             self._check(trainer)
         if self._probe is None:
-            require_trainer("EmptyCacheOnThreshold", trainer)  # not set up: outside a Trainer (Fabric), say so
+            # not set up: outside a Trainer (Fabric), say so
+            require_trainer("EmptyCacheOnThreshold", trainer)
             return
         if trainer.state.fn == "fit" and not trainer.sanity_checking:
-            self._log(trainer, now=True)  # every rank ends validation together: a release there shows at once
+            # every rank ends validation together: a release there shows at once
+            self._log(trainer, now=True)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -292,8 +313,8 @@ class EmptyCacheOnThreshold(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._policy is not None:
             rank_zero_info(
-                f"EmptyCacheOnThreshold: {self.releases} cache releases, {format_gib(self.released_bytes)} given back,"
-                f" {self.release_seconds:.3f} s (mark {format_gib(self._policy.mark_bytes)})."
+                f"EmptyCacheOnThreshold: {self.releases} cache releases, {format_gib(self.released_bytes)}"
+                f" given back, {self.release_seconds:.3f} s (mark {format_gib(self._policy.mark_bytes)})."
             )
 
     @property
@@ -301,12 +322,19 @@ class EmptyCacheOnThreshold(Callback):
     def state_key(self) -> str:
         """Unique per configuration, so two instances (say one per hook set) can both be in a Trainer."""
         return self._generate_state_key(
-            threshold=self.threshold, relative_to=self.relative_to, measure=self.measure, hooks=sorted(self.hooks)
+            threshold=self.threshold,
+            relative_to=self.relative_to,
+            measure=self.measure,
+            hooks=sorted(self.hooks),
         )
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"releases": self.releases, "released_bytes": self.released_bytes, "seconds": self.release_seconds}
+        return {
+            "releases": self.releases,
+            "released_bytes": self.released_bytes,
+            "seconds": self.release_seconds,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -325,13 +353,16 @@ class EmptyCacheOnThreshold(Callback):
     def _policy_for(self, trainer: pl.Trainer) -> ReleasePolicy | None:
         if self._policy is None and self._probe is not None and self._total:
             budget = budget_bytes(trainer) if self.relative_to == "budget" else None
-            self._policy = ReleasePolicy(int(self.threshold * (budget or self._total)), self.min_steps_between)
+            self._policy = ReleasePolicy(
+                int(self.threshold * (budget or self._total)), self.min_steps_between
+            )
         return self._policy
 
     def _check(self, trainer: pl.Trainer) -> None:
         probe, policy = self._probe, self._policy_for(trainer)
         if probe is None or policy is None:
-            require_trainer("EmptyCacheOnThreshold", trainer)  # not set up: outside a Trainer (Fabric), say so
+            # not set up: outside a Trainer (Fabric), say so
+            require_trainer("EmptyCacheOnThreshold", trainer)
             return
         usage = self._usage(probe)
         step = trainer.global_step
@@ -349,11 +380,12 @@ class EmptyCacheOnThreshold(Callback):
         policy.released(step)
 
     def _log(self, trainer: pl.Trainer, now: bool = False) -> None:
-        # Logging steps by the step count alone (not `should_stop`, which one rank may set alone): under DDP every
-        # rank must reach the gather below together. `now`: a point every rank reaches together (validation end,
-        # train end).
+        # Logging steps by the step count alone (not `should_stop`, which one rank may set alone): under DDP
+        # every rank must reach the gather below together. `now`: a point every rank reaches together
+        # (validation end, train end).
         if self._probe is None:
-            require_trainer("EmptyCacheOnThreshold", trainer)  # not set up: outside a Trainer (Fabric), say so
+            # not set up: outside a Trainer (Fabric), say so
+            require_trainer("EmptyCacheOnThreshold", trainer)
             return
         if not trainer.loggers or self._every_n <= 0:
             return

@@ -1,10 +1,10 @@
 """OOMSnapshot: record allocation history during the run and dump it when memory runs out.
 
-Why the allocator's OOM observer and not only ``on_exception``: user code (or a library, or our own batch-size
-search) may catch an ``OutOfMemoryError``; the observer is called by the allocator itself, before the exception
-exists, so every OOM is seen, caught or not. ``on_exception`` is the fallback where torch has no observer.
-History recording keeps a Python stack per allocation, which costs time per allocation: measure it on your model
-before leaving it on for a long run (docs/oom_forensics.md).
+Why the allocator's OOM observer and not only ``on_exception``: user code (or a library, or our own
+batch-size search) may catch an ``OutOfMemoryError``; the observer is called by the allocator itself, before
+the exception exists, so every OOM is seen, caught or not. ``on_exception`` is the fallback where torch has
+no observer. History recording keeps a Python stack per allocation, which costs time per allocation: measure
+it on your model before leaving it on for a long run (docs/oom_forensics.md).
 """
 
 from __future__ import annotations
@@ -39,35 +39,35 @@ MAX_OOM_DUMPS = 5  # per run: a loop that catches OOMs and retries must not fill
 
 
 class OOMSnapshot(Callback):
-    r"""Record allocations with their Python stacks; on an out-of-memory error, dump what was in memory and why.
+    r"""Record allocations with their Python stacks; on an out-of-memory error, dump what was held and why.
 
     From ``setup`` to ``teardown`` the CUDA caching allocator records its history
-    (``torch.cuda.memory._record_memory_history``). When an allocation fails anywhere in fit, validate or test,
-    even if the error is caught, it writes ``oom_rank<r>_step<n>.pickle`` (open it in PyTorch's memory viewer,
-    https://pytorch.org/memory_viz) and ``oom_rank<r>_step<n>.html`` (one self-contained page: totals, the failed
-    allocation and where it was made, a map of the segments, the largest live allocations) in the first logger's run
-    directory or in ``dirpath``, and prints the paths, the failed allocation and the ten largest live allocations
-    with the line that made each. The exception itself propagates unchanged: a snapshot that cannot be written (a
-    full disk, a read-only directory) is named in a warning, leaves no partial file, and the callbacks after this one
-    still get ``on_exception``. A name another run took gets a ``-v1``, ``-v2``... suffix. ``at_steps`` writes
-    ``snapshot_rank<r>_step<n>.*`` at the end of those training steps without any error. Without CUDA it warns
-    once and does nothing.
+    (``torch.cuda.memory._record_memory_history``). When an allocation fails anywhere in fit, validate or
+    test, even if the error is caught, it writes ``oom_rank<r>_step<n>.pickle`` (open it in PyTorch's memory
+    viewer, https://pytorch.org/memory_viz) and ``oom_rank<r>_step<n>.html`` (one self-contained page:
+    totals, the failed allocation and where it was made, a map of the segments, the largest live allocations)
+    in the first logger's run directory or in ``dirpath``, and prints the paths, the failed allocation and
+    the ten largest live allocations with the line that made each. The exception itself propagates unchanged:
+    a snapshot that cannot be written (a full disk, a read-only directory) is named in a warning, leaves no
+    partial file, and the callbacks after this one still get ``on_exception``. A name another run took gets a
+    ``-v1``, ``-v2``... suffix. ``at_steps`` writes ``snapshot_rank<r>_step<n>.*`` at the end of those
+    training steps without any error. Without CUDA it warns once and does nothing.
 
     **Logged metrics**: none; the files and the printed report are the output.
 
     Args:
-        dirpath: where to write (``~`` expanded); ``None``: the first logger's run directory (``trainer.log_dir``
-            for TensorBoard and CSV, ``<save_dir>/<name>/<version>`` for MLflow and W&B, as ``ModelCheckpoint``),
-            else ``default_root_dir``.
+        dirpath: where to write (``~`` expanded); ``None``: the first logger's run directory
+            (``trainer.log_dir`` for TensorBoard and CSV, ``<save_dir>/<name>/<version>`` for MLflow and W&B,
+            as ``ModelCheckpoint``), else ``default_root_dir``.
         max_entries: allocation events kept in the history (older ones are dropped); more costs host memory.
-        at_steps: training steps (``global_step`` after the step) at which to write a snapshot anyway: a collection
-            or an iterable of at most a million integers >= 0, or a ``range`` of any length.
+        at_steps: training steps (``global_step`` after the step) at which to write a snapshot anyway: a
+            collection or an iterable of at most a million integers >= 0, or a ``range`` of any length.
 
     Raises:
-        ValueError: if ``max_entries`` is not an integer in [1, ``sys.maxsize``], ``at_steps`` holds anything but
-            integers >= 0 (or more than a million of them outside a ``range``), or ``dirpath`` cannot be a directory
-            (an existing file, a path under a file, a blank name, a NUL byte, a name over 255 bytes); at ``setup``,
-            if ``dirpath`` cannot be created or written to.
+        ValueError: if ``max_entries`` is not an integer in [1, ``sys.maxsize``], ``at_steps`` holds anything
+            but integers >= 0 (or more than a million of them outside a ``range``), or ``dirpath`` cannot be
+            a directory (an existing file, a path under a file, a blank name, a NUL byte, a name over 255
+            bytes); at ``setup``, if ``dirpath`` cannot be created or written to.
         TypeError: if ``at_steps`` is not a collection or ``dirpath`` not a path.
 
     Example::
@@ -80,11 +80,16 @@ class OOMSnapshot(Callback):
     """
 
     def __init__(
-        self, dirpath: str | Path | None = None, max_entries: int = 100_000, at_steps: Iterable[int] | None = None
+        self,
+        dirpath: str | Path | None = None,
+        max_entries: int = 100_000,
+        at_steps: Iterable[int] | None = None,
     ) -> None:
         require_int("OOMSnapshot", "max_entries", max_entries, 1)
         if max_entries > sys.maxsize:  # torch's own default and the most its history takes
-            raise ValueError(f"`OOMSnapshot(max_entries={max_entries!r})` is not valid. Expected at most sys.maxsize.")
+            raise ValueError(
+                f"`OOMSnapshot(max_entries={max_entries!r})` is not valid. Expected at most sys.maxsize."
+            )
         self.dirpath = check_dirpath("OOMSnapshot", dirpath)
         self.at_steps = _steps(at_steps)
         self.max_entries = max_entries
@@ -104,7 +109,8 @@ class OOMSnapshot(Callback):
             if not self._warned:
                 self._warned = True
                 rank_zero_warn(
-                    f"OOMSnapshot: `{trainer.strategy.root_device}` has no CUDA allocator history; doing nothing."
+                    f"OOMSnapshot: `{trainer.strategy.root_device}` has no CUDA allocator history; doing"
+                    " nothing."
                 )
             return
         if self.dirpath is not None:
@@ -115,7 +121,9 @@ class OOMSnapshot(Callback):
                 start_history(self.max_entries)
                 _attach_observer()
             except Exception as error:  # e.g. the cudaMallocAsync backend, which keeps no history
-                rank_zero_warn(f"OOMSnapshot: the allocator cannot record its history ({error!r}); doing nothing.")
+                rank_zero_warn(
+                    f"OOMSnapshot: the allocator cannot record its history ({error!r}); doing nothing."
+                )
                 return
             self._recording = True
         _ACTIVE.add(self)
@@ -133,15 +141,27 @@ class OOMSnapshot(Callback):
     # ------------------------------------------------------------------ hooks
     @override
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: STEP_OUTPUT,
+        batch: Any,
+        batch_idx: int,
     ) -> None:
         if self._recording and trainer.global_step in self.at_steps:
             self.dump("snapshot", print_report=False)
 
     @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         try:
-            if self._recording and is_oom_error(exception) and not self._dumped_for_oom and not oom_expected():
+            if (
+                self._recording
+                and is_oom_error(exception)
+                and not self._dumped_for_oom
+                and not oom_expected()
+            ):
                 self.dump("oom")  # no observer in this torch, or it failed: the state is still the OOM's
         finally:
             self._dumped_for_oom = False
@@ -149,10 +169,11 @@ class OOMSnapshot(Callback):
 
     # ------------------------------------------------------------------ writing
     def dump(self, kind: str = "snapshot", print_report: bool = True) -> tuple[Path, Path] | None:
-        """Write the current snapshot as ``<kind>_rank<r>_step<n>.pickle`` and ``.html``; returns the two paths.
+        """Write the current snapshot as ``<kind>_rank<r>_step<n>.pickle`` and ``.html``; return both paths.
 
-        A name another run took gets a ``-v1``, ``-v2``... suffix. A file that cannot be written (a full disk, a
-        directory made read-only) is reported in a warning and nothing is left under its name; ``None`` is returned.
+        A name another run took gets a ``-v1``, ``-v2``... suffix. A file that cannot be written (a full
+        disk, a directory made read-only) is reported in a warning and nothing is left under its name;
+        ``None`` is returned.
         """
         trainer = self._trainer
         if trainer is None or not self._recording:
@@ -176,14 +197,17 @@ class OOMSnapshot(Callback):
         self.paths += [pickle_path, html_path]
         if print_report:
             # Every rank prints its own: an OOM is a rank's own story.
-            print(f"OOMSnapshot: {title}\n  {pickle_path}\n  {html_path}\n{format_report(snapshot)}", flush=True)
+            print(
+                f"OOMSnapshot: {title}\n  {pickle_path}\n  {html_path}\n{format_report(snapshot)}",
+                flush=True,
+            )
         return pickle_path, html_path
 
     def gpumem_oom_recovered(self) -> None:
         """An ``AutoMicrobatch`` recovered the OOM just written: rename its files ``oom_recovered_...``.
 
-        (How the callbacks find each other: ``lightning_gpumem._pl.peers``.) The OOM's snapshot is kept, so the memory
-        that ran out can still be looked at; the name says the run went on.
+        (How the callbacks find each other: ``lightning_gpumem._pl.peers``.) The OOM's snapshot is kept, so
+        the memory that ran out can still be looked at; the name says the run went on.
         """
         if not self._dumped_for_oom:
             return
@@ -202,18 +226,22 @@ class OOMSnapshot(Callback):
         self.paths[-2:] = renamed
 
     def on_out_of_memory(self) -> None:
-        """Called by the allocator as it raises an OOM: write the snapshot (unless expected, or written enough)."""
+        """Called by the allocator as it raises an OOM: write the snapshot.
+
+        Unless the OOM is expected, or enough were written.
+        """
         if not self._recording or oom_expected() or self._oom_dumps >= MAX_OOM_DUMPS:
             return
         self._oom_dumps += 1
         self._dumped_for_oom = self.dump("oom") is not None
 
 
-MAX_STEPS = 1_000_000  # `at_steps` beyond a range: more steps than this is a mistake (or an endless iterator)
+# `at_steps` beyond a range: more steps than this is a mistake (or an endless iterator)
+MAX_STEPS = 1_000_000
 
 
 def _steps(at_steps: object) -> range | frozenset[int]:
-    """``at_steps`` as a set of steps; a ``range`` is kept as it is (``range(0, 10**12, 100)`` costs nothing)."""
+    """``at_steps`` as a set of steps; a ``range`` stays one (``range(0, 10**12, 100)`` costs nothing)."""
 
     def refuse(expected: str) -> ValueError:
         return ValueError(f"`OOMSnapshot(at_steps={at_steps!r})` is not valid. Expected {expected}.")
@@ -226,14 +254,16 @@ def _steps(at_steps: object) -> range | frozenset[int]:
         return at_steps
     if isinstance(at_steps, (str, bytes, Mapping)) or not isinstance(at_steps, Iterable):
         raise TypeError(
-            f"`OOMSnapshot(at_steps={at_steps!r})` is not valid. Expected None or a collection of integers >= 0,"
-            " such as [100, 200] or range(0, 10_000, 500)."
+            f"`OOMSnapshot(at_steps={at_steps!r})` is not valid. Expected None or a collection of integers"
+            " >= 0, such as [100, 200] or range(0, 10_000, 500)."
         )
     steps = list(itertools.islice(at_steps, MAX_STEPS + 1))
     if len(steps) > MAX_STEPS:
         raise refuse(f"at most {MAX_STEPS:,} steps (a range for more, such as range(0, 10**9, 100))")
     # numbers.Integral: Python's and NumPy's integers; not a bool, not a float
-    if not all(isinstance(s, numbers.Integral) and not isinstance(s, bool) and operator.index(s) >= 0 for s in steps):
+    if not all(
+        isinstance(s, numbers.Integral) and not isinstance(s, bool) and operator.index(s) >= 0 for s in steps
+    ):
         raise refuse("integers >= 0")
     return frozenset(operator.index(s) for s in steps)
 
@@ -246,7 +276,8 @@ def _attach_observer() -> None:
 
 
 def _observer(device: int, alloc: int, device_total: int, device_free: int) -> None:
-    # Called by the allocator while it raises: never raise from here (the user's error must stay the one they see).
+    # Called by the allocator while it raises: never raise from here (the user's error must stay the one they
+    # see).
     for callback in list(_ACTIVE):
         try:
             callback.on_out_of_memory()

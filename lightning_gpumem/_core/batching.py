@@ -1,17 +1,20 @@
 """Batches of variable-length samples planned under a cost budget (pure, stdlib only).
 
-A fixed batch size is tuned for the longest batch an epoch may draw, so every shorter batch wastes the memory it could
-have used. Planning batches by *cost* instead (padded tokens, or tokens) keeps every batch near one budget: many short
-samples or a few long ones. The plan follows fairseq's: shuffle, stable-sort by length (samples of one length stay
-shuffled), pack consecutive samples greedily while the batch's cost stays within the budget, then shuffle the batches.
-Sorting first keeps the padding small; shuffling the batches keeps the order random from step to step.
+A fixed batch size is tuned for the longest batch an epoch may draw, so every shorter batch wastes the memory
+it could have used. Planning batches by *cost* instead (padded tokens, or tokens) keeps every batch near one
+budget: many short samples or a few long ones. The plan follows fairseq's: shuffle, stable-sort by length
+(samples of one length stay shuffled), pack consecutive samples greedily while the batch's cost stays within
+the budget, then shuffle the batches. Sorting first keeps the padding small; shuffling the batches keeps the
+order random from step to step.
 
-The plan is a pure function of the lengths, the arguments, the seed and the epoch, so every DDP rank computes the same
-global list of batches and takes its own share (``batches[rank::num_replicas]``) without talking to the others.
+The plan is a pure function of the lengths, the arguments, the seed and the epoch, so every DDP rank computes
+the same global list of batches and takes its own share (``batches[rank::num_replicas]``) without talking to
+the others.
 
-Costs are in tokens: ``"padded"`` counts what a padded batch holds (``n * max(L)``), ``"tokens"`` the real tokens
-(``sum(L)``, for packed or nested batches). ``quadratic`` adds a term in ``L**2`` per sample for attention whose memory
-grows with the square of the length (eager attention; flash and memory-efficient attention are linear).
+Costs are in tokens: ``"padded"`` counts what a padded batch holds (``n * max(L)``), ``"tokens"`` the real
+tokens (``sum(L)``, for packed or nested batches). ``quadratic`` adds a term in ``L**2`` per sample for
+attention whose memory grows with the square of the length (eager attention; flash and memory-efficient
+attention are linear).
 """
 
 from __future__ import annotations
@@ -32,9 +35,9 @@ from lightning_gpumem._core.checks import (
 Cost = Literal["padded", "tokens"]
 COSTS: tuple[Cost, ...] = ("padded", "tokens")
 MAX_LENGTH = 2**53
-"""The longest length a sample may have: the largest whole number a float holds exactly (costs are floats)."""
+"""The longest a sample may be: the largest whole number a float holds exactly (costs are floats)."""
 MAX_REPLICAS = 2**20
-"""The most ranks a plan is shared by (more than any cluster has): the plan holds at least one batch per rank."""
+"""The most ranks a plan is shared by (more than any cluster has): it holds at least a batch per rank."""
 
 
 def batch_cost(lengths: Sequence[int], *, cost: Cost = "padded", quadratic: float = 0.0) -> float:
@@ -44,7 +47,8 @@ def batch_cost(lengths: Sequence[int], *, cost: Cost = "padded", quadratic: floa
         lengths: the samples' lengths.
         cost: ``"padded"``: ``n * max(L)`` (``+ quadratic * n * max(L)**2``); ``"tokens"``: ``sum(L)``
             (``+ quadratic * sum(L**2)``).
-        quadratic: weight of the term in ``L**2`` (attention whose memory grows with the square of the length).
+        quadratic: weight of the term in ``L**2`` (attention whose memory grows with the square of the
+            length).
 
     Returns:
         The cost; 0 for an empty batch; ``inf`` where ``quadratic`` makes it larger than a float holds.
@@ -66,8 +70,8 @@ def batch_cost(lengths: Sequence[int], *, cost: Cost = "padded", quadratic: floa
         return float(sum(lengths) + quadratic * sum(length * length for length in lengths))
     except OverflowError:  # an integer length beyond a float's range
         raise ValueError(
-            f"`batch_cost(lengths={shown(lengths)})` is not valid: the cost is beyond a float's range. Expected"
-            f" lengths from 0 to 2**53 (MAX_LENGTH)."
+            f"`batch_cost(lengths={shown(lengths)})` is not valid: the cost is beyond a float's range."
+            " Expected lengths from 0 to 2**53 (MAX_LENGTH)."
         ) from None
 
 
@@ -84,16 +88,18 @@ def plan_batches(
     drop_last: bool = False,
     num_replicas: int = 1,
 ) -> list[list[int]]:
-    """The global list of batches of one epoch: lists of dataset indices, each batch's cost at most ``max_cost``.
+    """The global list of batches of one epoch: lists of dataset indices, each costing at most ``max_cost``.
 
-    The indices are shuffled with ``random.Random(seed + epoch)`` (in index order without ``shuffle``), stable-sorted
-    by length and packed greedily while the batch's cost stays within ``max_cost`` and it holds at most
-    ``max_samples``; then the batches are shuffled with the same generator. The plan depends on nothing else, so
-    every rank computes the same one. Each index appears exactly once, before the rounding for DDP:
+    The indices are shuffled with ``random.Random(seed + epoch)`` (in index order without ``shuffle``),
+    stable-sorted by length and packed greedily while the batch's cost stays within ``max_cost`` and it holds
+    at most ``max_samples``; then the batches are shuffled with the same generator. The plan depends on
+    nothing else, so every rank computes the same one. Each index appears exactly once, before the rounding
+    for DDP:
 
-    the number of batches is made a multiple of ``num_replicas``, so that every rank gets as many. With ``drop_last``
-    the last batches of the (shuffled) list are dropped: their samples are skipped this epoch (a different set each
-    epoch when shuffled). Without it the first batches are repeated at the end: their samples are seen twice.
+    the number of batches is made a multiple of ``num_replicas``, so that every rank gets as many. With
+    ``drop_last`` the last batches of the (shuffled) list are dropped: their samples are skipped this epoch
+    (a different set each epoch when shuffled). Without it the first batches are repeated at the end: their
+    samples are seen twice.
 
     Args:
         lengths: every sample's length (``int`` from 0 to :data:`MAX_LENGTH`), by dataset index.
@@ -111,8 +117,9 @@ def plan_batches(
         The batches, in the order they run.
 
     Raises:
-        ValueError: a sample alone costs more than ``max_cost`` (the message names the longest such sample), or more
-            than a float holds (``quadratic`` is too large for the lengths); an argument is not valid.
+        ValueError: a sample alone costs more than ``max_cost`` (the message names the longest such sample),
+            or more than a float holds (``quadratic`` is too large for the lengths); an argument is not
+            valid.
         TypeError: ``lengths`` is not a sequence of ``int``.
 
     Example:
@@ -146,13 +153,17 @@ def plan_batches(
 
 
 def heaviest_first(
-    batches: Sequence[Sequence[int]], lengths: Sequence[int], *, cost: Cost = "padded", quadratic: float = 0.0
+    batches: Sequence[Sequence[int]],
+    lengths: Sequence[int],
+    *,
+    cost: Cost = "padded",
+    quadratic: float = 0.0,
 ) -> list[list[int]]:
     """The same batches, the heaviest first: what a memory trial should run.
 
-    First the costliest batch, then the one holding the longest sample, then the one holding the most samples (each
-    only where no batch already taken ties with it), then the rest by cost, the costliest first. Ties keep the given
-    order.
+    First the costliest batch, then the one holding the longest sample, then the one holding the most samples
+    (each only where no batch already taken ties with it), then the rest by cost, the costliest first. Ties
+    keep the given order.
 
     Args:
         batches: lists of dataset indices (a plan of :func:`plan_batches`).
@@ -184,7 +195,9 @@ def heaviest_first(
 
 
 def padding_fraction(batches: Sequence[Sequence[int]], lengths: Sequence[int]) -> float:
-    """The fraction of a padded epoch that is padding: padded positions over ``n * max(L)``, summed over batches.
+    """The fraction of a padded epoch that is padding.
+
+    Padded positions over ``n * max(L)``, both summed over the batches.
 
     Example:
         >>> padding_fraction([[0, 1], [2]], [1, 3, 4])  # [1, 3] padded to 2 x 3: 2 of 10 positions
@@ -200,11 +213,17 @@ def padding_fraction(batches: Sequence[Sequence[int]], lengths: Sequence[int]) -
 
 # ---------------------------------------------------------------------- helpers
 def _pack(
-    order: list[int], lengths: Sequence[int], max_cost: float, cost: Cost, quadratic: float, max_samples: int | None
+    order: list[int],
+    lengths: Sequence[int],
+    max_cost: float,
+    cost: Cost,
+    quadratic: float,
+    max_samples: int | None,
 ) -> list[list[int]]:
-    """Greedy packing of ``order`` (sorted by length, ascending): a batch closes where the next sample would not fit.
+    """Greedy packing of ``order`` (sorted by length, ascending).
 
-    The sorted order makes each new sample the batch's longest, so its cost is kept incrementally.
+    A batch closes where the next sample would not fit. The sorted order makes each new sample the batch's
+    longest, so its cost is kept incrementally.
     """
     batches: list[list[int]] = []
     batch: list[int] = []
@@ -228,7 +247,7 @@ def _pack(
 
 
 def _round_for_replicas(batches: list[list[int]], num_replicas: int, drop_last: bool) -> list[list[int]]:
-    """Round the number of batches to a multiple of ``num_replicas``: drop the last or repeat the first ones."""
+    """Round the number of batches to a multiple of ``num_replicas``: drop the last or repeat the first."""
     extra = len(batches) % num_replicas
     if not extra:
         return batches
@@ -242,14 +261,18 @@ def _check_cost(owner: str, cost: object, quadratic: object) -> None:
     if not isinstance(cost, str) or cost not in COSTS:
         raise ValueError(f"`{owner}(cost={shown(cost)})` is not valid. Expected 'padded' or 'tokens'.")
     if not is_finite_number(quadratic) or quadratic < 0:  # type: ignore[operator]
-        raise ValueError(f"`{owner}(quadratic={shown(quadratic)})` is not valid. Expected a finite number >= 0.")
+        raise ValueError(
+            f"`{owner}(quadratic={shown(quadratic)})` is not valid. Expected a finite number >= 0."
+        )
 
 
 def _check_budget(owner: str, max_cost: object, cost: object, quadratic: object) -> None:
     """``max_cost`` is a finite number > 0 and ``cost``, ``quadratic`` are valid."""
     bad = isinstance(max_cost, bool) or not isinstance(max_cost, (int, float))
     if bad or not 0 < max_cost < float("inf"):  # type: ignore[operator]
-        raise ValueError(f"`{owner}(max_cost={shown(max_cost)})` is not valid. Expected a finite number of tokens > 0.")
+        raise ValueError(
+            f"`{owner}(max_cost={shown(max_cost)})` is not valid. Expected a finite number of tokens > 0."
+        )
     _check_cost(owner, cost, quadratic)
 
 
@@ -257,34 +280,40 @@ def _check_lengths(owner: str, lengths: object) -> None:
     """``lengths`` is a sequence of ``int`` (not ``bool``) from 0 to :data:`MAX_LENGTH`."""
     if not is_collection(lengths) or not hasattr(lengths, "__getitem__"):
         raise TypeError(
-            f"`{owner}(lengths={shown(lengths)})` is not valid. Expected a sequence of non-negative integers."
+            f"`{owner}(lengths={shown(lengths)})` is not valid. Expected a sequence of non-negative"
+            " integers."
         )
     for index, length in enumerate(lengths):
         if isinstance(length, bool) or not isinstance(length, int):
             raise TypeError(
-                f"`{owner}(lengths=...)` is not valid: lengths[{index}] is {shown(length)}. Expected a non-negative"
-                " integer (an `int`)."
+                f"`{owner}(lengths=...)` is not valid: lengths[{index}] is {shown(length)}. Expected a"
+                " non-negative integer (an `int`)."
             )
         if not 0 <= length <= MAX_LENGTH:
             raise ValueError(
-                f"`{owner}(lengths=...)` is not valid: lengths[{index}] is {shown(length)}. Expected a non-negative"
-                " integer up to 2**53 (MAX_LENGTH)."
+                f"`{owner}(lengths=...)` is not valid: lengths[{index}] is {shown(length)}. Expected a"
+                " non-negative integer up to 2**53 (MAX_LENGTH)."
             )
 
 
-def _check_longest(owner: str, lengths: Sequence[int], max_cost: float, cost: Cost, quadratic: float) -> None:
-    """Raise ``ValueError`` where the longest sample alone costs more than ``max_cost`` (the cost grows with L)."""
+def _check_longest(
+    owner: str, lengths: Sequence[int], max_cost: float, cost: Cost, quadratic: float
+) -> None:
+    """Raise ``ValueError`` where the longest sample alone costs more than ``max_cost``.
+
+    The cost grows with L, so the longest sample is the costliest.
+    """
     longest = max(lengths)
     alone = batch_cost([longest], cost=cost, quadratic=quadratic)
     if alone == float("inf"):
         raise ValueError(
-            f"`{owner}(quadratic={quadratic!r})` is not valid: sample {list(lengths).index(longest)} of length"
-            f" {longest} alone costs more than a float holds. Expected a smaller `quadratic`."
+            f"`{owner}(quadratic={quadratic!r})` is not valid: sample {list(lengths).index(longest)} of"
+            f" length {longest} alone costs more than a float holds. Expected a smaller `quadratic`."
         )
     if alone > max_cost:
         index = list(lengths).index(longest)
         raise ValueError(
-            f"`{owner}(max_cost={shown(max_cost)})` is not valid: sample {index} of length {longest} alone costs"
-            f" {alone:g}. Expected a budget of at least the longest sample's cost ({alone:g}), or leave such"
-            " samples out."
+            f"`{owner}(max_cost={shown(max_cost)})` is not valid: sample {index} of length {longest} alone"
+            f" costs {alone:g}. Expected a budget of at least the longest sample's cost ({alone:g}), or"
+            " leave such samples out."
         )

@@ -1,4 +1,7 @@
-"""Argument checks shared by the callbacks: messages name the class, the argument, the value and what was expected."""
+"""Argument checks shared by the callbacks.
+
+Their messages name the class, the argument, the value and what was expected.
+"""
 
 from __future__ import annotations
 
@@ -41,7 +44,9 @@ def require_int(owner: str, name: str, value: object, minimum: int, maximum: int
     Traceback (most recent call last):
     ValueError: `X(ranks=1180591620717411303424)` is not valid. Expected an integer from 1 to 1048576.
     """
-    if not is_int_at_least(value, minimum) or (maximum is not None and value > maximum):  # type: ignore[operator]
+    if not is_int_at_least(value, minimum) or (
+        maximum is not None and value > maximum  # type: ignore[operator]
+    ):
         expected = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
         raise ValueError(
             f"`{owner}({name}={value!r})` is not valid. Expected an integer {expected}{_python_int(value)}."
@@ -58,7 +63,8 @@ def _python_int(value: object) -> str:
 def require_fraction(owner: str, name: str, value: object, none_ok: bool = False) -> None:
     """Raise ``ValueError`` unless ``value`` is a real number in [0, 1) (or, with ``none_ok``, ``None``).
 
-    Any real number type is taken (``float(value)`` is what it means): a numpy float, a 0-d tensor; not a ``bool``.
+    Any real number type is taken (``float(value)`` is what it means): a numpy float, a 0-d tensor; not a
+    ``bool``.
 
     >>> require_fraction("X", "margin", 0.2)
     >>> require_fraction("X", "margin", None, none_ok=True)
@@ -75,7 +81,7 @@ def require_fraction(owner: str, name: str, value: object, none_ok: bool = False
 
 
 def require_length_fn(owner: str, value: object) -> None:
-    """Raise ``TypeError`` unless ``value`` is ``None``, a function or a non-empty key (a sample's length field).
+    """Raise ``TypeError`` unless ``value`` is ``None``, a function or a non-empty key (a length field).
 
     >>> require_length_fn("X", "input_ids")
     >>> require_length_fn("X", 5)  # doctest: +ELLIPSIS
@@ -104,26 +110,35 @@ def require_dirpath(owner: str, value: object) -> None:
     )
 
 
-def require_number(owner: str, name: str, value: object, minimum: float, unit: str, above: bool = False) -> None:
-    """Raise ``ValueError`` unless ``value`` is a finite number >= ``minimum`` (> with ``above``), in ``unit``.
+def require_number(
+    owner: str, name: str, value: object, minimum: float, unit: str, above: bool = False
+) -> None:
+    """Raise ``ValueError`` unless ``value`` is a finite number >= ``minimum`` (> with ``above``).
+
+    ``unit`` is what the number counts, for the message.
 
     >>> require_number("X", "every_s", 0.5, 0, "seconds")
     >>> require_number("X", "mib", 0, 0, "MiB", above=True)
     Traceback (most recent call last):
     ValueError: `X(mib=0)` is not valid. Expected a finite number of MiB > 0.
     """
-    if not is_finite_number(value) or (value <= minimum if above else value < minimum):  # type: ignore[operator]
+    if not is_finite_number(value) or (
+        value <= minimum if above else value < minimum  # type: ignore[operator]
+    ):
         sign = ">" if above else ">="
         raise ValueError(
-            f"`{owner}({name}={value!r})` is not valid. Expected a finite number of {unit} {sign} {minimum:g}."
+            f"`{owner}({name}={value!r})` is not valid. Expected a finite number of {unit} {sign}"
+            f" {minimum:g}."
         )
 
 
 def is_finite_number(value: object) -> bool:
-    """Whether ``value`` is an ``int`` or ``float`` (not a ``bool``) that a float can hold and that is finite.
+    """Whether ``value`` is an ``int`` or ``float`` (not a ``bool``), finite and one a float can hold.
 
-    >>> is_finite_number(2.5), is_finite_number(float("nan")), is_finite_number(10**400), is_finite_number(True)
-    (True, False, False, False)
+    >>> is_finite_number(2.5), is_finite_number(float("nan"))
+    (True, False)
+    >>> is_finite_number(10**400), is_finite_number(True)
+    (False, False)
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
@@ -134,7 +149,7 @@ def is_finite_number(value: object) -> bool:
 
 
 def plain_scalar(value: object) -> object:
-    """The Python number a numpy scalar, a 0-d numpy array or a 0-d tensor holds (its ``item()``), else ``value``.
+    """The Python number a numpy scalar, a 0-d array or a 0-d tensor holds (its ``item()``), else ``value``.
 
     Duck-typed (``ndim == 0`` and ``item()``): this module imports neither numpy nor torch.
     """
@@ -150,7 +165,7 @@ def plain_scalar(value: object) -> object:
 
 
 def as_integer(value: object) -> int | None:
-    """``value`` as an ``int`` where it is an integer of any type (not a ``bool`` of any type), else ``None``.
+    """``value`` as an ``int`` where it is an integer of any type (not a ``bool`` of any), else ``None``.
 
     Python and numpy integers and 0-d integer arrays and tensors count; floats, even whole ones, do not.
 
@@ -168,7 +183,10 @@ def as_integer(value: object) -> int | None:
 
 
 def _numeric_dtype(value: object) -> bool:
-    """Not a numpy time delta or date (integers to ``numbers``), complex number or text: numpy's ``dtype.kind``."""
+    """Not a numpy time delta or date (integers to ``numbers``), complex number or text.
+
+    The letters are numpy's ``dtype.kind``.
+    """
     kind = getattr(getattr(value, "dtype", None), "kind", None)  # numpy's; a tensor's dtype has none
     return not isinstance(kind, str) or kind in "iufb"
 
@@ -193,10 +211,10 @@ def as_real(value: object) -> float | None:
 
 
 def as_whole_number(value: object) -> int | None:
-    """``value`` as an ``int`` where it is a whole number of any numeric type (not a ``bool``), else ``None``.
+    """``value`` as an ``int`` where it is a whole number of any numeric type (not a ``bool``), or ``None``.
 
-    An integer of any type (:func:`as_integer`), or a finite real number equal to a whole number (``3.0``, a numpy
-    ``float64(3.0)``, a 0-d float tensor); not NaN, an infinity or ``3.7``.
+    An integer of any type (:func:`as_integer`), or a finite real number equal to a whole number (``3.0``, a
+    numpy ``float64(3.0)``, a 0-d float tensor); not NaN, an infinity or ``3.7``.
 
     >>> as_whole_number(3), as_whole_number(3.0), as_whole_number(3.7), as_whole_number(float("nan"))
     (3, 3, None, None)
@@ -221,9 +239,10 @@ def shown(value: object, limit: int = 60) -> str:
 
 
 def require_size(owner: str, name: str, value: object, unit_bytes: int, unit: str) -> None:
-    """Raise ``ValueError`` unless ``value``, a size in ``unit`` (``unit_bytes`` bytes), is 1 byte to 2**64 bytes.
+    """Raise ``ValueError`` unless ``value``, a size in ``unit`` (``unit_bytes`` bytes), is 1 to 2**64 bytes.
 
-    A size that rounds to 0 bytes means nothing, and one beyond 2**64 bytes (16 EiB) is larger than any device.
+    A size that rounds to 0 bytes means nothing, and one beyond 2**64 bytes (16 EiB) is larger than any
+    device.
 
     >>> require_size("X", "mib", 32.0, 2**20, "MiB")
     >>> require_size("X", "mib", 1e-300, 2**20, "MiB")  # doctest: +ELLIPSIS
@@ -232,21 +251,27 @@ def require_size(owner: str, name: str, value: object, unit_bytes: int, unit: st
     """
     if not is_finite_number(value) or not 1 <= value * unit_bytes <= MAX_BYTES:  # type: ignore[operator]
         raise ValueError(
-            f"`{owner}({name}={value!r})` is not valid. Expected a finite number of {unit} from {1 / unit_bytes:.3g}"
-            f" (1 byte) to {MAX_BYTES / unit_bytes:.3g} (2**64 bytes)."
+            f"`{owner}({name}={value!r})` is not valid. Expected a finite number of {unit} from"
+            f" {1 / unit_bytes:.3g} (1 byte) to {MAX_BYTES / unit_bytes:.3g} (2**64 bytes)."
         )
 
 
 def is_collection(value: object) -> TypeGuard[Iterable[object]]:
     """Whether ``value`` is a finite collection: sized and iterable, and not a ``str``, ``bytes`` or mapping.
 
-    Any such collection counts (list, tuple, set, ``range``, a numpy array, an OmegaConf ``ListConfig``); an iterator
-    without a length (``itertools.count()``, a generator) does not, as it may never end.
+    Any such collection counts (list, tuple, set, ``range``, a numpy array, an OmegaConf ``ListConfig``); an
+    iterator without a length (``itertools.count()``, a generator) does not, as it may never end.
 
-    >>> is_collection(("a", "b")), is_collection(range(10**12)), is_collection("ab"), is_collection(iter("ab"))
-    (True, True, False, False)
+    >>> is_collection(("a", "b")), is_collection(range(10**12))
+    (True, True)
+    >>> is_collection("ab"), is_collection(iter("ab"))
+    (False, False)
     """
-    if not isinstance(value, Sized) or not isinstance(value, Iterable) or isinstance(value, (str, bytes, Mapping)):
+    if (
+        not isinstance(value, Sized)
+        or not isinstance(value, Iterable)
+        or isinstance(value, (str, bytes, Mapping))
+    ):
         return False
     try:
         len(value)
@@ -256,11 +281,12 @@ def is_collection(value: object) -> TypeGuard[Iterable[object]]:
 
 
 def require_trainer(owner: str, trainer: object) -> None:
-    """Raise ``TypeError`` unless ``trainer`` is a Lightning ``Trainer`` (``lightning.pytorch``, ``pytorch_lightning``).
+    """Raise ``TypeError`` unless ``trainer`` is a Lightning ``Trainer``, of either namespace.
 
-    The callbacks read the Trainer's loops, loggers and settings; Lightning Fabric's ``fabric.call(hook, ...)``
-    passes whatever the caller gives, a ``Fabric`` usually. Neither namespace is imported here: a ``Trainer`` of
-    one is an instance of a class from a module already loaded.
+    The namespaces: ``lightning.pytorch`` and ``pytorch_lightning``. The callbacks read the Trainer's loops,
+    loggers and settings; Lightning Fabric's ``fabric.call(hook, ...)`` passes whatever the caller gives, a
+    ``Fabric`` usually. Neither namespace is imported here: a ``Trainer`` of one is an instance of a class
+    from a module already loaded.
 
     >>> require_trainer("X", object())  # doctest: +ELLIPSIS
     Traceback (most recent call last):
@@ -272,19 +298,19 @@ def require_trainer(owner: str, trainer: object) -> None:
         if isinstance(trainer_class, type) and isinstance(trainer, trainer_class):
             return
     raise TypeError(
-        f"{owner} needs a Lightning `Trainer`; it got `{type(trainer).__name__}`. Its hooks read the Trainer's"
-        f" loops, loggers and settings: use it in `Trainer(callbacks=[...])` (lightning.pytorch or"
-        f" pytorch_lightning); Lightning Fabric's `Fabric(callbacks=...)` is not supported (a `MemoryProbe` reads"
-        f" memory under Fabric: `MemoryProbe(fabric.device).read()`)."
+        f"{owner} needs a Lightning `Trainer`; it got `{type(trainer).__name__}`. Its hooks read the"
+        " Trainer's loops, loggers and settings: use it in `Trainer(callbacks=[...])` (lightning.pytorch or"
+        " pytorch_lightning); Lightning Fabric's `Fabric(callbacks=...)` is not supported (a `MemoryProbe`"
+        " reads memory under Fabric: `MemoryProbe(fabric.device).read()`)."
     )
 
 
 def require_int_or_none(
     owner: str, name: str, value: object, minimum: int, none_means: str, maximum: int | None = None
 ) -> None:
-    """Raise ``ValueError`` unless ``value`` is ``None`` or an integer >= ``minimum`` (and <= ``maximum`` where given).
+    """Raise ``ValueError`` unless ``value`` is ``None`` or an integer >= ``minimum``.
 
-    ``none_means``: what None does.
+    And <= ``maximum``, where one is given. ``none_means``: what None does.
 
     >>> require_int_or_none("X", "every", None, 1, "use the Trainer's")
     >>> require_int_or_none("X", "every", 0, 1, "use the Trainer's")
@@ -293,9 +319,11 @@ def require_int_or_none(
     """
     if value is None:
         return
-    if not is_int_at_least(value, minimum) or (maximum is not None and value > maximum):  # type: ignore[operator]
+    if not is_int_at_least(value, minimum) or (
+        maximum is not None and value > maximum  # type: ignore[operator]
+    ):
         expected = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
         raise ValueError(
-            f"`{owner}({name}={value!r})` is not valid. Expected an integer {expected}{_python_int(value)}, or None"
-            f" to {none_means}."
+            f"`{owner}({name}={value!r})` is not valid. Expected an integer {expected}{_python_int(value)},"
+            f" or None to {none_means}."
         )

@@ -1,8 +1,8 @@
-"""Writing the callbacks' files: checked directories, whole files or none, and no file of another run replaced.
+"""Writing the callbacks' files: checked directories, whole files or none, no other run's file replaced.
 
-Pure (stdlib only). A file is written to a temporary name beside its target and renamed over it, so a full disk or a
-crash leaves no truncated file under the final name. A name already taken (another run writing to the same
-``dirpath``) gets a ``-v1``, ``-v2``... suffix, as Lightning's ``ModelCheckpoint`` names its files.
+Pure (stdlib only). A file is written to a temporary name beside its target and renamed over it, so a full
+disk or a crash leaves no truncated file under the final name. A name already taken (another run writing to
+the same ``dirpath``) gets a ``-v1``, ``-v2``... suffix, as Lightning's ``ModelCheckpoint`` names its files.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ NAME_MAX = 255  # bytes in one path component on Linux, macOS and Windows file s
 def check_dirpath(owner: str, value: object) -> Path | None:
     """The directory ``value`` names, ``~`` expanded; refuses what can never be a directory.
 
-    Raises ``TypeError`` unless ``value`` is ``None``, a ``str`` or an ``os.PathLike``, and ``ValueError`` for a blank
-    name, a NUL byte, a component longer than :data:`NAME_MAX` bytes, an existing file, or a path under a file.
+    Raises ``TypeError`` unless ``value`` is ``None``, a ``str`` or an ``os.PathLike``, and ``ValueError``
+    for a blank name, a NUL byte, a component longer than :data:`NAME_MAX` bytes, an existing file, or a path
+    under a file.
 
     >>> check_dirpath("X", "~/logs") == Path.home() / "logs"
     True
@@ -34,7 +35,8 @@ def check_dirpath(owner: str, value: object) -> Path | None:
         return None
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(
-            f"`{owner}(dirpath={value!r})` is not valid. Expected None or a directory path (str or os.PathLike)."
+            f"`{owner}(dirpath={value!r})` is not valid. Expected None or a directory path (str or"
+            " os.PathLike)."
         )
     text = os.fspath(value)
     if not isinstance(text, str):  # a PathLike of bytes
@@ -54,7 +56,9 @@ def check_dirpath(owner: str, value: object) -> Path | None:
     for ancestor in (path, *path.parents):
         if ancestor.exists():
             if not ancestor.is_dir():
-                raise refuse(f"`{ancestor}` is an existing file" + ("" if ancestor == path else ", not a directory"))
+                raise refuse(
+                    f"`{ancestor}` is an existing file" + ("" if ancestor == path else ", not a directory")
+                )
             break
     return path
 
@@ -71,8 +75,8 @@ def prepare_dir(owner: str, path: Path) -> None:
             pass
     except OSError as error:
         raise ValueError(
-            f"`{owner}(dirpath={str(path)!r})` cannot be written to ({error.strerror or error}). Pass a directory this"
-            " process can create and write files in."
+            f"`{owner}(dirpath={str(path)!r})` cannot be written to ({error.strerror or error}). Pass a"
+            " directory this process can create and write files in."
         ) from error
 
 
@@ -92,9 +96,9 @@ def unique_path(path: Path) -> Path:
 def write_atomic(path: str | os.PathLike[str], data: bytes | str | Callable[[BinaryIO], object]) -> Path:
     """Write ``data`` to ``path`` whole, through a temporary file in the same directory renamed over it.
 
-    ``data`` is bytes, text (UTF-8) or a function that writes to the open binary file. The new file has the mode of
-    the one it replaces, or the umask's for a new one (not the temporary file's 0600). On any error the temporary
-    file is removed and the error raised: ``path`` is then as it was.
+    ``data`` is bytes, text (UTF-8) or a function that writes to the open binary file. The new file has the
+    mode of the one it replaces, or the umask's for a new one (not the temporary file's 0600). On any error
+    the temporary file is removed and the error raised: ``path`` is then as it was.
     """
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """The record every reading of memory becomes: :class:`MemorySample` (pure, stdlib only).
 
-The probe (``probe.py``) fills it from the hardware; everything above it (the monitor's peak window and metrics, the
-fit-end summary, the report) reads samples only, so it loads neither torch nor Lightning.
+The probe (``probe.py``) fills it from the hardware; everything above it (the monitor's peak window and
+metrics, the fit-end summary, the report) reads samples only, so it loads neither torch nor Lightning.
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ from dataclasses import dataclass, fields
 
 @dataclass(frozen=True)
 class MemorySample:
-    """One reading of device and host memory. Sizes are in bytes; a field is ``None`` where its source is absent.
+    """One reading of device and host memory.
+
+    Sizes are in bytes; a field is ``None`` where its source is absent.
 
     Attributes:
         allocated_bytes: memory held by live tensors (caching allocator).
@@ -47,7 +49,8 @@ class MemorySample:
     def non_torch_bytes(self) -> int | None:
         """Device memory of this process outside PyTorch's allocator (CUDA context, NCCL, cuBLAS), in bytes.
 
-        NVML's per-process use minus the allocator's reserved memory, floored at zero; ``None`` if either is absent.
+        NVML's per-process use minus the allocator's reserved memory, floored at zero; ``None`` if either is
+        absent.
 
         >>> MemorySample(reserved_bytes=6, nvml_process_bytes=10).non_torch_bytes
         4

@@ -1,9 +1,9 @@
-"""Reading an allocator snapshot (``torch.cuda.memory._snapshot()``): largest live blocks, the OOM, an HTML page.
+"""Reading an allocator snapshot (``torch.cuda.memory._snapshot()``): live blocks, the OOM, an HTML page.
 
-Pure functions of the snapshot dictionary, so they are tested on CPU with synthetic snapshots. Why our own HTML:
-PyTorch's ``_memory_viz`` pages load their viewer script from a CDN, which offline clusters cannot reach; this page
-is one file with inline SVG and no script. The pickle written next to it opens in PyTorch's full viewer
-(https://pytorch.org/memory_viz) when there is a network.
+Pure functions of the snapshot dictionary, so they are tested on CPU with synthetic snapshots. Why our own
+HTML: PyTorch's ``_memory_viz`` pages load their viewer script from a CDN, which offline clusters cannot
+reach; this page is one file with inline SVG and no script. The pickle written next to it opens in PyTorch's
+full viewer (https://pytorch.org/memory_viz) when there is a network.
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 _MIB = 2**20
-# Frames in these paths are the machinery between the user's code and the allocation, not the cause: installed
-# packages, the standard library (`.../lib/python3.11/...`), and the libraries themselves run from a checkout.
+# Frames in these paths are the machinery between the user's code and the allocation, not the cause:
+# installed packages, the standard library (`.../lib/python3.11/...`), and the libraries themselves run from
+# a checkout.
 _LIBRARY = re.compile(
-    r"(/(site|dist)-packages/|/lib/python\d+(\.\d+)?t?/|(^|/)(torch|lightning|pytorch_lightning|lightning_fabric|"
-    r"lightning_utilities|torchmetrics|lightning_gpumem)/)"
+    r"(/(site|dist)-packages/|/lib/python\d+(\.\d+)?t?/|(^|/)(torch|lightning|pytorch_lightning"
+    r"|lightning_fabric|lightning_utilities|torchmetrics|lightning_gpumem)/)"
 )
 
 
@@ -42,7 +43,7 @@ def live_allocations(snapshot: dict[str, Any], top: int = 10) -> list[Allocation
 
 
 def failed_allocation(snapshot: dict[str, Any]) -> Allocation | None:
-    """The last allocation that ran out of memory, from the recorded history (``None`` if none is recorded)."""
+    """The last allocation that ran out of memory, from the recorded history (``None``: none recorded)."""
     for trace in reversed(snapshot.get("device_traces", ())):
         for event in reversed(trace):
             if event.get("action") == "oom":
@@ -53,11 +54,13 @@ def failed_allocation(snapshot: dict[str, Any]) -> Allocation | None:
 def totals(snapshot: dict[str, Any]) -> tuple[int, int]:
     """Bytes allocated (in use) and reserved (segments) in the snapshot."""
     segments = snapshot.get("segments", ())
-    return sum(int(s.get("allocated_size", 0)) for s in segments), sum(int(s.get("total_size", 0)) for s in segments)
+    return sum(int(s.get("allocated_size", 0)) for s in segments), sum(
+        int(s.get("total_size", 0)) for s in segments
+    )
 
 
 def format_report(snapshot: dict[str, Any], top: int = 10) -> str:
-    """Plain text: the failed allocation if any, then the largest live allocations with where they were made."""
+    """Plain text: the failed allocation if any, then the largest live allocations, where they were made."""
     allocated, reserved = totals(snapshot)
     lines = [f"in use {allocated / _MIB:,.1f} MiB of {reserved / _MIB:,.1f} MiB reserved"]
     failed = failed_allocation(snapshot)
@@ -70,7 +73,7 @@ def format_report(snapshot: dict[str, Any], top: int = 10) -> str:
 
 
 def render_html(snapshot: dict[str, Any], title: str, top: int = 10) -> str:
-    """A self-contained page: totals, the failed allocation, a map of the segments, the largest live blocks."""
+    """A self-contained page: totals, the failed allocation, a segment map, the largest live blocks."""
     allocated, reserved = totals(snapshot)
     failed = failed_allocation(snapshot)
     rows = "".join(
@@ -88,10 +91,10 @@ def render_html(snapshot: dict[str, Any], title: str, top: int = 10) -> str:
         "<style>body{font-family:sans-serif;margin:2em}td{vertical-align:top;padding:2px 8px}"
         "pre{margin:0;font-size:12px}</style></head><body>"
         f"<h1>{html.escape(title)}</h1>"
-        f"<p>In use {allocated / _MIB:,.1f} MiB of {reserved / _MIB:,.1f} MiB reserved by PyTorch's allocator, in"
-        f" {len(snapshot.get('segments', ()))} segments.</p>{failed_html}"
-        "<h2>Segments</h2><p>One bar per segment, widths to scale within the largest; blue: in use, grey: cached"
-        " and free.</p>"
+        f"<p>In use {allocated / _MIB:,.1f} MiB of {reserved / _MIB:,.1f} MiB reserved by PyTorch's"
+        f" allocator, in {len(snapshot.get('segments', ()))} segments.</p>{failed_html}"
+        "<h2>Segments</h2><p>One bar per segment, widths to scale within the largest; blue: in use, grey:"
+        " cached and free.</p>"
         f"{_segment_map(snapshot)}"
         f"<h2>Largest live allocations</h2><table><tr><th>MiB</th><th>made at</th></tr>{rows}</table>"
         "<p>The <code>.pickle</code> next to this page opens in PyTorch's memory viewer"
@@ -108,7 +111,8 @@ def _segment_map(snapshot: dict[str, Any], width: int = 900, bar: int = 14, limi
     for row, segment in enumerate(segments):
         y = row * (bar + 2)
         shapes.append(
-            f"<rect x='0' y='{y}' width='{int(segment['total_size']) * scale:.1f}' height='{bar}' fill='#ddd'/>"
+            f"<rect x='0' y='{y}' width='{int(segment['total_size']) * scale:.1f}' height='{bar}'"
+            " fill='#ddd'/>"
         )
         offset = 0
         for block in segment.get("blocks", ()):
@@ -118,7 +122,9 @@ def _segment_map(snapshot: dict[str, Any], width: int = 900, bar: int = 14, limi
                 shapes.append(f"<rect x='{x:.1f}' y='{y}' width='{w:.1f}' height='{bar}' fill='#3b7dd8'/>")
             offset += size
     height = len(segments) * (bar + 2)
-    return f"<svg width='{width}' height='{height}' xmlns='http://www.w3.org/2000/svg'>{''.join(shapes)}</svg>"
+    return (
+        f"<svg width='{width}' height='{height}' xmlns='http://www.w3.org/2000/svg'>{''.join(shapes)}</svg>"
+    )
 
 
 def _stack_html(allocation: Allocation) -> str:
@@ -138,9 +144,10 @@ def _frames(frames: Any) -> tuple[str, ...]:
 def _where(allocation: Allocation) -> str:
     """Where an allocation was made: the innermost Python frame of the user's code.
 
-    Library frames (torch, Lightning, anything under ``site-packages`` or the standard library) are skipped. Where
-    no frame of the user's code exists, the outermost library frame (the one nearest the caller) is named and marked
-    so; with no Python frame at all, the innermost frame (C++ only: autograd's backward thread).
+    Library frames (torch, Lightning, anything under ``site-packages`` or the standard library) are skipped.
+    Where no frame of the user's code exists, the outermost library frame (the one nearest the caller) is
+    named and marked so; with no Python frame at all, the innermost frame (C++ only: autograd's backward
+    thread).
     """
     python = [frame for frame in allocation.frames if ".py:" in frame]
     for frame in python:
@@ -152,6 +159,6 @@ def _where(allocation: Allocation) -> str:
 
 
 def _is_library(frame: str) -> bool:
-    """Whether ``frame`` (``path:line in name``) is in an installed package, PyTorch, Lightning or the stdlib."""
+    """Whether ``frame`` (``path:line in name``) is in an installed package, PyTorch, Lightning or stdlib."""
     path = frame.rsplit(":", 1)[0].replace("\\", "/")
     return path.startswith("<") or bool(_LIBRARY.search(path))

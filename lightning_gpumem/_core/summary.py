@@ -19,7 +19,8 @@ class RunMemory:
 
     device_name: str
     total_bytes: int | None = None
-    stage_peaks: dict[str, tuple[int | None, int | None]] = field(default_factory=dict)  # stage: (alloc, reserved)
+    # stage: (alloc, reserved)
+    stage_peaks: dict[str, tuple[int | None, int | None]] = field(default_factory=dict)
     max_non_torch_bytes: int | None = None
     max_host_rss_bytes: int | None = None
     alloc_retries: int | None = None
@@ -30,10 +31,13 @@ class RunMemory:
     budget_bytes: int | None = None  # a MemoryBudget's budget: shares are taken of it instead of the device
     precision: str | None = None  # the Trainer's precision, e.g. "32-true", "bf16-mixed"
     ddp_bucket_view: bool | None = None  # DDP: gradient_as_bucket_view; None when not DDP
-    gradient_bytes: int | None = None  # parameters that need gradients, in bytes (a DDP bucket copy costs as much)
-    top_layers: list[tuple[str, int]] = field(default_factory=list)  # LayerMemoryProfiler: (layer, activations)
+    # parameters that need gradients, in bytes (a DDP bucket copy costs as much)
+    gradient_bytes: int | None = None
+    # LayerMemoryProfiler: (layer, activations)
+    top_layers: list[tuple[str, int]] = field(default_factory=list)
     tuned: bool = False  # a BatchSizeTuner chose the batch size
-    planned_ooms: int = 0  # BatchSizeTuner: OOMs (and retries) of its trials, planned, counted apart from the run's
+    # BatchSizeTuner: OOMs (and retries) of its trials, planned, counted apart from the run's
+    planned_ooms: int = 0
     planned_retries: int = 0
     oom_recoveries: int | None = None  # AutoMicrobatch: out-of-memory errors recovered
     microbatches: int | None = None  # AutoMicrobatch: micro-batches per batch at the end
@@ -48,8 +52,8 @@ class RunMemory:
     def headroom_bytes(self) -> int | None:
         """What is left at the highest peak reserved, in bytes; ``None`` where unknown.
 
-        The budget less that peak (the budget caps the allocator alone), or without a budget the device less the peak
-        and the non-PyTorch share.
+        The budget less that peak (the budget caps the allocator alone), or without a budget the device less
+        the peak and the non-PyTorch share.
         """
         peak = self.peak_reserved_bytes
         if peak is None:
@@ -77,8 +81,8 @@ def advice(run: RunMemory) -> list[str]:
         and run.max_inactive_split_bytes > FRAGMENTATION_FRACTION * run.max_reserved_bytes
     ):
         lines.append(
-            f"{format_gib(run.max_inactive_split_bytes)} of {format_gib(run.max_reserved_bytes)} reserved sat in"
-            " split blocks that large tensors cannot reuse (fragmentation):"
+            f"{format_gib(run.max_inactive_split_bytes)} of {format_gib(run.max_reserved_bytes)} reserved"
+            " sat in split blocks that large tensors cannot reuse (fragmentation):"
             " set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."
         )
     if ooms > 0:
@@ -90,12 +94,14 @@ def advice(run: RunMemory) -> list[str]:
         if share > NEAR_LIMIT_FRACTION:
             fp32 = run.precision is not None and run.precision.startswith(("32", "64"))
             remedy = (
-                f"at precision='{run.precision}', precision='bf16-mixed' (or '16-mixed' before Ampere) roughly halves"
-                " the activations"
+                f"at precision='{run.precision}', precision='bf16-mixed' (or '16-mixed' before Ampere)"
+                " roughly halves the activations"
                 if fp32
                 else "consider activation checkpointing"
             )
-            lines.append(f"peak reserved is {share:.0%} of {of_what}: one larger batch or sequence may OOM; {remedy}.")
+            lines.append(
+                f"peak reserved is {share:.0%} of {of_what}: one larger batch or sequence may OOM; {remedy}."
+            )
         elif share < LARGE_HEADROOM_FRACTION and not run.tuned:
             lines.append(
                 f"peak reserved is only {share:.0%} of {of_what}: a larger batch size would likely fit"
@@ -104,8 +110,8 @@ def advice(run: RunMemory) -> list[str]:
     if run.top_layers and peak is not None and limit and peak / limit > NEAR_LIMIT_FRACTION / 2:
         named = ", ".join(f"{name} ({format_gib(size, 2)})" for name, size in run.top_layers[:3])
         lines.append(
-            f"largest activations kept for backward (LayerMemoryProfiler): {named}; these are the candidates for"
-            " activation checkpointing (torch.utils.checkpoint)."
+            f"largest activations kept for backward (LayerMemoryProfiler): {named}; these are the candidates"
+            " for activation checkpointing (torch.utils.checkpoint)."
         )
     if run.ddp_bucket_view is False and run.gradient_bytes and run.gradient_bytes >= GIB // 4:
         lines.append(
@@ -118,13 +124,16 @@ def advice(run: RunMemory) -> list[str]:
 def has_measurements(run: RunMemory) -> bool:
     """Whether anything was measured: a stage peak, the non-PyTorch share or host memory."""
     stage_values = [value for pair in run.stage_peaks.values() for value in pair]
-    return any(value is not None for value in [*stage_values, run.max_non_torch_bytes, run.max_host_rss_bytes])
+    return any(
+        value is not None for value in [*stage_values, run.max_non_torch_bytes, run.max_host_rss_bytes]
+    )
 
 
 def format_summary(run: RunMemory, interrupted: str | None = None) -> str:
     """A short table: peak per stage, device total, headroom, non-PyTorch share, host memory and advice.
 
-    ``interrupted``: the name of the exception that ended the fit; the table then says it covers the fit up to it.
+    ``interrupted``: the name of the exception that ended the fit; the table then says it covers the fit up
+    to it.
     """
     ranks = f", max over {run.world_size} ranks" if run.world_size > 1 and not interrupted else ""
     ended = f"; interrupted by {interrupted}: what was measured until then, this rank" if interrupted else ""
@@ -143,7 +152,9 @@ def format_summary(run: RunMemory, interrupted: str | None = None) -> str:
             line += f"; headroom {format_gib(headroom)} ({headroom / limit:.0%}) at the highest peak"
         lines.append(line)
     if run.max_non_torch_bytes is not None:
-        lines.append(f"  non-PyTorch share {format_gib(run.max_non_torch_bytes, 2)} (CUDA context, NCCL, cuBLAS)")
+        lines.append(
+            f"  non-PyTorch share {format_gib(run.max_non_torch_bytes, 2)} (CUDA context, NCCL, cuBLAS)"
+        )
     if run.max_host_rss_bytes is not None:
         lines.append(f"  host RSS peak {format_gib(run.max_host_rss_bytes, 2)} (sampled on logging steps)")
     if run.oom_recoveries:
@@ -155,8 +166,13 @@ def format_summary(run: RunMemory, interrupted: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def print_summary(run: RunMemory, say: Callable[[str], object], interrupted: str | None = None) -> str | None:
-    """Pass :func:`format_summary` to ``say`` and return it; nothing when nothing was measured (no empty table)."""
+def print_summary(
+    run: RunMemory, say: Callable[[str], object], interrupted: str | None = None
+) -> str | None:
+    """Pass :func:`format_summary` to ``say`` and return it.
+
+    Nothing where nothing was measured: no empty table.
+    """
     if not has_measurements(run):
         return None
     text = format_summary(run, interrupted)

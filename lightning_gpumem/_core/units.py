@@ -36,10 +36,10 @@ _SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def check_budget(value: object, owner: str, arg: str = "budget") -> None:
-    """Check a memory budget's form where the device is not known yet (at construction); see :func:`parse_budget`.
+    """Check a memory budget's form before the device is known (at construction); see :func:`parse_budget`.
 
-    A fraction is checked against the device in :func:`parse_budget`; here only that it is in (0, 1] and not so
-    small that it is under 1 MiB of any device (below 2**-44).
+    A fraction is checked against the device in :func:`parse_budget`; here only that it is in (0, 1] and not
+    so small that it is under 1 MiB of any device (below 2**-44).
 
     >>> check_budget(1e-300, "X")
     Traceback (most recent call last):
@@ -60,17 +60,17 @@ def parse_budget(value: int | float | str, total_bytes: int | None, owner: str, 
 
     Raises:
         TypeError: for other types (``bool`` included).
-        ValueError: for sizes under 1 MiB or over 2**64 bytes, fractions outside (0, 1] or that come to less than
-            1 MiB of the device, unknown units, or a fraction without a known device size.
+        ValueError: for sizes under 1 MiB or over 2**64 bytes, fractions outside (0, 1] or that come to less
+            than 1 MiB of the device, unknown units, or a fraction without a known device size.
 
     Example:
         >>> parse_budget("24GiB", None, "X"), parse_budget("16GB", None, "X")
         (25769803776, 16000000000)
         >>> parse_budget(0.5, 80 * GIB, "X") == 40 * GIB
         True
-        >>> parse_budget(1e-10, 80 * GIB, "X")
+        >>> parse_budget(1e-10, 80 * GIB, "X")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
-        ValueError: `X(budget=1e-10)` is 8 bytes of the device's 80.0 GiB. Expected at least 1 MiB (1048576 bytes).
+        ValueError: `X(budget=1e-10)` is 8 bytes of the device's 80.0 GiB. Expected at least 1 MiB ...
     """
     form = _budget_form(value, owner, arg)
     if isinstance(form, int):
@@ -82,14 +82,14 @@ def parse_budget(value: int | float | str, total_bytes: int | None, owner: str, 
     size = int(form * total_bytes)
     if size < MIN_BUDGET_BYTES:
         raise ValueError(
-            f"`{owner}({arg}={value!r})` is {size} bytes of the device's {format_gib(total_bytes)}. Expected at least"
-            f" 1 MiB ({MIN_BUDGET_BYTES} bytes)."
+            f"`{owner}({arg}={value!r})` is {size} bytes of the device's {format_gib(total_bytes)}. Expected"
+            f" at least 1 MiB ({MIN_BUDGET_BYTES} bytes)."
         )
     return size
 
 
 def _budget_form(value: object, owner: str, arg: str) -> int | float:
-    """The budget in bytes (an ``int`` or size string), or the fraction of the device (a ``float``), checked."""
+    """The budget, checked: bytes (an ``int`` or size string) or the fraction of the device (a ``float``)."""
     name = f"{owner}({arg}"
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise TypeError(
@@ -108,7 +108,8 @@ def _budget_form(value: object, owner: str, arg: str) -> int | float:
     if isinstance(value, float):
         if not 0.0 < value <= 1.0:
             raise ValueError(
-                f"`{name}={value!r})` is not valid. A float is a fraction of device memory and must be in (0, 1]."
+                f"`{name}={value!r})` is not valid. A float is a fraction of device memory and must be in"
+                " (0, 1]."
             )
         if value < _MIN_FRACTION:
             raise ValueError(
@@ -119,12 +120,14 @@ def _budget_form(value: object, owner: str, arg: str) -> int | float:
     unit = match.group(2).lower() if match else ""
     if match is None or unit not in _SIZE_UNITS or float(match.group(1)) <= 0:
         raise ValueError(
-            f"`{name}={value!r})` is not valid. Expected a positive size with a unit, such as '24GiB', '16GB' or"
-            f" '512MiB' (units: {', '.join(k.upper().replace('I', 'i') for k in _SIZE_UNITS)})."
+            f"`{name}={value!r})` is not valid. Expected a positive size with a unit, such as '24GiB',"
+            f" '16GB' or '512MiB' (units: {', '.join(k.upper().replace('I', 'i') for k in _SIZE_UNITS)})."
         )
     size = float(match.group(1)) * _SIZE_UNITS[unit]  # inf for hundreds of digits
     if size > MAX_BYTES:
-        raise ValueError(f"`{name}={value!r})` is not valid. Expected a size of at most 2**64 bytes (16 EiB).")
+        raise ValueError(
+            f"`{name}={value!r})` is not valid. Expected a size of at most 2**64 bytes (16 EiB)."
+        )
     if size < MIN_BUDGET_BYTES:
         raise ValueError(f"`{name}={value!r})` is not valid. Expected a size of at least 1 MiB.")
     return int(size)

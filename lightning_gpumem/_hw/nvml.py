@@ -1,10 +1,11 @@
 """NVML behind one small class: what ``nvidia-smi`` shows for the device this process uses.
 
 The device is found by its UUID, never by index: CUDA device ``i`` is not NVML device ``i`` under
-``CUDA_VISIBLE_DEVICES`` reordering, and a MIG instance has an NVML handle of its own (``MIG-...`` UUID) whose
-memory is the instance's, not the whole card's. Every failure (library missing, driver too old, no permission,
-process list hidden inside a container) turns the affected fields into ``None`` and is reported with one warning
-per failing part, after which that part is not asked again; never an exception: monitoring must not stop a training run.
+``CUDA_VISIBLE_DEVICES`` reordering, and a MIG instance has an NVML handle of its own (``MIG-...`` UUID)
+whose memory is the instance's, not the whole card's. Every failure (library missing, driver too old, no
+permission, process list hidden inside a container) turns the affected fields into ``None`` and is reported
+with one warning per failing part, after which that part is not asked again; never an exception: monitoring
+must not stop a training run.
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ class NvmlDevice:
         try:
             import pynvml
         except ImportError:
-            rank_zero_warn("lightning_gpumem: `pynvml` (package nvidia-ml-py) is not installed; NVML metrics are off.")
+            rank_zero_warn(
+                "lightning_gpumem: `pynvml` (package nvidia-ml-py) is not installed; NVML metrics are off."
+            )
             return None
         try:
             pynvml.nvmlInit()
@@ -71,7 +74,9 @@ class NvmlDevice:
             except Exception:  # noqa: S112 - the other spelling may match
                 continue
             return cls(pynvml, handle, uuid)
-        rank_zero_warn(f"lightning_gpumem: NVML lists no device with UUID {torch_uuid}; NVML metrics are off.")
+        rank_zero_warn(
+            f"lightning_gpumem: NVML lists no device with UUID {torch_uuid}; NVML metrics are off."
+        )
         return None
 
     def read(self) -> NvmlReading:
@@ -103,8 +108,8 @@ class NvmlDevice:
         # Inside a container NVML reports host PIDs, which do not match ours.
         self._fail(
             "process",
-            f"NVML lists {len(processes)} process(es) on {self.uuid} but not this one (pid {self._pid}; a container's"
-            " PID namespace hides it); nvml_process/non_torch are off.",
+            f"NVML lists {len(processes)} process(es) on {self.uuid} but not this one (pid {self._pid}; a"
+            " container's PID namespace hides it); nvml_process/non_torch are off.",
         )
         return None
 

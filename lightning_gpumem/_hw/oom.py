@@ -9,10 +9,12 @@ import torch
 
 # Messages of OOMs raised as plain RuntimeError (older torch, cuBLAS/cuDNN workspaces, MPS, XPU, ROCm, host).
 _OOM_MESSAGES = (
-    "out of memory",  # CUDA, HIP, XPU: "CUDA out of memory", "HIP out of memory", "CUDA error: out of memory"
+    # CUDA, HIP, XPU: "CUDA out of memory", "HIP out of memory", "CUDA error: out of memory"
+    "out of memory",
     "CUBLAS_STATUS_ALLOC_FAILED",
     "CUDNN_STATUS_ALLOC_FAILED",
-    "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input.",
+    "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous"
+    " input.",
     "MPS backend out of memory",
     "DefaultCPUAllocator: can't allocate memory",
 )

@@ -1,21 +1,22 @@
 """The one reader of the hardware: allocator counters, NVML and host memory, as a :class:`MemorySample`.
 
-Everything else in the package receives samples and never reads memory from ``torch.cuda``, ``torch.accelerator``,
-NVML or ``psutil`` itself, so the callbacks can be tested on CPU with a fake probe and a new backend is a matter of
-this module.
+Everything else in the package receives samples and never reads memory from ``torch.cuda``,
+``torch.accelerator``, NVML or ``psutil`` itself, so the callbacks can be tested on CPU with a fake probe and
+a new backend is a matter of this module.
 
 Why the CUDA path reads ``torch.cuda.memory_stats_as_nested_dict``: ``torch.cuda.memory_stats`` and
-``torch.accelerator.memory_stats`` build the same C++ statistics and then flatten and sort ~120 keys in Python,
-which costs several times more than the nested read (``benchmarks/monitor_overhead.py`` measures all three).
-Other accelerators (XPU, MPS, ...) go through ``torch.accelerator`` where the installed torch has it.
+``torch.accelerator.memory_stats`` build the same C++ statistics and then flatten and sort ~120 keys in
+Python, work the nested read skips. Other accelerators (XPU, MPS, ...) go through ``torch.accelerator`` where
+the installed torch has it.
 
-The callbacks get their probe from :func:`make_probe`, the one seam where another reader goes in (a fake in the tests,
-through :func:`set_probe_factory`); what they may call is the :class:`Probe` protocol: its reads, and two calls on
-the allocator, the cap (``set_memory_fraction``, CUDA only: ``MemoryBudget`` and the tuner's and planner's trials)
-and ``release_cache``. Two rarer reads live here too: the census of live tensors (:func:`tensor_census`, for leak
-reports) and the host memory available (:func:`host_available_bytes`, for the tuner's in-memory copies). The
-allocator's history, snapshot and OOM observer (``OOMSnapshot``) and the trials' clean start (cache and cuBLAS
-workspaces given back) are in ``allocator.py``; what an out-of-memory error looks like is in ``oom.py``.
+The callbacks get their probe from :func:`make_probe`, the one seam where another reader goes in (a fake in
+the tests, through :func:`set_probe_factory`); what they may call is the :class:`Probe` protocol: its reads,
+and two calls on the allocator, the cap (``set_memory_fraction``, CUDA only: ``MemoryBudget`` and the tuner's
+and planner's trials) and ``release_cache``. Two rarer reads live here too: the census of live tensors
+(:func:`tensor_census`, for leak reports) and the host memory available (:func:`host_available_bytes`, for
+the tuner's in-memory copies). The allocator's history, snapshot and OOM observer (``OOMSnapshot``) and the
+trials' clean start (cache and cuBLAS workspaces given back) are in ``allocator.py``; what an out-of-memory
+error looks like is in ``oom.py``.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class Probe(Protocol):
 
 
 ProbeFactory = Callable[[torch.device, object, bool, bool], Probe]
-"""``factory(device, owner, nvml, host)``: the probe for ``device`` that the callback ``owner`` reads through."""
+"""``factory(device, owner, nvml, host)``: the probe the callback ``owner`` reads ``device`` through."""
 
 
 def default_probe_factory(device: torch.device, owner: object, nvml: bool, host: bool) -> Probe:
@@ -92,7 +93,10 @@ _factory: ProbeFactory = default_probe_factory
 
 
 def make_probe(device: torch.device, owner: object, *, nvml: bool = False, host: bool = False) -> Probe:
-    """The probe ``owner`` (a callback) reads ``device`` through: NVML and host memory only where asked for."""
+    """The probe ``owner`` (a callback) reads ``device`` through.
+
+    It reads NVML and host memory only where asked to.
+    """
     return _factory(device, owner, nvml, host)
 
 
@@ -107,15 +111,16 @@ class MemoryProbe:
     """Reads a :class:`MemorySample` for one device.
 
     Args:
-        device: the device to watch: a ``torch.device``, or what ``torch.device`` takes (``"cuda:0"``, ``"cpu"``, a
-            device index); ``cpu`` gives host fields only. It also works under Lightning Fabric:
+        device: the device to watch: a ``torch.device``, or what ``torch.device`` takes (``"cuda:0"``,
+            ``"cpu"``, a device index); ``cpu`` gives host fields only. It also works under Lightning Fabric:
             ``MemoryProbe(fabric.device)``.
         nvml: read NVML (CUDA only). Off or failing, the NVML fields are ``None``.
         host: read host memory with ``psutil``.
 
     Raises:
         TypeError: if ``device`` is of another type, or ``nvml``/``host`` is not a ``bool``.
-        ValueError: if ``device`` names no device, or a CUDA device that this torch build or machine does not have.
+        ValueError: if ``device`` names no device, or a CUDA device that this torch build or machine does not
+            have.
 
     Example:
         >>> probe = MemoryProbe(torch.device("cpu"))
@@ -155,7 +160,7 @@ class MemoryProbe:
         return None
 
     def usable_bytes(self) -> int | None:
-        """Device memory this process's allocator can hold in all, in bytes: what it reserves plus what is free."""
+        """Device memory this process's allocator can hold: what it reserves plus what is free, in bytes."""
         if self.device.type != "cuda":
             return None
         free, _ = torch.cuda.mem_get_info(self.device)
@@ -164,8 +169,8 @@ class MemoryProbe:
     def set_memory_fraction(self, fraction: float) -> float:
         """Cap this process's allocator at ``fraction`` of the device; returns the previous cap.
 
-        Allocations past the cap raise ``torch.OutOfMemoryError`` as on a smaller card. CUDA only. Torch before 2.6
-        cannot report the previous cap; 1.0 (no cap) is returned then.
+        Allocations past the cap raise ``torch.OutOfMemoryError`` as on a smaller card. CUDA only. Torch
+        before 2.6 cannot report the previous cap; 1.0 (no cap) is returned then.
         """
         if self.device.type != "cuda":
             raise RuntimeError(f"A memory cap needs a CUDA device, not `{self.device}`.")
@@ -214,7 +219,9 @@ class MemoryProbe:
                 available = int(psutil.virtual_memory().available)
             except Exception as err:  # psutil.AccessDenied in some sandboxes
                 self._process = None
-                rank_zero_warn(f"lightning_gpumem: host memory unavailable ({err!r}); host_* metrics are off.")
+                rank_zero_warn(
+                    f"lightning_gpumem: host memory unavailable ({err!r}); host_* metrics are off."
+                )
         return MemorySample(
             allocated_bytes=_stat(stats, "allocated_bytes.all.current"),
             reserved_bytes=_stat(stats, "reserved_bytes.all.current"),
@@ -232,7 +239,7 @@ class MemoryProbe:
         )
 
     def allocator_stats(self) -> dict[str, int]:
-        """The allocator's full statistics, flattened (``"allocated_bytes.all.peak"``: value); empty on CPU."""
+        """The allocator's statistics, flattened (``"allocated_bytes.all.peak"``: value); empty on CPU."""
         if not self.has_allocator:
             return {}
         flat: dict[str, int] = {}
@@ -265,8 +272,12 @@ def _device(value: object) -> torch.device:
         raise ValueError(f"`MemoryProbe(device={value!r})` is not valid: {error}") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
-            raise ValueError(f"`MemoryProbe(device={value!r})` is not valid: {why}. Expected a device that exists.")
+            why = (
+                "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+            )
+            raise ValueError(
+                f"`MemoryProbe(device={value!r})` is not valid: {why}. Expected a device that exists."
+            )
         count = torch.cuda.device_count()
         if device.index is not None and not 0 <= device.index < count:
             raise ValueError(
@@ -318,14 +329,16 @@ def _flatten(prefix: str, node: Any, out: dict[str, int]) -> None:
         out[prefix] = int(node)
 
 
-# ---------------------------------------------------------------------------------------------------- rarer reads
+# ----------------------------------------------------------------------------------------------- rarer reads
 def tensor_census(device: torch.device) -> Counter[tuple[tuple[int, ...], str]]:
-    """Bytes of live tensors on ``device`` by (shape, dtype): a ``gc`` scan, milliseconds, for rare use only."""
+    """Bytes of live tensors on ``device`` by (shape, dtype): a ``gc`` scan, for rare use only."""
     census: Counter[tuple[tuple[int, ...], str]] = Counter()
     for obj in gc.get_objects():
         # `type() in`, not isinstance: some proxy objects raise from isinstance checks.
         if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device == device:
-            census[(tuple(obj.shape), str(obj.dtype).replace("torch.", ""))] += obj.numel() * obj.element_size()
+            census[(tuple(obj.shape), str(obj.dtype).replace("torch.", ""))] += (
+                obj.numel() * obj.element_size()
+            )
     return census
 
 

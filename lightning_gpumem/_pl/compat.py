@@ -1,8 +1,8 @@
 """Both Lightning namespaces: ``lightning.pytorch`` (the ``lightning`` package) and ``pytorch_lightning``.
 
-Each Trainer accepts only callbacks that are instances of its own namespace's ``Callback``, and its loggers and
-strategies are its own namespace's classes. So the callbacks here derive from both ``Callback`` classes (both are
-plain classes of no-op hooks), and type checks on Lightning objects accept either namespace's class
+Each Trainer accepts only callbacks that are instances of its own namespace's ``Callback``, and its loggers
+and strategies are its own namespace's classes. So the callbacks here derive from both ``Callback`` classes
+(both are plain classes of no-op hooks), and type checks on Lightning objects accept either namespace's class
 (:func:`either`). Where ``pytorch_lightning`` is not installed, only ``lightning.pytorch`` is used.
 """
 
@@ -32,9 +32,9 @@ else:
         """A callback that ``lightning.pytorch`` and ``pytorch_lightning`` Trainers both accept.
 
         Each subclass's ``on_exception`` is wrapped so that it never raises: Lightning calls the callbacks'
-        ``on_exception`` one after another and then re-raises the user's error, so an error from one of them would
-        replace the user's error and keep the callbacks after it (``OnExceptionCheckpoint``, another callback's
-        clean-up) from running. What it raises is reported in one warning instead.
+        ``on_exception`` one after another and then re-raises the user's error, so an error from one of them
+        would replace the user's error and keep the callbacks after it (``OnExceptionCheckpoint``, another
+        callback's clean-up) from running. What it raises is reported in one warning instead.
         """
 
         def __init_subclass__(cls, **kwargs: object) -> None:
@@ -48,7 +48,7 @@ _NEVER_RAISE: weakref.WeakSet[Callable[..., None]] = weakref.WeakSet()  # hooks 
 
 
 def never_raises(hook: Callable[..., None]) -> Callable[..., None]:
-    """``hook(self, trainer, pl_module, exception)`` that reports its own error in a warning instead of raising it."""
+    """``hook(self, trainer, pl_module, exception)`` that warns of its own error instead of raising it."""
 
     @functools.wraps(hook)
     def on_exception(self: object, trainer: object, pl_module: object, exception: BaseException) -> None:
@@ -56,8 +56,8 @@ def never_raises(hook: Callable[..., None]) -> Callable[..., None]:
             hook(self, trainer, pl_module, exception)
         except Exception as error:  # the user's `exception` must stay the one they see
             warnings.warn(  # on every rank: each rank's own failure
-                f"{type(self).__name__}.on_exception failed ({error!r}) while handling {type(exception).__name__};"
-                " the original error is raised unchanged.",
+                f"{type(self).__name__}.on_exception failed ({error!r}) while handling"
+                f" {type(exception).__name__}; the original error is raised unchanged.",
                 stacklevel=2,
             )
 

@@ -32,13 +32,15 @@ def gather_values(trainer: pl.Trainer, values: Sequence[float | None]) -> list[l
 def gather_named(
     trainer: pl.Trainer, values: Mapping[str, float | None], collective: bool = True
 ) -> dict[str, tuple[float | None, float | None]]:
-    """Every rank's ``values`` gathered by name: ``{name: (largest, smallest)}`` over ranks (``None`` ignored).
+    """Every rank's ``values`` by name: ``{name: (largest, smallest)}`` over ranks (``None`` ignored).
 
-    Every rank must pass the same names in the same order (they travel as one tensor). ``collective=False`` uses
-    this rank's values alone (where the other ranks may not get here, as after an exception).
+    Every rank must pass the same names in the same order (they travel as one tensor). ``collective=False``
+    uses this rank's values alone (where the other ranks may not get here, as after an exception).
     """
     names = list(values)
-    rows = gather_values(trainer, [values[name] for name in names]) if collective else [list(values.values())]
+    rows = (
+        gather_values(trainer, [values[name] for name in names]) if collective else [list(values.values())]
+    )
     return {name: max_min(rows, column) for column, name in enumerate(names)}
 
 
@@ -55,10 +57,10 @@ def max_min(rows: list[list[float | None]], column: int) -> tuple[float | None, 
 
 
 def side_group(timeout_s: float) -> object | None:
-    """A gloo process group over every rank, apart from the strategy's, whose collectives fail after ``timeout_s``.
+    """A gloo group of every rank, apart from the strategy's, whose collectives fail after ``timeout_s``.
 
-    Collective: every rank must call it. ``None`` without an initialised process group. For agreements that must not
-    hang forever when one rank is stuck elsewhere (in a collective of the user's own, say).
+    Collective: every rank must call it. ``None`` without an initialised process group. For agreements that
+    must not hang forever when one rank is stuck elsewhere (in a collective of the user's own, say).
     """
     import datetime
 

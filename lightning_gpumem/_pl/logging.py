@@ -1,10 +1,10 @@
 """Lightning glue for logging: which step to log at, writing to every logger, the progress bar.
 
 Lightning exposes no public way to ask "will this training batch be logged, and at which step?". Its own
-``_LoggerConnector.should_update_logs`` and loggers use ``fit_loop.epoch_loop._batches_that_stepped``, and skip
-the micro-batches that only accumulate gradients (``fit_loop._should_accumulate()``); to make our curves line up
-with the user's loss curves we use the same two. That private access lives here only (``batches_that_stepped``,
-``is_accumulating``), falls back to public values if Lightning renames them, and
+``_LoggerConnector.should_update_logs`` and loggers use ``fit_loop.epoch_loop._batches_that_stepped``, and
+skip the micro-batches that only accumulate gradients (``fit_loop._should_accumulate()``); to make our curves
+line up with the user's loss curves we use the same two. That private access lives here only
+(``batches_that_stepped``, ``is_accumulating``), falls back to public values if Lightning renames them, and
 ``tests/pl/test_lightning_internals.py`` fails loudly when that happens.
 """
 
@@ -38,12 +38,12 @@ def is_logging_step(trainer: pl.Trainer, every_n_steps: int) -> bool:
 
 
 def steps_to_next_log(step: int, every_n_steps: int) -> int | None:
-    """Steps from the batch logged at ``step`` (:func:`batches_that_stepped`) to the next logging step after it."""
+    """Steps from the batch logged at ``step`` (:func:`batches_that_stepped`) to the next logging step."""
     return every_n_steps - (step + 1) % every_n_steps if every_n_steps > 0 else None
 
 
 def is_accumulating(trainer: pl.Trainer) -> bool:
-    """Whether the current training batch only accumulates gradients (no optimizer step, not logged by Lightning)."""
+    """Whether this training batch only accumulates gradients (no optimizer step; Lightning logs none)."""
     if trainer.accumulate_grad_batches == 1:
         return False  # what `_should_accumulate()` says then, without its few µs on every batch
     # Private: Lightning's `_FitLoop._should_accumulate()` (see the module docstring).
@@ -56,8 +56,8 @@ def is_accumulating(trainer: pl.Trainer) -> bool:
 def log_to_loggers(trainer: pl.Trainer, metrics: Mapping[str, float], step: int) -> None:
     """Send ``metrics`` to every logger in ``trainer.loggers`` (loggers write on global rank zero only).
 
-    A logger whose ``log_metrics`` raises (a tracker's network error, a full disk) is named in one warning, the first
-    time; the other loggers still get the metrics and the run goes on: metrics never end it.
+    A logger whose ``log_metrics`` raises (a tracker's network error, a full disk) is named in one warning,
+    the first time; the other loggers still get the metrics and the run goes on: metrics never end it.
     """
     if not metrics:
         return
@@ -66,15 +66,17 @@ def log_to_loggers(trainer: pl.Trainer, metrics: Mapping[str, float], step: int)
             logger.log_metrics(dict(metrics), step=step)
         except Exception as error:
             _warn_once(
-                logger, f"lightning_gpumem: could not log `gpumem/*` metrics to {type(logger).__name__} ({error!r});"
+                logger,
+                f"lightning_gpumem: could not log `gpumem/*` metrics to {type(logger).__name__}"
+                f" ({error!r});",
             )
 
 
 class _ByIdentity:
     """What is known of each logger, by identity, never by its ``__hash__`` or ``__eq__``.
 
-    A custom logger's may raise, or call two loggers equal. A logger is held by a weak reference, or, where it takes
-    none, by itself (an ``id`` alone could be reused by a later logger).
+    A custom logger's may raise, or call two loggers equal. A logger is held by a weak reference, or, where
+    it takes none, by itself (an ``id`` alone could be reused by a later logger).
     """
 
     def __init__(self) -> None:
@@ -110,9 +112,9 @@ def _warn_once(logger: object, what: str) -> None:
 def show_in_progress_bar(trainer: pl.Trainer, key: str, text: str) -> None:
     """Show ``key=text`` in the progress bar until it is replaced.
 
-    ``trainer.progress_bar_metrics`` returns the dictionary the progress bars read on refresh (``self.log`` cannot
-    show text). Reading it converts the values logged with ``prog_bar=True`` to floats, as every progress-bar
-    refresh does anyway, so it is skipped when there is no progress bar.
+    ``trainer.progress_bar_metrics`` returns the dictionary the progress bars read on refresh (``self.log``
+    cannot show text). Reading it converts the values logged with ``prog_bar=True`` to floats, as every
+    progress-bar refresh does anyway, so it is skipped when there is no progress bar.
     """
     if trainer.progress_bar_callback is None:
         return
@@ -122,10 +124,11 @@ def show_in_progress_bar(trainer: pl.Trainer, key: str, text: str) -> None:
 def run_dir(trainer: pl.Trainer, dirpath: str | Path | None = None) -> Path:
     """Where a callback writes its files: ``dirpath``, else the first logger's run directory.
 
-    That is :func:`logger_run_dir` of ``trainer.loggers[0]``, else ``default_root_dir``: ``trainer.log_dir`` where
-    the first logger is a TensorBoard or CSV logger (worked out without its broadcast, so rank zero alone may ask),
-    and for MLflow, W&B and others without a ``log_dir`` the directory of this run, as ``ModelCheckpoint`` places its
-    ``checkpoints/``: each run's files in that run, none in a root that every run shares.
+    That is :func:`logger_run_dir` of ``trainer.loggers[0]``, else ``default_root_dir``: ``trainer.log_dir``
+    where the first logger is a TensorBoard or CSV logger (worked out without its broadcast, so rank zero
+    alone may ask), and for MLflow, W&B and others without a ``log_dir`` the directory of this run, as
+    ``ModelCheckpoint`` places its ``checkpoints/``: each run's files in that run, none in a root that every
+    run shares.
     """
     if dirpath is not None:
         return Path(dirpath)
@@ -137,8 +140,9 @@ def run_dir(trainer: pl.Trainer, dirpath: str | Path | None = None) -> Path:
 def logger_run_dir(trainer: pl.Trainer, logger: object) -> Path:
     """The directory of ``logger``'s current run: its ``log_dir``, else ``<save_dir>/<name>/<version>``.
 
-    ``save_dir`` falls back to ``default_root_dir``, and a version that is not a string is ``version_<n>`` (the rules
-    of ``ModelCheckpoint``). A logger that names no run (no name or version) gives its ``save_dir`` itself.
+    ``save_dir`` falls back to ``default_root_dir``, and a version that is not a string is ``version_<n>``
+    (the rules of ``ModelCheckpoint``). A logger that names no run (no name or version) gives its
+    ``save_dir`` itself.
     """
     try:
         directory = getattr(logger, "log_dir", None)
@@ -171,12 +175,13 @@ def log_table(
 ) -> list[Path]:
     """Send a table to every logger, each the way it takes tables; returns the files written.
 
-    TensorBoard gets ``text`` (Markdown) in its text tab, W&B a table (``log_table``), MLflow a Markdown artifact
-    (``log_text``); every other logger (``CSVLogger``, custom ones) a CSV file ``gpumem_<name>.csv`` in its run
-    directory (:func:`logger_run_dir`), one file per directory, none in ``has_file`` (the caller wrote its own file
-    there). A file that logger wrote before in this process is replaced; a name another run took (a reused
-    ``CSVLogger(version=...)`` directory) gets ``-v1``, ``-v2``... A logger or a disk that fails is named in a warning
-    (by ``owner``) and the others still get the table: a table never ends the run. Call it on global rank zero.
+    TensorBoard gets ``text`` (Markdown) in its text tab, W&B a table (``log_table``), MLflow a Markdown
+    artifact (``log_text``); every other logger (``CSVLogger``, custom ones) a CSV file ``gpumem_<name>.csv``
+    in its run directory (:func:`logger_run_dir`), one file per directory, none in ``has_file`` (the caller
+    wrote its own file there). A file that logger wrote before in this process is replaced; a name another
+    run took (a reused ``CSVLogger(version=...)`` directory) gets ``-v1``, ``-v2``... A logger or a disk that
+    fails is named in a warning (by ``owner``) and the others still get the table: a table never ends the
+    run. Call it on global rank zero.
     """
     name = key.split("/", 1)[-1]
     written: list[Path] = []
@@ -186,7 +191,8 @@ def log_table(
             experiment = getattr(logger, "experiment", None)
             add_text = getattr(experiment, "add_text", None)  # TensorBoard (and tensorboardX)
             wandb_table = getattr(logger, "log_table", None)  # W&B
-            mlflow_text, run_id = getattr(experiment, "log_text", None), getattr(logger, "run_id", None)  # MLflow
+            # MLflow
+            mlflow_text, run_id = getattr(experiment, "log_text", None), getattr(logger, "run_id", None)
             if callable(add_text):
                 add_text(key, text, global_step=step)
             elif callable(wandb_table):
@@ -199,7 +205,9 @@ def log_table(
                     seen.add(path)
                     written.append(write_atomic(_own_path(logger, path), _csv(columns, rows)))
         except Exception as error:
-            rank_zero_warn(f"{owner}: could not write the table `{key}` to {type(logger).__name__} ({error!r}).")
+            rank_zero_warn(
+                f"{owner}: could not write the table `{key}` to {type(logger).__name__} ({error!r})."
+            )
     return written
 
 
@@ -207,7 +215,7 @@ _own_files = _ByIdentity()  # logger -> {name asked for: file it wrote}
 
 
 def _own_path(logger: object, path: Path) -> Path:
-    """Where ``logger``'s table ``path`` goes: the file it wrote before under that name, else a name not taken."""
+    """Where ``logger``'s table ``path`` goes: the file it wrote under that name before, else a free name."""
     own = _own_files.get(logger)
     if own is None:
         own = _own_files.put(logger, {})

@@ -1,4 +1,4 @@
-"""AutoMicrobatch (``callback.py``) and its parts (``split.py``: split a batch, combine its logs, when to split).
+"""AutoMicrobatch (``callback.py``) and its parts (``split.py``: split a batch, combine logs, when to split).
 
 The callback is imported on first use (PEP 562), so importing the folder loads neither torch nor Lightning.
 """

@@ -1,4 +1,4 @@
-"""AutoMicrobatch: a training step that runs out of memory is re-run as micro-batches, the same step, not a crash."""
+"""AutoMicrobatch: a training step that runs out of memory is re-run as micro-batches, not a crash."""
 
 from __future__ import annotations
 
@@ -39,33 +39,34 @@ AGREE_TIMEOUT_S = 600.0  # a rank still not at the agreement after this is stuck
 
 @keys.document
 class AutoMicrobatch(Callback):
-    r"""Survive an out-of-memory error in a training step: re-run that batch as micro-batches, then grow back.
+    r"""Survive an out-of-memory error in a training step: re-run it as micro-batches, then grow back.
 
-    When a training step (its forward, its backward or the optimizer step) runs out of memory, the same batch is run
-    again as ``k`` micro-batches (``k`` = 2, 4, ...: the batch split along its first dimension, tensors in nested
-    lists, tuples, dicts and dataclasses alike), their gradients accumulated, and one optimizer step taken: for a
-    loss that is a mean over the batch the step equals the unsplit one, and ``global_step``, the LR schedule and what
-    ``self.log`` records in ``training_step`` are those of one unsplit step (values combined, weighted by micro-batch
-    size). After ``grow_after`` optimizer steps without an OOM, one step tries half as many micro-batches; when that
-    fails too the split doubles back and the wait doubles. A try that the last split step's measured peak says cannot
-    fit the budget is skipped as if it had failed. The split only ever changes after an OOM or a try.
+    When a training step (its forward, its backward or the optimizer step) runs out of memory, the same batch
+    is run again as ``k`` micro-batches (``k`` = 2, 4, ...: the batch split along its first dimension,
+    tensors in nested lists, tuples, dicts and dataclasses alike), their gradients accumulated, and one
+    optimizer step taken: for a loss that is a mean over the batch the step equals the unsplit one, and
+    ``global_step``, the LR schedule and what ``self.log`` records in ``training_step`` are those of one
+    unsplit step (values combined, weighted by micro-batch size). After ``grow_after`` optimizer steps
+    without an OOM, one step tries half as many micro-batches; when that fails too the split doubles back and
+    the wait doubles. A try that the last split step's measured peak says cannot fit the budget is skipped as
+    if it had failed. The split only ever changes after an OOM or a try.
 
-    Under DDP every rank's backward stays local and the ranks agree after it (one small all-reduce): an OOM on one
-    rank re-runs the step on all, with the same split; the callback then averages the gradients itself (bucketed
-    all-reduces, which do not overlap the backward as DDP's do). Values logged with ``sync_dist=True`` are reduced
-    once the step has run on every rank.
+    Under DDP every rank's backward stays local and the ranks agree after it (one small all-reduce): an OOM
+    on one rank re-runs the step on all, with the same split; the callback then averages the gradients itself
+    (bucketed all-reduces, which do not overlap the backward as DDP's do). Values logged with
+    ``sync_dist=True`` are reduced once the step has run on every rank.
 
-    Limits: a ``sum`` loss must be divided by the batch size to stay exact, and BatchNorm sees micro-batches (its
-    statistics differ); a random op (dropout) draws different numbers for a split batch; a re-run step runs
-    ``training_step`` again, with its side effects (a ``torchmetrics`` update counts the batch twice). An OOM inside
-    ``optimizer.step`` is recovered when the optimizer had not changed its parameters or state yet (PyTorch's
-    optimizers create their state, the usual cause, before they update); one in the middle of an update propagates
-    with a note, as a re-run would apply part of it twice (seen through the version counters of a few parameters and
-    their state, noted in ``on_before_optimizer_step``). Under DDP it is not recovered at all. With
-    ``accumulate_grad_batches``, an OOM in a later batch of a window re-runs the window's earlier batches too (their
-    gradients went with the failed attempt's); the window's batches are kept until it ends. Manual optimization and
-    strategies other than DDP (FSDP, DeepSpeed) are not supported: the callback says so once and an OOM propagates as
-    without it. The OOMs of
+    Limits: a ``sum`` loss must be divided by the batch size to stay exact, and BatchNorm sees micro-batches
+    (its statistics differ); a random op (dropout) draws different numbers for a split batch; a re-run step
+    runs ``training_step`` again, with its side effects (a ``torchmetrics`` update counts the batch twice).
+    An OOM inside ``optimizer.step`` is recovered when the optimizer had not changed its parameters or state
+    yet (PyTorch's optimizers create their state, the usual cause, before they update); one in the middle of
+    an update propagates with a note, as a re-run would apply part of it twice (seen through the version
+    counters of a few parameters and their state, noted in ``on_before_optimizer_step``). Under DDP it is not
+    recovered at all. With ``accumulate_grad_batches``, an OOM in a later batch of a window re-runs the
+    window's earlier batches too (their gradients went with the failed attempt's); the window's batches are
+    kept until it ends. Manual optimization and strategies other than DDP (FSDP, DeepSpeed) are not
+    supported: the callback says so once and an OOM propagates as without it. The OOMs of
     :class:`~lightning_gpumem.BatchSizeTuner`'s trials are left to the tuner.
 
     **Logged metrics** (on Lightning's logging steps; the table comes from :mod:`lightning_gpumem.keys`):
@@ -73,13 +74,14 @@ class AutoMicrobatch(Callback):
     {logged_metrics}
 
     Args:
-        grow_after: optimizer steps after an OOM before one step tries half as many micro-batches (doubled after each
-            try that runs out of memory).
-        max_microbatches: the most micro-batches to split a batch into (``None``: as many as the batch has samples);
-            an OOM at that split propagates.
+        grow_after: optimizer steps after an OOM before one step tries half as many micro-batches (doubled
+            after each try that runs out of memory).
+        max_microbatches: the most micro-batches to split a batch into (``None``: as many as the batch has
+            samples); an OOM at that split propagates.
 
     Raises:
-        ValueError: if ``grow_after`` is not an integer >= 1 or ``max_microbatches`` not ``None`` or an integer >= 2.
+        ValueError: if ``grow_after`` is not an integer >= 1 or ``max_microbatches`` not ``None`` or an
+            integer >= 2.
 
     Example::
 
@@ -92,8 +94,8 @@ class AutoMicrobatch(Callback):
         require_int("AutoMicrobatch", "grow_after", grow_after, 1)
         if max_microbatches is not None and not is_int_at_least(max_microbatches, 2):
             raise ValueError(
-                f"`AutoMicrobatch(max_microbatches={max_microbatches!r})` is not valid. Expected None or an integer"
-                " >= 2."
+                f"`AutoMicrobatch(max_microbatches={max_microbatches!r})` is not valid. Expected None or an"
+                " integer >= 2."
             )
         self.grow_after = grow_after
         self.max_microbatches = max_microbatches
@@ -106,7 +108,8 @@ class AutoMicrobatch(Callback):
         self._size = 0  # samples in the micro-batch running now (the weight of what it logs)
         self._distributed = False
         self._window: list[tuple[Any, int]] = []  # the accumulation window's batches that ran so far
-        self._measure: dict[str, int] = {}  # the last split step's memory: base, new gradients, activations, split
+        # the last split step's memory: base, new gradients, activations, split
+        self._measure: dict[str, int] = {}
         self._in_run = False  # inside the loop's `run`: `training_step` calls are the step's
         self._group: object | None = None  # under DDP: the ranks' agreement group
         self._batch_idx = 0
@@ -126,17 +129,25 @@ class AutoMicrobatch(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         policy = self.policy
-        return {"k": policy.k, "wait": policy.wait, "since": policy.since, "oom_recoveries": policy.oom_recoveries}
+        return {
+            "k": policy.k,
+            "wait": policy.wait,
+            "since": policy.since,
+            "oom_recoveries": policy.oom_recoveries,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume with the split, the wait and the count the checkpoint's run had (a try in flight is not resumed)."""
+        """Resume with the split, the wait and the count the checkpoint's run had.
+
+        A try in flight is not resumed.
+        """
         for name in ("k", "wait", "since", "oom_recoveries"):
             if name in state_dict:
                 setattr(self.policy, name, int(state_dict[name]))
 
     def gpumem_summary_context(self) -> dict[str, Any]:
-        """What the fit-end advice adds from this callback: the OOMs it recovered, the micro-batches it uses."""
+        """What this adds to the fit-end advice: the OOMs it recovered, the micro-batches it uses."""
         return {"oom_recoveries": self.policy.oom_recoveries, "microbatches": self.policy.k}
 
     # ------------------------------------------------------------------ install
@@ -147,21 +158,29 @@ class AutoMicrobatch(Callback):
         if not pl_module.automatic_optimization:
             reason = "manual optimization (`automatic_optimization = False`) is not supported"
         elif "dataloader_iter" in inspect.signature(pl_module.training_step).parameters:
-            reason = "`training_step(self, dataloader_iter)` is not supported (the batch is not known to split)"
-        elif trainer.world_size > 1 and not isinstance(trainer.strategy, either("strategies", "DDPStrategy")):
+            reason = (
+                "`training_step(self, dataloader_iter)` is not supported (the batch is not known to split)"
+            )
+        elif trainer.world_size > 1 and not isinstance(
+            trainer.strategy, either("strategies", "DDPStrategy")
+        ):
             reason = f"{type(trainer.strategy).__name__} is not supported yet (DDP is)"
         if reason is not None:
-            self._warn_once(reason, f"AutoMicrobatch: {reason}; out-of-memory errors propagate as without it.")
+            self._warn_once(
+                reason, f"AutoMicrobatch: {reason}; out-of-memory errors propagate as without it."
+            )
             return
         self._trainer = trainer
         self._distributed = trainer.world_size > 1
-        if self._distributed:  # the ranks agree on a group of their own: a rank stuck elsewhere fails it, not hangs it
+        # the ranks agree on a group of their own: a rank stuck elsewhere fails it, not hangs it
+        if self._distributed:
             self._group = side_group(AGREE_TIMEOUT_S)
         self._probe = make_probe(trainer.strategy.root_device, self)
         loop = trainer.fit_loop.epoch_loop.automatic_optimization
 
         patch = self._patches.install
-        # The wrapper shows the original's signature: Lightning reads it to decide what to pass (`batch_idx` or not).
+        # The wrapper shows the original's signature: Lightning reads it to decide what to pass (`batch_idx`
+        # or not).
         patch(pl_module, "training_step", self._training_step, keep_signature=True)
         patch(pl_module, "log", self._log)
         patch(pl_module, "backward", self._backward_hook)
@@ -180,7 +199,9 @@ class AutoMicrobatch(Callback):
         self._unpatch()
 
     @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         self._unpatch()
 
     @override
@@ -210,7 +231,10 @@ class AutoMicrobatch(Callback):
 
     # ------------------------------------------------------------------ the step
     def _run(self, optimizer: torch.optim.Optimizer, batch_idx: int, kwargs: Any) -> Any:
-        """Lightning's automatic-optimization step (training step, backward, optimizer step), re-run on an OOM."""
+        """Lightning's automatic-optimization step, re-run on an OOM.
+
+        The step: training step, backward, optimizer step.
+        """
         trainer = self._require_trainer()
         loop = trainer.fit_loop.epoch_loop.automatic_optimization
         step = trainer.global_step
@@ -242,32 +266,39 @@ class AutoMicrobatch(Callback):
         if measuring:
             self._stop_measuring()
         if _logging.is_accumulating(trainer):
-            self._window.append((kwargs.get("batch"), batch_idx))  # rebuilt if a later batch of the window fails
+            # rebuilt if a later batch of the window fails
+            self._window.append((kwargs.get("batch"), batch_idx))
         if self.policy.after_success(step):
             rank_zero_warn(
-                f"AutoMicrobatch: step {step} ran as {self.policy.k} micro-batch(es); batches run so from now on."
+                f"AutoMicrobatch: step {step} ran as {self.policy.k} micro-batch(es); batches run so from"
+                " now on."
             )
         return result
 
     def _recover(self, trainer: pl.Trainer, error: Exception, batch: Any, batch_idx: int) -> None:
-        """Undo what the failed attempt did and choose the split to re-run it with; raise when there is none."""
+        """Undo what the failed attempt did and choose the split to re-run it with.
+
+        Raises where there is none.
+        """
         step, failed_k, after_backward = trainer.global_step, self.policy.k, self._attempt.after_backward
         traceback.clear_frames(error.__traceback__)  # the frames hold the attempt's activations
         self._attempt.calls = []
         if self._distributed and self._attempt.agreed:
             raise NotOutOfMemoryError(
-                f"AutoMicrobatch: out of memory at step {step} after the ranks had agreed on the step (in the"
-                " optimizer step or after it): under DDP the other ranks have moved on, so it cannot be re-run"
-                " (see the error above)."
+                f"AutoMicrobatch: out of memory at step {step} after the ranks had agreed on the step (in"
+                " the optimizer step or after it): under DDP the other ranks have moved on, so it cannot be"
+                " re-run (see the error above)."
             ) from error
         if after_backward and self._updates.changed():  # a re-run would apply part of the update twice
             _add_note(
                 error,
-                f"AutoMicrobatch: not recovered: out of memory at step {step} in the middle of the optimizer's update"
-                " (parameters or optimizer state already changed), which a re-run would apply twice.",
+                f"AutoMicrobatch: not recovered: out of memory at step {step} in the middle of the"
+                " optimizer's update (parameters or optimizer state already changed), which a re-run would"
+                " apply twice.",
             )
             raise error
-        self._updates.forget_new_state()  # (an OOM while the optimizer created its state leaves it half made)
+        # (an OOM while the optimizer created its state leaves it half made)
+        self._updates.forget_new_state()
         length = batch_length(batch) or 1
         try:
             split_batch(batch, 2)
@@ -284,13 +315,16 @@ class AutoMicrobatch(Callback):
         if k is None:
             _add_note(
                 error,
-                f"AutoMicrobatch: out of memory at step {step} even with the batch of {length} split into {failed_k}"
-                f" micro-batch(es){' (max_microbatches)' if limit < length else ''}; nothing smaller to try.",
+                f"AutoMicrobatch: out of memory at step {step} even with the batch of {length} split into"
+                f" {failed_k} micro-batch(es){' (max_microbatches)' if limit < length else ''}; nothing"
+                " smaller to try.",
             )
             raise error
         self._clean_up(trainer)
         tell_oom_recovered(trainer)  # e.g. OOMSnapshot marks the snapshot it wrote for this OOM
-        where = "after the backward (in the optimizer step)" if after_backward else "in the forward or backward"
+        where = (
+            "after the backward (in the optimizer step)" if after_backward else "in the forward or backward"
+        )
         rank_zero_warn(
             f"AutoMicrobatch: out of memory {where} at step {step} with the batch of {length} as {failed_k}"
             f" micro-batch(es); re-running it as {k} micro-batches of about {-(-length // k)}."
@@ -310,21 +344,25 @@ class AutoMicrobatch(Callback):
         return True
 
     def _stop_measuring(self) -> None:
-        """The split step's peak above its start, less the gradients it created: its micro-batches' activations."""
+        """The split step's micro-batches' activations.
+
+        Its peak above its start, less the gradients it created.
+        """
         peak = self._probe.read_peaks()[0] if self._probe is not None and self._measure else None
         if peak is not None:
             self._measure["activations"] = max(0, peak - self._measure["base"] - self._measure["grads"])
             self._measure["split"] = self.policy.k
 
     def _cannot_fit(self, k: int) -> bool:
-        """Whether the last split step's measured peak says ``k`` micro-batches would not fit in the budget."""
+        """Whether the last split step's measured peak says ``k`` micro-batches would not fit the budget."""
         measured, trainer = self._measure, self._trainer
         if trainer is None or self._probe is None or "activations" not in measured:
             return False
         limit = budget_bytes(trainer) or self._probe.total_bytes()
         if not limit:
             return False
-        scale = measured["split"] / k  # micro-batches that many times larger hold that many times the activations
+        # micro-batches that many times larger hold that many times the activations
+        scale = measured["split"] / k
         return measured["base"] + measured["grads"] + scale * measured["activations"] > limit
 
     def _clean_up(self, trainer: pl.Trainer) -> None:
@@ -338,9 +376,10 @@ class AutoMicrobatch(Callback):
             self._probe.release_cache()
 
     def _replay_window(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> None:
-        """Rebuild the gradients of the accumulation window's earlier batches (cleared with the failed attempt's).
+        """Rebuild the accumulation window's earlier batches' gradients (cleared with the failed attempt's).
 
-        Their ``training_step`` runs again at the new split, its logs dropped (they were logged when it first ran).
+        Their ``training_step`` runs again at the new split, its logs dropped (they were logged when it first
+        ran).
         """
         if not self._window:
             return
@@ -364,7 +403,10 @@ class AutoMicrobatch(Callback):
 
     @contextlib.contextmanager
     def _local_backward(self, trainer: pl.Trainer) -> Iterator[None]:
-        """Under DDP, the step's backwards stay local: the gradients are reduced once every rank is through them."""
+        """Under DDP, the step's backwards stay local.
+
+        The gradients are reduced once every rank is through them.
+        """
         if not self._distributed:
             yield
             return
@@ -372,7 +414,10 @@ class AutoMicrobatch(Callback):
             yield
 
     def _agree(self, trainer: pl.Trainer, failed: bool, give_up: bool) -> dict[str, float]:
-        """Every rank's word on this attempt (collective): whether any ran out of memory, the split and wait to use."""
+        """Every rank's word on this attempt (collective).
+
+        Whether any ran out of memory, and the split and wait to use.
+        """
         values = [float(failed), float(self.policy.k), float(self.policy.wait), float(give_up)]
         start = time.monotonic()
         try:
@@ -398,8 +443,8 @@ class AutoMicrobatch(Callback):
         agreed = self._agree(trainer, failed=False, give_up=False)
         if agreed["give_up"]:
             raise NotOutOfMemoryError(
-                f"AutoMicrobatch: another rank ran out of memory at step {trainer.global_step} with nothing smaller"
-                " to try; the run stops on every rank."
+                f"AutoMicrobatch: another rank ran out of memory at step {trainer.global_step} with nothing"
+                " smaller to try; the run stops on every rank."
             )
         if agreed["failed"]:
             self.policy.adopt(int(agreed["k"]), int(agreed["wait"]), trainer.global_step, count=True)
@@ -415,7 +460,8 @@ class AutoMicrobatch(Callback):
         trainer = self._require_trainer()
         module = trainer.lightning_module
         original = self._original(module, "training_step")
-        if not self._in_run:  # called from elsewhere (a `validation_step` that calls `self.training_step`): as is
+        # called from elsewhere (a `validation_step` that calls `self.training_step`): as is
+        if not self._in_run:
             return original(*args, **kwargs)
         batch, rest = (args[0], args[1:]) if args else (kwargs.pop("batch"), ())
         k = self.policy.k
@@ -428,8 +474,13 @@ class AutoMicrobatch(Callback):
         finally:
             self._buffering = False
 
-    def _split_step(self, trainer: pl.Trainer, original: Any, batch: Any, rest: Any, kwargs: Any, k: int) -> Any:
-        """Run ``batch`` as ``k`` micro-batches: backward of all but the last here, the last returned to Lightning."""
+    def _split_step(
+        self, trainer: pl.Trainer, original: Any, batch: Any, rest: Any, kwargs: Any, k: int
+    ) -> Any:
+        """Run ``batch`` as ``k`` micro-batches.
+
+        The backward of all but the last runs here; the last is returned to Lightning.
+        """
         chunks = split_batch(batch, k)
         length = sum(size for _, size in chunks)
         optimizer = trainer.optimizers[0]
@@ -440,7 +491,8 @@ class AutoMicrobatch(Callback):
             self._size = size
             output = original(chunk, *rest, **kwargs)
             loss = output.get("loss") if isinstance(output, Mapping) else output
-            if not isinstance(loss, torch.Tensor):  # `training_step` skips the batch: undo its micro-batches' part
+            # `training_step` skips the batch: undo its micro-batches' part
+            if not isinstance(loss, torch.Tensor):
                 if index > 0:
                     for opt in trainer.optimizers:
                         opt.zero_grad(set_to_none=True)
@@ -451,7 +503,8 @@ class AutoMicrobatch(Callback):
                 final = weighted if carried is None else weighted + carried
                 return {**output, "loss": final} if isinstance(output, Mapping) else final
             if index == 0 and batch_idx % trainer.accumulate_grad_batches == 0:
-                # Lightning zeroes the gradients after `training_step` returns: do it now, before these backwards.
+                # Lightning zeroes the gradients after `training_step` returns: do it now, before these
+                # backwards.
                 self._original(loop, "_on_before_zero_grad")(optimizer)
                 self._original(loop, "_optimizer_zero_grad")(batch_idx, optimizer)
                 self._attempt.zeroed = True
@@ -459,8 +512,13 @@ class AutoMicrobatch(Callback):
             carried = weighted.detach() if carried is None else carried + weighted.detach()
         return None  # pragma: no cover - the loop returns at the last micro-batch
 
-    def _micro_backward(self, trainer: pl.Trainer, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
-        """One micro-batch's backward, as Lightning's (loss scaling, the module's ``backward``) without its hooks."""
+    def _micro_backward(
+        self, trainer: pl.Trainer, loss: torch.Tensor, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """One micro-batch's backward, as Lightning's without its hooks.
+
+        As Lightning's: the loss scaled, the module's ``backward`` called.
+        """
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         tensor = scaler.scale(loss) if scaler is not None else loss
         trainer.precision_plugin.backward(tensor, trainer.lightning_module, optimizer)
@@ -490,7 +548,8 @@ class AutoMicrobatch(Callback):
                 kwargs.pop("name", None), kwargs.pop("value", None)
             except TypeError:  # more positional arguments than Lightning's `log` has: as they were given
                 kwargs = {**dict(zip(list(log_parameters())[2:], args, strict=False)), **kwargs}
-        if isinstance(value, torch.Tensor):  # the value now, not after the optimizer step (a parameter, a view)
+        # the value now, not after the optimizer step (a parameter, a view)
+        if isinstance(value, torch.Tensor):
             value = value.clone() if kwargs.get("enable_graph") else value.detach().clone()
         self._attempt.calls.append(LogCall(name, value, kwargs, self._size))
         return None
@@ -516,7 +575,9 @@ class AutoMicrobatch(Callback):
     # ------------------------------------------------------------------ helpers
     def _require_trainer(self) -> pl.Trainer:
         if self._trainer is None:
-            raise RuntimeError("AutoMicrobatch was used outside `Trainer.fit`; add it to `Trainer(callbacks=[...])`.")
+            raise RuntimeError(
+                "AutoMicrobatch was used outside `Trainer.fit`; add it to `Trainer(callbacks=[...])`."
+            )
         return self._trainer
 
     def _warn_once(self, key: str, message: str) -> None:
@@ -526,7 +587,7 @@ class AutoMicrobatch(Callback):
 
 
 def _reset_scaler(trainer: pl.Trainer) -> None:
-    """Forget a failed attempt's ``unscale_`` (AMP's ``GradScaler`` refuses a second one before ``update``)."""
+    """Forget a failed attempt's ``unscale_`` (AMP's ``GradScaler`` refuses another before ``update``)."""
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     states = getattr(scaler, "_per_optimizer_states", None)  # private: GradScaler's per-optimizer stage
     if isinstance(states, dict):
@@ -535,10 +596,15 @@ def _reset_scaler(trainer: pl.Trainer) -> None:
 
 @dataclass
 class Attempt:
-    """What one attempt at a step did so far; each attempt (the first, a re-run after an OOM) starts a fresh one."""
+    """What one attempt at a step did so far.
 
-    calls: list[LogCall] = field(default_factory=list)  # the `self.log` calls of its `training_step`s, buffered
-    zeroed: bool = False  # the gradients were zeroed before the micro-batches' backwards (Lightning must not again)
+    Each attempt (the first, a re-run after an OOM) starts a fresh one.
+    """
+
+    # the `self.log` calls of its `training_step`s, buffered
+    calls: list[LogCall] = field(default_factory=list)
+    # the gradients were zeroed before the micro-batches' backwards (Lightning must not again)
+    zeroed: bool = False
     after_backward: bool = False  # its backward has run: an OOM now is in the optimizer step
     agreed: bool = False  # under DDP: the ranks agreed on it (after its backward)
 
@@ -550,8 +616,8 @@ class _Retry(Exception):
 def _all_reduce_gradients(trainer: pl.Trainer, bucket_bytes: int = 25 * 2**20) -> None:
     """Average the gradients over ranks, as DDP's backward would have (the step's backwards ran without it).
 
-    A parameter without a gradient on every rank keeps none (DDP leaves globally unused parameters alone); one that has
-    a gradient on some rank gets the average, counting zero for the others.
+    A parameter without a gradient on every rank keeps none (DDP leaves globally unused parameters alone);
+    one that has a gradient on some rank gets the average, counting zero for the others.
     """
     params = [p for p in trainer.lightning_module.parameters() if p.requires_grad]
     device = trainer.strategy.root_device
@@ -591,24 +657,32 @@ def _add_note(error: BaseException, note: str) -> None:
 def _counters(loop: Any) -> list[tuple[Any, dict[str, int]]]:
     """The optimizer-step and zero-grad counters of the loop (private: ``optim_progress``), as plain copies.
 
-    A few integers, copied on every batch: ``optim_progress.state_dict()`` would cost ~20 µs a batch.
+    A few integers, copied on every batch: not the whole ``optim_progress.state_dict()``.
     """
     optimizer = loop.optim_progress.optimizer
-    trackers = (optimizer.step.total, optimizer.step.current, optimizer.zero_grad.total, optimizer.zero_grad.current)
+    trackers = (
+        optimizer.step.total,
+        optimizer.step.current,
+        optimizer.zero_grad.total,
+        optimizer.zero_grad.current,
+    )
     return [(tracker, dict(vars(tracker))) for tracker in trackers]
 
 
 def _agreement_failed(step: int, waited_s: float, error: BaseException) -> str:
-    """Why the ranks' agreement failed after ``waited_s``: a timeout (a rank stuck elsewhere) or a rank gone."""
+    """Why the ranks' agreement failed after ``waited_s``.
+
+    A timeout (a rank stuck elsewhere), or a rank gone.
+    """
     if waited_s >= 0.9 * AGREE_TIMEOUT_S:
         return (
-            f"AutoMicrobatch: the ranks did not all reach the agreement on step {step} within {AGREE_TIMEOUT_S:.0f} s"
-            " (a rank waits in another collective, such as an `all_gather` inside `training_step`, which"
-            " AutoMicrobatch cannot re-run on one rank alone); the run stops."
+            f"AutoMicrobatch: the ranks did not all reach the agreement on step {step} within"
+            f" {AGREE_TIMEOUT_S:.0f} s (a rank waits in another collective, such as an `all_gather` inside"
+            " `training_step`, which AutoMicrobatch cannot re-run on one rank alone); the run stops."
         )
     return (
-        f"AutoMicrobatch: another rank left the agreement on step {step} after {waited_s:.0f} s ({error}): it has"
-        " most likely stopped with an error of its own (see that rank's output above); the run stops."
+        f"AutoMicrobatch: another rank left the agreement on step {step} after {waited_s:.0f} s ({error}):"
+        " it has most likely stopped with an error of its own (see that rank's output above); the run stops."
     )
 
 

@@ -1,4 +1,4 @@
-"""AutoMicrobatch's pure parts: splitting a batch, combining what micro-batches log, and when to split or grow back.
+"""AutoMicrobatch's pure parts: splitting a batch, combining micro-batches' logs, when to split or grow back.
 
 No Trainer here: :mod:`lightning_gpumem.microbatch.callback` wires these to Lightning.
 """
@@ -16,7 +16,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 
 
 def batch_length(batch: Any) -> int | None:
-    """The size of a batch's first dimension: that of its first tensor with at least one dimension (``None``: none)."""
+    """The size of a batch's first dimension: that of its first tensor with a dimension (``None``: none)."""
     found: list[int] = []
 
     def visit(tensor: torch.Tensor) -> torch.Tensor:
@@ -31,15 +31,16 @@ def batch_length(batch: Any) -> int | None:
 def split_batch(batch: Any, k: int) -> list[tuple[Any, int]]:
     """``batch`` cut into ``k`` micro-batches along the first dimension, with their sizes.
 
-    The batch dimension is the first dimension of its first tensor, as Lightning's ``extract_batch_size`` takes it;
-    every tensor is split along it (``torch.tensor_split``: sizes differ by at most one, the larger first), and so is
-    every list or tuple of non-tensors as long as the batch (e.g. a list of file names); other leaves are given whole
-    to every micro-batch. Nested lists, tuples, dicts and dataclasses keep their structure.
+    The batch dimension is the first dimension of its first tensor, as Lightning's ``extract_batch_size``
+    takes it; every tensor is split along it (``torch.tensor_split``: sizes differ by at most one, the larger
+    first), and so is every list or tuple of non-tensors as long as the batch (e.g. a list of file names);
+    other leaves are given whole to every micro-batch. Nested lists, tuples, dicts and dataclasses keep their
+    structure.
 
     Raises:
-        ValueError: when the batch holds no tensor with a dimension, or a tensor whose first dimension is not the
-            batch's (a batch given as a list of per-sample tensors, as torchvision's detection models take it):
-            which dimension to split cannot be told, so nothing is split.
+        ValueError: when the batch holds no tensor with a dimension, or a tensor whose first dimension is not
+            the batch's (a batch given as a list of per-sample tensors, as torchvision's detection models
+            take it): which dimension to split cannot be told, so nothing is split.
 
     Example:
         >>> chunks = split_batch({"x": torch.arange(5), "names": list("abcde"), "tag": "t"}, 2)
@@ -59,18 +60,23 @@ def split_batch(batch: Any, k: int) -> list[tuple[Any, int]]:
     apply_to_collection(batch, torch.Tensor, check)
     if others:
         raise ValueError(
-            f"the batch's tensors do not share their first dimension ({length} and {sorted(set(others))}), so the"
-            " batch dimension cannot be told"
+            f"the batch's tensors do not share their first dimension ({length} and {sorted(set(others))}),"
+            " so the batch dimension cannot be told"
         )
     k = min(k, length)
     bounds = [0]
     for part in torch.tensor_split(torch.arange(length), k):
         bounds.append(bounds[-1] + len(part))
-    return [(_take(batch, length, k, index, bounds), bounds[index + 1] - bounds[index]) for index in range(k)]
+    return [
+        (_take(batch, length, k, index, bounds), bounds[index + 1] - bounds[index]) for index in range(k)
+    ]
 
 
 def _take(node: Any, length: int, k: int, index: int, bounds: list[int]) -> Any:
-    """Micro-batch ``index`` of ``node``: tensors and batch-long sequences of non-tensors split, the rest whole."""
+    """Micro-batch ``index`` of ``node``.
+
+    Tensors and batch-long sequences of non-tensors are split, the rest given whole.
+    """
     if isinstance(node, torch.Tensor):
         return node if node.dim() == 0 else torch.tensor_split(node, k)[index]
     if isinstance(node, (list, tuple)) and len(node) == length and not any(_has_tensor(v) for v in node):
@@ -84,10 +90,13 @@ def _take(node: Any, length: int, k: int, index: int, bounds: list[int]) -> Any:
 def _map(node: Any, length: int, k: int, index: int, bounds: list[int]) -> Any:
     """``node``'s container rebuilt around :func:`_take` of its items."""
     if isinstance(node, Mapping):
-        return type(node)({key: _take(value, length, k, index, bounds) for key, value in node.items()})  # type: ignore[call-arg]
+        taken = {key: _take(value, length, k, index, bounds) for key, value in node.items()}
+        return type(node)(taken)  # type: ignore[call-arg]
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
         changes = {
-            f.name: _take(getattr(node, f.name), length, k, index, bounds) for f in dataclasses.fields(node) if f.init
+            f.name: _take(getattr(node, f.name), length, k, index, bounds)
+            for f in dataclasses.fields(node)
+            if f.init
         }
         return dataclasses.replace(node, **changes)
     items = [_take(value, length, k, index, bounds) for value in node]
@@ -113,9 +122,10 @@ class LogCall:
 def combine_logs(calls: list[LogCall]) -> list[tuple[str, Any, dict[str, Any]]]:
     """What one unsplit step would have logged, from the micro-batches' calls, in first-call order.
 
-    Per name: a ``mean`` (the default) is the mean weighted by micro-batch size, ``sum`` the sum, ``max``/``min`` the
-    largest/smallest; a metric object (``torchmetrics.Metric``, updated by every micro-batch) is logged once; any
-    other value or reduction takes the last micro-batch's value. A ``batch_size`` given per micro-batch is summed.
+    Per name: a ``mean`` (the default) is the mean weighted by micro-batch size, ``sum`` the sum,
+    ``max``/``min`` the largest/smallest; a metric object (``torchmetrics.Metric``, updated by every
+    micro-batch) is logged once; any other value or reduction takes the last micro-batch's value. A
+    ``batch_size`` given per micro-batch is summed.
 
     Example:
         >>> calls = [LogCall("loss", torch.tensor(1.0), {}, 3), LogCall("loss", torch.tensor(4.0), {}, 1)]
@@ -131,7 +141,13 @@ def combine_logs(calls: list[LogCall]) -> list[tuple[str, Any, dict[str, Any]]]:
         kwargs = dict(last.kwargs)
         if len(group) > 1 and all(c.kwargs.get("batch_size") is not None for c in group):
             kwargs["batch_size"] = sum(int(c.kwargs["batch_size"]) for c in group)
-        out.append((name, _combine([c.value for c in group], [c.size for c in group], kwargs.get("reduce_fx")), kwargs))
+        out.append(
+            (
+                name,
+                _combine([c.value for c in group], [c.size for c in group], kwargs.get("reduce_fx")),
+                kwargs,
+            )
+        )
     return out
 
 
@@ -141,7 +157,9 @@ def _combine(values: list[Any], sizes: list[int], reduce_fx: Any) -> Any:
     numeric = all(isinstance(v, (torch.Tensor, numbers.Number)) and not isinstance(v, bool) for v in values)
     if not numeric or any(isinstance(v, torch.Tensor) and v.numel() != 1 for v in values):
         return values[-1]  # a metric object, a dict, a vector: the last micro-batch's
-    stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64).detach().cpu().reshape(()) for v in values])
+    stacked = torch.stack(
+        [torch.as_tensor(v, dtype=torch.float64).detach().cpu().reshape(()) for v in values]
+    )
     reduce = reduce_fx if reduce_fx is not None else "mean"
     if reduce in ("mean", torch.mean):
         weights = torch.tensor(sizes, dtype=torch.float64)
@@ -164,9 +182,10 @@ def _combine(values: list[Any], sizes: list[int], reduce_fx: Any) -> Any:
 class MicrobatchPolicy:
     """How many micro-batches the next batch runs as: doubled on an OOM, halved again after a quiet period.
 
-    After an OOM the split stays for ``grow_after`` optimizer steps, then one step tries half as many micro-batches; if
-    that step runs out of memory too, the split doubles back and the wait doubles (16, 32, 64, ... steps by default);
-    once it runs, the wait starts over. ``cannot_fit`` (from the measured peak) skips a try as if it had failed.
+    After an OOM the split stays for ``grow_after`` optimizer steps, then one step tries half as many
+    micro-batches; if that step runs out of memory too, the split doubles back and the wait doubles (16, 32,
+    64, ... steps by default); once it runs, the wait starts over. ``cannot_fit`` (from the measured peak)
+    skips a try as if it had failed.
 
     Example:
         >>> policy = MicrobatchPolicy(grow_after=2)
@@ -190,7 +209,8 @@ class MicrobatchPolicy:
         """The split for the step starting now (may begin a try of half the micro-batches)."""
         if self.k > 1 and self.trying_from is None and step - self.since >= self.wait:
             if cannot_fit is not None and cannot_fit(self.k // 2):
-                self.since, self.wait = step, self.wait * 2  # the measured peak says it would not fit: as failed
+                # the measured peak says it would not fit: as failed
+                self.since, self.wait = step, self.wait * 2
             else:
                 self.trying_from, self.k = self.k, self.k // 2
         return self.k
@@ -203,13 +223,16 @@ class MicrobatchPolicy:
         return True
 
     def adopt(self, k: int, wait: int, step: int, count: bool) -> None:
-        """Take the split and wait the ranks agreed on after an OOM on one of them (``count``: it was another's)."""
+        """Take the split and wait the ranks agreed on after an OOM on one (``count``: it was another's)."""
         self.k, self.wait, self.since, self.trying_from = k, wait, step, None
         if count:
             self.oom_recoveries += 1
 
     def after_oom(self, step: int, length: int) -> int | None:
-        """The split to re-run the step with after an OOM, or ``None`` when the batch cannot be split further."""
+        """The split to re-run the step with after an OOM.
+
+        ``None`` when the batch cannot be split further.
+        """
         if self.trying_from is not None:  # the try failed: back to the split that ran, and wait longer
             k, self.wait = self.trying_from, self.wait * 2
         else:
@@ -223,20 +246,25 @@ class MicrobatchPolicy:
 
 
 class UpdateWatch:
-    """Whether an optimizer step that failed had begun to change its parameters or state (then it cannot be re-run).
+    """Whether an optimizer step that failed had begun to change its parameters or state.
 
-    :meth:`note` runs in ``on_before_optimizer_step`` (after the forward, backward and clipping, before the update):
-    it notes the version counters (bumped by every in-place op) of a few sentinels, per parameter group the first
-    parameter with a gradient of each device and dtype, and of their state, and how many parameters had state.
-    PyTorch's optimizers skip parameters without a gradient and update the rest group by group and, within one, in
-    parameter order or all at once (``foreach``, ``fused``), so an update that has begun has changed a sentinel or its
-    state (state created in the failed step counts once written to). State an optimizer created in a step that
-    changed nothing is dropped by :meth:`forget_new_state`, so that the re-run creates it whole.
+    Then it cannot be re-run.
+
+    :meth:`note` runs in ``on_before_optimizer_step`` (after the forward, backward and clipping, before the
+    update): it notes the version counters (bumped by every in-place op) of a few sentinels, per parameter
+    group the first parameter with a gradient of each device and dtype, and of their state, and how many
+    parameters had state. PyTorch's optimizers skip parameters without a gradient and update the rest group
+    by group and, within one, in parameter order or all at once (``foreach``, ``fused``), so an update that
+    has begun has changed a sentinel or its state (state created in the failed step counts once written to).
+    State an optimizer created in a step that changed nothing is dropped by :meth:`forget_new_state`, so that
+    the re-run creates it whole.
     """
 
     def __init__(self) -> None:
         self._sentinels: dict[int, list[torch.Tensor]] = {}
-        self._seen: list[tuple[torch.optim.Optimizer, int, list[tuple[torch.Tensor, int, dict[Any, int]]]]] = []
+        self._seen: list[
+            tuple[torch.optim.Optimizer, int, list[tuple[torch.Tensor, int, dict[Any, int]]]]
+        ] = []
 
     def clear(self) -> None:
         """Forget every optimizer and sentinel (the step is over)."""
@@ -247,14 +275,16 @@ class UpdateWatch:
         self._seen = []
 
     def note(self, optimizer: torch.optim.Optimizer) -> None:
-        """The optimizer is about to update: note its sentinels' versions and how many parameters have state."""
+        """The optimizer is about to update: note its sentinels' versions, how many parameters have state."""
         sentinels = self._sentinels.get(id(optimizer))
         if sentinels is None or any(param.grad is None for param in sentinels):
             sentinels = self._sentinels[id(optimizer)] = _sentinels(optimizer)
         noted = []
         for param in sentinels:
             state = optimizer.state.get(param, {})
-            versions = {key: value._version for key, value in state.items() if isinstance(value, torch.Tensor)}
+            versions = {
+                key: value._version for key, value in state.items() if isinstance(value, torch.Tensor)
+            }
             noted.append((param, param._version, versions))
         self._seen.append((optimizer, len(optimizer.state), noted))
 
@@ -270,9 +300,10 @@ class UpdateWatch:
         return False
 
     def forget_new_state(self) -> None:
-        """Drop the state the failed attempt's optimizers created (possibly half: an OOM while creating it)."""
+        """Drop the state the failed attempt's optimizers created (maybe half: an OOM while creating it)."""
         for optimizer, count, _ in self._seen:
-            for param in list(optimizer.state)[count:]:  # the state dict keeps the order its entries were made in
+            # the state dict keeps the order its entries were made in
+            for param in list(optimizer.state)[count:]:
                 del optimizer.state[param]
 
 

@@ -1,6 +1,7 @@
-"""MemoryMonitor (``callback.py``) and what only it uses: peak window, metrics, leak watch, the fit's run, layout.
+"""MemoryMonitor (``callback.py``) and what only it uses: peak window, metrics, leak watch, fit run, layout.
 
-The callback is imported on first use (PEP 562): the pure modules of this folder load neither torch nor Lightning.
+The callback is imported on first use (PEP 562): the pure modules of this folder load neither torch nor
+Lightning.
 """
 
 from __future__ import annotations

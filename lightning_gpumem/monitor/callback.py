@@ -1,10 +1,10 @@
 """MemoryMonitor: per-batch peak memory, allocator, NVML and host memory, logged to every Lightning logger.
 
-The callback wires Lightning's hooks to the parts in this folder: when to reset and read the peak counters and the
-running maxima (``peak_window.py``, pure), the logged keys (``metrics.py``, pure, from ``keys.py``), leak detection
-(``leak_watch.py``, whose verdicts are ``_core/leaks.py``'s), the fit-end run model (``fit_run.py``) that
-``_core/summary.py`` prints with its advice, and the TensorBoard layout (``layout.py``). It reads the hardware through
-a probe (``_hw/probe.py``'s ``make_probe``) only.
+The callback wires Lightning's hooks to the parts in this folder: when to reset and read the peak counters
+and the running maxima (``peak_window.py``, pure), the logged keys (``metrics.py``, pure, from ``keys.py``),
+leak detection (``leak_watch.py``, whose verdicts are ``_core/leaks.py``'s), the fit-end run model
+(``fit_run.py``) that ``_core/summary.py`` prints with its advice, and the TensorBoard layout
+(``layout.py``). It reads the hardware through a probe (``_hw/probe.py``'s ``make_probe``) only.
 """
 
 from __future__ import annotations
@@ -30,7 +30,13 @@ from lightning_gpumem._pl.peers import budget_bytes
 from lightning_gpumem.monitor.fit_run import gather_run
 from lightning_gpumem.monitor.layout import write_layout
 from lightning_gpumem.monitor.leak_watch import LeakWatch
-from lightning_gpumem.monitor.metrics import REDUCED, SlowReads, cross_rank_metrics, logged_metrics, progress_text
+from lightning_gpumem.monitor.metrics import (
+    REDUCED,
+    SlowReads,
+    cross_rank_metrics,
+    logged_metrics,
+    progress_text,
+)
 from lightning_gpumem.monitor.peak_window import PeakWindow, RunningMaxima
 
 
@@ -38,46 +44,50 @@ from lightning_gpumem.monitor.peak_window import PeakWindow, RunningMaxima
 class MemoryMonitor(Callback):
     r"""Log the memory of every training batch, validation/test/predict loop, NVML and the host.
 
-    On each logging step (every ``log_every_n_steps`` training batches) the peak counters are reset at batch start
-    and read at batch end, so ``*_peak_*`` is that batch's own peak; validation, test and predict log the peak of the
-    whole loop. Under DDP/FSDP every rank measures, and peaks are also logged as cross-rank ``_max``/``_min``. At fit
-    end rank zero prints a summary with advice. Without an accelerator only host memory is logged. The maxima behind
-    the summary start over at each fit, and continue from the checkpoint on ``fit(ckpt_path=...)``.
+    On each logging step (every ``log_every_n_steps`` training batches) the peak counters are reset at batch
+    start and read at batch end, so ``*_peak_*`` is that batch's own peak; validation, test and predict log
+    the peak of the whole loop. Under DDP/FSDP every rank measures, and peaks are also logged as cross-rank
+    ``_max``/``_min``. At fit end rank zero prints a summary with advice. Without an accelerator only host
+    memory is logged. The maxima behind the summary start over at each fit, and continue from the checkpoint
+    on ``fit(ckpt_path=...)``.
 
-    **Logged metrics** (``<stage>`` is ``train`` on logging steps, ``val``/``test``/``predict`` at the end of those
-    loops; the table comes from :mod:`lightning_gpumem.keys`):
+    **Logged metrics** (``<stage>`` is ``train`` on logging steps, ``val``/``test``/``predict`` at the end of
+    those loops; the table comes from :mod:`lightning_gpumem.keys`):
 
     {logged_metrics}
 
-    Un-suffixed keys are rank zero's. The progress bar shows ``mem=12.3/139.8 GiB``: the last logged peak against the
-    device, or the budget of a :class:`~lightning_gpumem.MemoryBudget`.
+    Un-suffixed keys are rank zero's. The progress bar shows ``mem=12.3/139.8 GiB``: the last logged peak
+    against the device, or the budget of a :class:`~lightning_gpumem.MemoryBudget`.
 
-    **Leak detection** (``detect_leaks``, on an accelerator): allocated memory is sampled at training-batch ends after
-    ``leak_warmup_steps``; a sustained rise above ``leak_threshold_mib`` is warned about once on rank zero, with its
-    rate, when the budget would run out and the live tensors that grew. ``gpumem/leak_mib_per_step`` is the rate a
-    verdict gives (:meth:`~lightning_gpumem._core.leaks.LeakDetector.rate`), logged only once it means something:
-    from the end of the detector's early phase (its first 32 samples, about every second step after the warm-up:
-    near step 72 by default), over which a rise is memory settling as much as a leak, or from a leak flagged earlier;
-    a flagged leak's rate stays the logged one. Leak detection is described in ``docs/memory_in_bounds.md``.
-    **TensorBoard**: ``tensorboard_layout`` writes a *Custom Scalars* layout so each stage's curves share a chart,
-    described in ``docs/monitor.md``.
+    **Leak detection** (``detect_leaks``, on an accelerator): allocated memory is sampled at training-batch
+    ends after ``leak_warmup_steps``; a sustained rise above ``leak_threshold_mib`` is warned about once on
+    rank zero, with its rate, when the budget would run out and the live tensors that grew.
+    ``gpumem/leak_mib_per_step`` is the rate a verdict gives
+    (:meth:`~lightning_gpumem._core.leaks.LeakDetector.rate`), logged only once it means something: from the
+    end of the detector's early phase (its first 32 samples, about every second step after the warm-up: near
+    step 72 by default), over which a rise is memory settling as much as a leak, or from a leak flagged
+    earlier; a flagged leak's rate stays the logged one. Leak detection is described in
+    ``docs/memory_in_bounds.md``. **TensorBoard**: ``tensorboard_layout`` writes a *Custom Scalars* layout so
+    each stage's curves share a chart, described in ``docs/monitor.md``.
 
     Args:
-        log_every_n_steps: log every this many training batches; ``None`` uses ``Trainer(log_every_n_steps=...)``.
+        log_every_n_steps: log every this many training batches; ``None`` uses
+            ``Trainer(log_every_n_steps=...)``.
         verbose: also log the allocator's full statistics dictionary (~120 keys) on each logging step.
         nvml: read NVML (``nvidia-smi``'s numbers, this process's use, utilisation) on logging steps.
         host: read host memory (``psutil``) on logging steps.
         progress_bar: show the last logged peak in the progress bar as ``mem``.
         summary: print a summary table with advice on rank zero at fit end.
-        nvml_host_interval_s: read NVML and host memory (slow to change, tens to hundreds of µs to read) at most
-            this often, in seconds (``0``: on every logging step); their keys are logged only when read.
+        nvml_host_interval_s: read NVML and host memory (slow to change, tens to hundreds of µs to read) at
+            most this often, in seconds (``0``: on every logging step); their keys are logged only when read.
         detect_leaks: watch allocated memory for a sustained rise and warn once (see above).
         leak_threshold_mib: the rise, in MiB, that a sustained trend must exceed to be called a leak.
         leak_warmup_steps: optimizer steps before the first sample (optimizer state and caches settle first).
         tensorboard_layout: write the custom-scalars layout described above to every ``TensorBoardLogger``.
 
     Raises:
-        ValueError: if a number is out of range (``log_every_n_steps``, ``nvml_host_interval_s``, ``leak_*``).
+        ValueError: if a number is out of range (``log_every_n_steps``, ``nvml_host_interval_s``,
+            ``leak_*``).
         TypeError: if a flag is not a ``bool``.
 
     Example::
@@ -103,7 +113,9 @@ class MemoryMonitor(Callback):
         leak_warmup_steps: int = 10,
         tensorboard_layout: bool = True,
     ) -> None:
-        require_int_or_none("MemoryMonitor", "log_every_n_steps", log_every_n_steps, 1, "use the Trainer's setting")
+        require_int_or_none(
+            "MemoryMonitor", "log_every_n_steps", log_every_n_steps, 1, "use the Trainer's setting"
+        )
         require_flags(
             "MemoryMonitor",
             verbose=verbose,
@@ -130,7 +142,10 @@ class MemoryMonitor(Callback):
 
     @property
     def peaks(self) -> dict[str, tuple[int | None, int | None]]:
-        """Running maxima per stage (``"train"``, ``"val"``, ...): ``(peak allocated, peak reserved)`` bytes."""
+        """Running maxima per stage (``"train"``, ``"val"``, ...).
+
+        ``(peak allocated, peak reserved)``, in bytes.
+        """
         return dict(self._maxima.peaks)
 
     @property
@@ -141,7 +156,8 @@ class MemoryMonitor(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         _checks.require_trainer("MemoryMonitor", trainer)
-        if stage == "fit":  # a new fit starts from nothing (a checkpoint's `state_dict` is loaded after this hook)
+        # a new fit starts from nothing (a checkpoint's `state_dict` is loaded after this hook)
+        if stage == "fit":
             self._reset_run()
         device = trainer.strategy.root_device
         if self._probe is None or self._probe.device != device:
@@ -155,14 +171,17 @@ class MemoryMonitor(Callback):
         if not self._announced:  # once per monitor, not per fit
             self._announced = True
             if not self._probe.has_allocator:
-                rank_zero_info(f"MemoryMonitor: no accelerator memory to read on `{device}`; logging host memory only.")
+                rank_zero_info(
+                    f"MemoryMonitor: no accelerator memory to read on `{device}`; logging host memory only."
+                )
             if not trainer.loggers:
                 rank_zero_warn(
-                    "MemoryMonitor: no logger (`logger=False`): memory shows in the progress bar and summary."
+                    "MemoryMonitor: no logger (`logger=False`): memory shows in the progress bar and"
+                    " summary."
                 )
 
     def _reset_run(self) -> None:
-        """The state of one fit, from nothing: running maxima, leak detection, the peak window, the summary."""
+        """One fit's state, from nothing: running maxima, leak detection, the peak window, the summary."""
         self._maxima = RunningMaxima()
         self._window = PeakWindow()
         self._last_sample: MemorySample | None = None
@@ -191,12 +210,20 @@ class MemoryMonitor(Callback):
 
     @override
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: STEP_OUTPUT,
+        batch: Any,
+        batch_idx: int,
     ) -> None:
         self._require_probe(trainer)
         accumulating = _logging.is_accumulating(trainer)
-        logged = self._window.batch_end(accumulating)  # a logging step: its allocator read feeds the leak watch too
-        leak_sample = not accumulating and self._leaks is not None and self._leaks.due(trainer, logged, self._every_n)
+        # a logging step: its allocator read feeds the leak watch too
+        logged = self._window.batch_end(accumulating)
+        leak_sample = (
+            not accumulating and self._leaks is not None and self._leaks.due(trainer, logged, self._every_n)
+        )
         if logged:
             self._measure_and_log(trainer, "train", device_wide=True, leak_sample=leak_sample)
         elif leak_sample:
@@ -240,15 +267,25 @@ class MemoryMonitor(Callback):
             self.summary_text = print_summary(run, rank_zero_info)
 
     @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        # This rank's measurements alone (the others may never get here); never raises (other callbacks run next).
-        if self._probe is None or trainer.state.fn != "fit" or not self._summary or not trainer.is_global_zero:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        # This rank's measurements alone (the others may never get here); never raises (other callbacks run
+        # next).
+        if (
+            self._probe is None
+            or trainer.state.fn != "fit"
+            or not self._summary
+            or not trainer.is_global_zero
+        ):
             return
         try:
             run = self._gather_run(trainer, collective=False)
             self.summary_text = print_summary(run, rank_zero_info, type(exception).__name__)
         except Exception as error:  # the user's exception is what matters; say why there is no summary
-            rank_zero_warn(f"MemoryMonitor: no summary after the fit raised ({type(error).__name__}: {error}).")
+            rank_zero_warn(
+                f"MemoryMonitor: no summary after the fit raised ({type(error).__name__}: {error})."
+            )
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -259,9 +296,12 @@ class MemoryMonitor(Callback):
         self._maxima.load_state_dict(state_dict)
 
     def _require_probe(self, trainer: object) -> Probe:
-        if self._probe is None:  # used outside a Trainer (Fabric's `call`: a TypeError naming it), or before `setup`
+        # used outside a Trainer (Fabric's `call`: a TypeError naming it), or before `setup`
+        if self._probe is None:
             _checks.require_trainer("MemoryMonitor", trainer)
-            raise RuntimeError("MemoryMonitor was used before `setup`; add it to `Trainer(callbacks=[...])`.")
+            raise RuntimeError(
+                "MemoryMonitor was used before `setup`; add it to `Trainer(callbacks=[...])`."
+            )
         return self._probe
 
     def gpumem_before_peak_reset(self) -> None:
@@ -275,9 +315,13 @@ class MemoryMonitor(Callback):
             self._maxima.peak(stage, *probe.read_peaks())
 
     def _watch_leaks(self, trainer: pl.Trainer, allocated: int | None) -> None:
-        self.leak = (self._leaks.sample(trainer, allocated, self._total_bytes) if self._leaks else None) or self.leak
+        self.leak = (
+            self._leaks.sample(trainer, allocated, self._total_bytes) if self._leaks else None
+        ) or self.leak
 
-    def _measure_and_log(self, trainer: pl.Trainer, stage: str, device_wide: bool, leak_sample: bool = False) -> None:
+    def _measure_and_log(
+        self, trainer: pl.Trainer, stage: str, device_wide: bool, leak_sample: bool = False
+    ) -> None:
         probe = self._require_probe(trainer)
         distributed = trainer.world_size > 1
         slow = self._slow.now(distributed)
@@ -291,7 +335,9 @@ class MemoryMonitor(Callback):
         stats = probe.allocator_stats() if self._verbose and device_wide else None
         metrics = logged_metrics(stage, sample, probe.has_allocator, device_wide, budget, rate, stats)
         if distributed:  # collective: every rank reaches this point on the same steps
-            spread = gather_named(trainer, {**{f: getattr(sample, f) for f in REDUCED}, "due": self._slow.due()})
+            spread = gather_named(
+                trainer, {**{f: getattr(sample, f) for f in REDUCED}, "due": self._slow.due()}
+            )
             self._slow.agree(spread["due"][0] == 1.0)
             metrics.update(cross_rank_metrics(stage, spread, probe.has_allocator))
         if trainer.is_global_zero:

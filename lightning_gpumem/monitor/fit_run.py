@@ -1,4 +1,4 @@
-"""The fit's :class:`~lightning_gpumem._core.summary.RunMemory` from the running maxima, gathered over ranks."""
+"""The fit's :class:`~lightning_gpumem._core.summary.RunMemory`, from the ranks' running maxima."""
 
 from __future__ import annotations
 
@@ -22,12 +22,16 @@ def gather_run(
 ) -> RunMemory:
     """The run as the fit-end summary shows it: every value the highest over ranks (gathered by name).
 
-    With the context the Trainer and the other callbacks give (:func:`~lightning_gpumem._pl.peers.summary_context`).
+    With the context the Trainer and the other callbacks give
+    (:func:`~lightning_gpumem._pl.peers.summary_context`).
 
-    ``collective=False`` uses this rank's values alone (after an exception, when the other ranks may not get here).
+    ``collective=False`` uses this rank's values alone (after an exception, when the other ranks may not get
+    here).
     """
     last = last or MemorySample()
-    device_name = probe.device_name if probe.device.type == "cpu" else f"{probe.device_name} ({probe.device})"
+    device_name = (
+        probe.device_name if probe.device.type == "cpu" else f"{probe.device_name} ({probe.device})"
+    )
     values: dict[str, float | None] = {}
     for stage in STAGES:
         values[f"{stage}_allocated"], values[f"{stage}_reserved"] = maxima.peaks.get(stage, (None, None))
@@ -46,7 +50,9 @@ def gather_run(
         return None if value is None else int(value)
 
     peaks = {
-        stage: (high(f"{stage}_allocated"), high(f"{stage}_reserved")) for stage in STAGES if stage in maxima.peaks
+        stage: (high(f"{stage}_allocated"), high(f"{stage}_reserved"))
+        for stage in STAGES
+        if stage in maxima.peaks
     }
     return RunMemory(
         device_name=device_name,

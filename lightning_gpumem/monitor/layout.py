@@ -1,11 +1,11 @@
-"""TensorBoard's *Custom Scalars* layout for the monitor's keys: one chart per stage with its curves together.
+"""TensorBoard's *Custom Scalars* layout for the monitor's keys: one chart per stage, its curves together.
 
-TensorBoard draws every scalar key in its own chart. The custom-scalars dashboard instead draws the charts a layout
-names, each with all the keys its regular expressions match (TensorBoard joins a chart's expressions and applies
-them with ``re.match``); each expression is one key of :mod:`lightning_gpumem.keys`, followed by ``.*`` where the key
-has cross-rank ``_max``/``_min``/``_rank<r>`` variants.
-:class:`~lightning_gpumem.MemoryMonitor` writes this layout to every TensorBoard logger; other loggers have no such
-dashboard and are left alone.
+TensorBoard draws every scalar key in its own chart. The custom-scalars dashboard instead draws the charts a
+layout names, each with all the keys its regular expressions match (TensorBoard joins a chart's expressions
+and applies them with ``re.match``); each expression is one key of :mod:`lightning_gpumem.keys`, followed by
+``.*`` where the key has cross-rank ``_max``/``_min``/``_rank<r>`` variants.
+:class:`~lightning_gpumem.MemoryMonitor` writes this layout to every TensorBoard logger; other loggers have
+no such dashboard and are left alone.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ _FN_STAGES = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), 
 
 
 def _tags(*found: keys.Key, stage: str | None = None) -> list[str]:
-    """Expressions that match ``found`` as logged for ``stage``, with their cross-rank suffixes where they have any."""
+    """Expressions that match ``found`` as logged for ``stage``, with their cross-rank suffixes if any."""
     return [re.escape(key.format(stage)) + (".*" if key.ranks else "") for key in found]
 
 
@@ -39,7 +39,8 @@ def memory_layout(
 ) -> dict[str, dict[str, list[Any]]]:
     """The layout with one chart per stage in ``stages`` (``train``, ``val``, ``test``, ``predict``).
 
-    Without ``device_memory`` (no accelerator: only host memory is logged) only the host chart, so no chart is empty.
+    Without ``device_memory`` (no accelerator: only host memory is logged) only the host chart, so no chart
+    is empty.
     """
     host = ["Multiline", _tags(keys.HOST_RSS, keys.HOST_AVAILABLE)]
     if not device_memory:
@@ -58,12 +59,14 @@ def memory_layout(
     return {CATEGORY: charts}
 
 
-def write_layout(trainer: pl.Trainer, written: dict[int, tuple[str, ...]], device_memory: bool = True) -> None:
+def write_layout(
+    trainer: pl.Trainer, written: dict[int, tuple[str, ...]], device_memory: bool = True
+) -> None:
     """Write :func:`memory_layout` to each TensorBoard logger, on global rank zero, when its stages grow.
 
-    TensorBoard shows only the layout written last in a run, so each write covers every stage this monitor has
-    run with that logger (a ``fit`` then a ``test`` gives train, validation and test charts). ``written`` maps
-    ``id(logger)`` to the stages written and is updated.
+    TensorBoard shows only the layout written last in a run, so each write covers every stage this monitor
+    has run with that logger (a ``fit`` then a ``test`` gives train, validation and test charts). ``written``
+    maps ``id(logger)`` to the stages written and is updated.
     """
     if not trainer.is_global_zero:
         return
@@ -82,4 +85,6 @@ def write_layout(trainer: pl.Trainer, written: dict[int, tuple[str, ...]], devic
             written[id(logger)] = stages
             add_custom_scalars(memory_layout(stages, device_memory))
         except Exception as error:  # a layout is a convenience: never fail the run for it
-            rank_zero_warn(f"MemoryMonitor: could not write the TensorBoard custom-scalars layout ({error!r}).")
+            rank_zero_warn(
+                f"MemoryMonitor: could not write the TensorBoard custom-scalars layout ({error!r})."
+            )

@@ -38,7 +38,9 @@ _DEVICE_WIDE = tuple(
 )
 # Per stage: the logged names of the peak allocated, peak reserved, allocated and reserved keys.
 _STAGE_NAMES = {
-    stage: tuple(key.format(stage) for key in (keys.PEAK_ALLOCATED, keys.PEAK_RESERVED, keys.ALLOCATED, keys.RESERVED))
+    stage: tuple(
+        key.format(stage) for key in (keys.PEAK_ALLOCATED, keys.PEAK_RESERVED, keys.ALLOCATED, keys.RESERVED)
+    )
     for stage in keys.STAGES
 }
 _BUDGET, _LEAK_RATE = keys.BUDGET.format(), keys.LEAK_RATE.format()
@@ -46,8 +48,17 @@ _BUDGET, _LEAK_RATE = keys.BUDGET.format(), keys.LEAK_RATE.format()
 
 def stage_metrics(stage: str, sample: MemorySample) -> dict[str, float]:
     """The stage's allocator keys: peaks over the batch (loop) and the values at its end, in GiB."""
-    values = (sample.peak_allocated_bytes, sample.peak_reserved_bytes, sample.allocated_bytes, sample.reserved_bytes)
-    return {name: value / GIB for name, value in zip(_STAGE_NAMES[stage], values, strict=True) if value is not None}
+    values = (
+        sample.peak_allocated_bytes,
+        sample.peak_reserved_bytes,
+        sample.allocated_bytes,
+        sample.reserved_bytes,
+    )
+    return {
+        name: value / GIB
+        for name, value in zip(_STAGE_NAMES[stage], values, strict=True)
+        if value is not None
+    }
 
 
 def device_wide_metrics(sample: MemorySample) -> dict[str, float]:
@@ -63,7 +74,7 @@ def device_wide_metrics(sample: MemorySample) -> dict[str, float]:
 def cross_rank_metrics(
     stage: str, spread: dict[str, tuple[float | None, float | None]], device_memory: bool
 ) -> dict[str, float]:
-    """``<key>_max`` / ``<key>_min`` for the :data:`REDUCED` fields, from their ``(largest, smallest)`` over ranks."""
+    """``<key>_max``/``<key>_min`` of the :data:`REDUCED` fields, from ``(largest, smallest)`` over ranks."""
     metrics = {}
     for field, key in REDUCED.items():
         high, low = spread.get(field, (None, None))
@@ -100,7 +111,7 @@ def logged_metrics(
 
 
 def progress_text(sample: MemorySample, total: int | None, host_rss: int | None) -> str:
-    """``12.3/139.8 GiB``: the last logged peak against ``total`` (the budget or the device); host RSS without one."""
+    """``12.3/139.8 GiB``: the last logged peak against ``total`` (the budget or device); else host RSS."""
     if sample.peak_allocated_bytes is None:
         return f"rss {host_rss / GIB:.1f} GiB" if host_rss is not None else "n/a"
     shown = f"{sample.peak_allocated_bytes / GIB:.1f}"
@@ -110,8 +121,9 @@ def progress_text(sample: MemorySample, total: int | None, host_rss: int | None)
 class SlowReads:
     """When a logging step also reads NVML and host memory: at most every ``interval_s`` seconds.
 
-    They change slowly and cost tens to hundreds of µs each, unlike the allocator's counters. Under DDP the ranks
-    agree one logging step ahead (:meth:`agree`), so that every rank logs the same keys at the same steps.
+    They change slowly and cost tens to hundreds of µs each, unlike the allocator's counters. Under DDP the
+    ranks agree one logging step ahead (:meth:`agree`), so that every rank logs the same keys at the same
+    steps.
     """
 
     def __init__(self, interval_s: float) -> None:

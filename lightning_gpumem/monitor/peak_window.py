@@ -2,12 +2,12 @@
 
 No allocator and no Trainer here: the monitor calls the probe as these classes say.
 
-Why peaks are read only on logging steps: resetting and reading the allocator's counters costs tens of microseconds,
-so on the other steps the monitor does nothing but an integer check. The peak window opens (counters reset) at the
-start of each logged optimizer step and closes at its end, so the logged peak is that step's own: forward, backward
-and optimizer step, over all its micro-batches under gradient accumulation. Whatever happened since the previous
-reset (the batches that were not logged) is folded into the running maximum before the reset, so the fit-end summary
-still covers every batch.
+Why peaks are read only on logging steps: resetting and reading the allocator's counters costs tens of
+microseconds, so on the other steps the monitor does nothing but an integer check. The peak window opens
+(counters reset) at the start of each logged optimizer step and closes at its end, so the logged peak is that
+step's own: forward, backward and optimizer step, over all its micro-batches under gradient accumulation.
+Whatever happened since the previous reset (the batches that were not logged) is folded into the running
+maximum before the reset, so the fit-end summary still covers every batch.
 """
 
 from __future__ import annotations
@@ -42,7 +42,10 @@ class PeakWindow:
         self.training = True
 
     def batch_start(self, logging_step: bool) -> tuple[bool, bool]:
-        """``(fold, reset)``: fold the peaks since the last reset into the running maximum first; reset the counters."""
+        """At a batch's start: ``(fold, reset)``.
+
+        Fold the peaks since the last reset into the running maximum first; reset the counters.
+        """
         if self.open or not logging_step:
             self.just_closed = False
             return False, False
@@ -69,7 +72,10 @@ class PeakWindow:
 
 
 class RunningMaxima:
-    """The highest values seen in a run: peaks per stage (``train``, ``val``, ...) and a few named values, in bytes."""
+    """The highest values seen in a run, in bytes.
+
+    Peaks per stage (``train``, ``val``, ...) and a few named values.
+    """
 
     def __init__(self) -> None:
         self.peaks: dict[str, tuple[int | None, int | None]] = {}  # stage: (allocated, reserved)
@@ -81,7 +87,10 @@ class RunningMaxima:
         self.peaks[stage] = (larger(old_allocated, allocated), larger(old_reserved, reserved))
 
     def add(self, stage: str, sample: MemorySample, device_memory: bool) -> None:
-        """Fold a logged sample in: the stage's peaks (with device memory), the non-PyTorch share and host RSS."""
+        """Fold a logged sample in.
+
+        The stage's peaks (with device memory), the non-PyTorch share and host RSS.
+        """
         if device_memory:
             self.peak(stage, sample.peak_allocated_bytes, sample.peak_reserved_bytes)
         self.value("non_torch_bytes", sample.non_torch_bytes)
@@ -93,10 +102,16 @@ class RunningMaxima:
 
     def state_dict(self) -> dict[str, Any]:
         """The maxima as a checkpoint holds them."""
-        return {"peaks": {stage: list(pair) for stage, pair in self.peaks.items()}, "maxima": dict(self.values)}
+        return {
+            "peaks": {stage: list(pair) for stage, pair in self.peaks.items()},
+            "maxima": dict(self.values),
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue from a checkpoint's maxima (stages saved under Lightning's loop names, ``validate``, map too)."""
+        """Continue from a checkpoint's maxima.
+
+        Stages saved under Lightning's loop names (``validate``) map too.
+        """
         for stage, (allocated, reserved) in state_dict.get("peaks", {}).items():
             self.peak(STAGE_OF_LOOP.get(stage, stage), allocated, reserved)
         for name, value in state_dict.get("maxima", {}).items():

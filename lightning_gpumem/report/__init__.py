@@ -1,7 +1,7 @@
-"""Memory reports from the logs a run already wrote: ``python -m lightning_gpumem report LOGDIR`` (or ``gpumem``).
+"""Memory reports from the logs a run wrote: ``python -m lightning_gpumem report LOGDIR`` (or ``gpumem``).
 
-Reads the ``gpumem/`` scalars from TensorBoard event files and ``CSVLogger`` CSVs, prints a summary table per run,
-and draws the memory timeline as a PNG (matplotlib) and/or a self-contained HTML page.
+Reads the ``gpumem/`` scalars from TensorBoard event files and ``CSVLogger`` CSVs, prints a summary table per
+run, and draws the memory timeline as a PNG (matplotlib) and/or a self-contained HTML page.
 """
 
 from lightning_gpumem.report.html import render_html, write_html

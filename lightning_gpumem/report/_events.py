@@ -1,11 +1,12 @@
 """Scalars from TensorBoard event files, read without TensorFlow or TensorBoard's loaders.
 
-An event file is a sequence of TFRecords (``uint64`` length, masked CRC-32C of the length, the serialized ``Event``
-protobuf, masked CRC-32C of the data). Only the fields scalars use are decoded: ``Event.wall_time`` (1),
-``Event.step`` (2), ``Event.summary`` (5) -> ``Summary.value`` (1) -> ``Value.tag`` (1) and ``Value.simple_value`` (2),
-or ``Value.tensor`` (8) holding one float or double (TensorBoard's newer scalar format). Both CRCs are checked, so a
-damaged record is reported rather than read as wrong numbers (the records before it are kept); a record cut short
-at the end of the file (a run still writing) ends the file quietly, as in TensorBoard.
+An event file is a sequence of TFRecords (``uint64`` length, masked CRC-32C of the length, the serialized
+``Event`` protobuf, masked CRC-32C of the data). Only the fields scalars use are decoded: ``Event.wall_time``
+(1), ``Event.step`` (2), ``Event.summary`` (5) -> ``Summary.value`` (1) -> ``Value.tag`` (1) and
+``Value.simple_value`` (2), or ``Value.tensor`` (8) holding one float or double (TensorBoard's newer scalar
+format). Both CRCs are checked, so a damaged record is reported rather than read as wrong numbers (the
+records before it are kept); a record cut short at the end of the file (a run still writing) ends the file
+quietly, as in TensorBoard.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def _varint(buf: bytes, pos: int) -> tuple[int, int]:
 
 
 def _fields(buf: bytes) -> list[tuple[int, int, int | float | bytes]]:
-    """Decode one protobuf message into ``(field number, wire type, value)``; bytes for length-delimited fields."""
+    """Decode one protobuf message into ``(field number, wire type, value)`` (bytes: length-delimited)."""
     out: list[tuple[int, int, int | float | bytes]] = []
     pos = 0
     while pos < len(buf):
@@ -97,7 +98,7 @@ def _fields(buf: bytes) -> list[tuple[int, int, int | float | bytes]]:
 
 
 def _tensor_scalar(buf: bytes) -> float | None:
-    """The single float/double of a ``TensorProto``, or ``None`` for anything else (strings, layouts, images)."""
+    """The single float/double of a ``TensorProto``, or ``None`` for the rest (strings, layouts, images)."""
     dtype = None
     values: list[float] = []
     for number, wire, value in _fields(buf):
@@ -158,8 +159,8 @@ def read_scalars(path: str | Path, data: bytes | None = None) -> dict[str, list[
             :data:`~lightning_gpumem.report._reading.MAX_FILE_BYTES`).
 
     Raises:
-        CorruptEventFile: a record fails its checksum or does not decode; its ``scalars`` hold what the records
-            before it held.
+        CorruptEventFile: a record fails its checksum or does not decode; its ``scalars`` hold what the
+            records before it held.
         OSError: the file cannot be read, or is not a regular file
             (:class:`~lightning_gpumem.report._reading.NotRegularFile`).
     """
@@ -172,7 +173,9 @@ def read_scalars(path: str | Path, data: bytes | None = None) -> dict[str, list[
         for position, record in enumerate(_records(data, path)):  # noqa: B007  # used in `except`
             _add_event(record, scalars)
     except CorruptEventFile as error:
-        message = str(error) if str(path) in str(error) else f"{path}: event {position} does not decode ({error})"
+        message = (
+            str(error) if str(path) in str(error) else f"{path}: event {position} does not decode ({error})"
+        )
         raise CorruptEventFile(message, scalars) from None
     return scalars
 

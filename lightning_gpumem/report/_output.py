@@ -1,9 +1,9 @@
-"""Writing the report's files: never over an input, over a file it did not write only with ``force``, never half.
+"""Writing the report's files: never over an input or half, over a file it did not write only with ``force``.
 
-The report marks what it writes: the HTML page carries :data:`HTML_MARK`, the PNG a ``Software`` text chunk of
-:data:`PNG_SOFTWARE`; an existing file whose first :data:`HEAD_BYTES` hold the mark is taken as one the report
-wrote and may be replaced. A file is written under a temporary name in its directory and renamed over the target
-(``os.replace``), so the target holds the old file or the whole new one, never a cut one.
+The report marks what it writes: the HTML page carries :data:`HTML_MARK`, the PNG a ``Software`` text chunk
+of :data:`PNG_SOFTWARE`; an existing file whose first :data:`HEAD_BYTES` hold the mark is taken as one the
+report wrote and may be replaced. A file is written under a temporary name in its directory and renamed over
+the target (``os.replace``), so the target holds the old file or the whole new one, never a cut one.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ def check_output(
 ) -> Path:
     """Where ``value`` may be written, or :class:`ReportError` naming ``option`` and why it may not.
 
-    Refused always: an input of the report (``inputs``, compared after resolving symbolic links, and as the same
-    file for hard links), or an existing file that is not a regular file (a FIFO, a device). Refused without
-    ``force``: a symbolic link (``force`` writes its target), or an existing file whose head lacks ``mark``
-    (:data:`HTML_MARK` or :data:`PNG_MARK`, encoded).
+    Refused always: an input of the report (``inputs``, compared after resolving symbolic links, and as the
+    same file for hard links), or an existing file that is not a regular file (a FIFO, a device). Refused
+    without ``force``: a symbolic link (``force`` writes its target), or an existing file whose head lacks
+    ``mark`` (:data:`HTML_MARK` or :data:`PNG_MARK`, encoded).
 
     Returns:
         The path to write: ``value`` with its symbolic links resolved.
@@ -50,20 +50,24 @@ def check_output(
     except FileNotFoundError:
         mode = None
     except OSError as error:
-        raise ReportError(f"{shown}: cannot be checked ({error.strerror or error}); expected a file name.") from None
+        raise ReportError(
+            f"{shown}: cannot be checked ({error.strerror or error}); expected a file name."
+        ) from None
     if mode is not None and not stat.S_ISREG(mode):
-        raise ReportError(f"{shown}: is not a regular file ({kind_of(mode)}); expected the name of a regular file.")
+        raise ReportError(
+            f"{shown}: is not a regular file ({kind_of(mode)}); expected the name of a regular file."
+        )
     if force:
         return target
     if path.is_symlink():
         raise ReportError(
-            f"{shown}: is a symbolic link (to {printable(str(target))!r}); expected a file name that is not a link,"
-            " or pass --force to write the link's target."
+            f"{shown}: is a symbolic link (to {printable(str(target))!r}); expected a file name that is not"
+            " a link, or pass --force to write the link's target."
         )
     if mode is not None and not _holds(target, mark):
         raise ReportError(
-            f"{shown}: exists and was not written by gpumem report; expected a new file name, or pass --force to"
-            " overwrite it."
+            f"{shown}: exists and was not written by gpumem report; expected a new file name, or pass"
+            " --force to overwrite it."
         )
     return target
 

@@ -1,4 +1,4 @@
-"""Reading a log file: regular files only (a FIFO would block, ``/dev/zero`` never ends), up to a size bound."""
+"""Reading a log file, up to a size bound: regular files only (a FIFO blocks, ``/dev/zero`` never ends)."""
 
 from __future__ import annotations
 
@@ -26,12 +26,14 @@ def read_log_file(path: Path) -> tuple[bytes, bool]:
     """The bytes of ``path``, at most :data:`MAX_FILE_BYTES` of them, and whether the file held more.
 
     Raises:
-        NotRegularFile: ``path`` (its target, for a symbolic link) is a FIFO, a device, a socket or a directory.
+        NotRegularFile: ``path`` (its target, for a symbolic link) is a FIFO, a device, a socket or a
+            directory.
         OSError: it cannot be read.
     """
     _require_regular(os.stat(path).st_mode)  # before opening: opening some devices acts on them
     limit = MAX_FILE_BYTES
-    # O_NONBLOCK: a FIFO swapped in after the check opens at once (and is refused below) rather than blocking.
+    # O_NONBLOCK: a FIFO swapped in after the check opens at once (and is refused below) rather than
+    # blocking.
     descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     with os.fdopen(descriptor, "rb") as handle:
         _require_regular(os.fstat(handle.fileno()).st_mode)
@@ -46,7 +48,7 @@ def read_log_file(path: Path) -> tuple[bytes, bool]:
 
 
 def kind_of(mode: int) -> str:
-    """What a file that is not a regular one is, from its ``st_mode``: ``"a FIFO"``, ``"a character device"``..."""
+    """What a file that is not regular is, by its ``st_mode``: ``"a FIFO"``, ``"a character device"``..."""
     return _KINDS.get(stat.S_IFMT(mode), "of an unknown kind")
 
 

@@ -1,8 +1,8 @@
 """The report as one self-contained HTML page: each run's table and its timeline as inline SVG, no script.
 
-Every text from outside (the log directory, run names, the table's cells) goes through :func:`markup`: escaped
-for the terminal first (control characters, bidirectional overrides, undecodable bytes), then as HTML, so any name
-a file system allows gives a valid UTF-8 page that shows it.
+Every text from outside (the log directory, run names, the table's cells) goes through :func:`markup`:
+escaped for the terminal first (control characters, bidirectional overrides, undecodable bytes), then as
+HTML, so any name a file system allows gives a valid UTF-8 page that shows it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ svg text { font: 11px system-ui, sans-serif; fill: #555; }
 
 
 def markup(text: str) -> str:
-    r"""``text`` as HTML: :func:`~lightning_gpumem.report._text.printable`, then ``&``, ``<``, ``>`` and quotes escaped.
+    r"""``text`` as HTML.
+
+    Made :func:`~lightning_gpumem.report._text.printable`, then ``&``, ``<``, ``>`` and quotes escaped.
 
     Example:
         >>> markup("<b>run\n\udcff</b>")
@@ -47,7 +49,7 @@ def markup(text: str) -> str:
 
 
 def _ticks(low: float, high: float, count: int = 5, whole: bool = False) -> list[float]:
-    """About ``count`` round tick values covering ``[low, high]``; with ``whole``, whole numbers only (steps)."""
+    """About ``count`` round tick values over ``[low, high]``; with ``whole``, whole numbers only (steps)."""
     span = high - low
     if span <= 0:
         return [low]
@@ -63,7 +65,8 @@ def _ticks(low: float, high: float, count: int = 5, whole: bool = False) -> list
 
 def _label(value: float) -> str:
     if value == int(value):
-        return f"{int(value):,}" if abs(value) >= 1e6 else str(int(value))  # steps: every digit, ticks differ
+        # steps: every digit, ticks differ
+        return f"{int(value):,}" if abs(value) >= 1e6 else str(int(value))
     return f"{value:g}"
 
 
@@ -88,18 +91,25 @@ def timeline_svg(run: Run) -> str:
 
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" role="img">']
     for tick in _ticks(0.0, y1):
-        parts.append(f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{y(tick):.1f}" y2="{y(tick):.1f}" stroke="#eee"/>')
+        parts.append(
+            f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{y(tick):.1f}" y2="{y(tick):.1f}" stroke="#eee"/>'
+        )
         parts.append(f'<text x="{LEFT - 6}" y="{y(tick) + 4:.1f}" text-anchor="end">{_label(tick)}</text>')
     for tick in _ticks(x0, x1, whole=True):
-        parts.append(f'<text x="{x(tick):.1f}" y="{HEIGHT - BOTTOM + 16}" text-anchor="middle">{_label(tick)}</text>')
+        parts.append(
+            f'<text x="{x(tick):.1f}" y="{HEIGHT - BOTTOM + 16}" text-anchor="middle">{_label(tick)}</text>'
+        )
     parts.append(f'<text x="{LEFT + plot_w / 2}" y="{HEIGHT - 4}" text-anchor="middle">step</text>')
-    parts.append(f'<text x="12" y="{TOP + plot_h / 2}" transform="rotate(-90 12 {TOP + plot_h / 2})">GiB</text>')
+    parts.append(
+        f'<text x="12" y="{TOP + plot_h / 2}" transform="rotate(-90 12 {TOP + plot_h / 2})">GiB</text>'
+    )
     axis = f"M{LEFT},{TOP} V{TOP + plot_h} H{WIDTH - RIGHT}"
     parts.append(f'<path d="{axis}" fill="none" stroke="#999"/>')
     for step in releases:
         parts.append(
-            f'<line x1="{x(step):.1f}" x2="{x(step):.1f}" y1="{TOP}" y2="{TOP + plot_h}" stroke="{RELEASE_COLOR}"'
-            ' stroke-dasharray="2,3"><title>cache release at step ' + str(step) + "</title></line>"
+            f'<line x1="{x(step):.1f}" x2="{x(step):.1f}" y1="{TOP}" y2="{TOP + plot_h}"'
+            f' stroke="{RELEASE_COLOR}" stroke-dasharray="2,3"><title>cache release at step'
+            " " + str(step) + "</title></line>"
         )
     for line, points in curves:
         finite = [(s, v) for s, v in points if math.isfinite(v)]
@@ -107,7 +117,8 @@ def timeline_svg(run: Run) -> str:
             continue
         if line.points_only or len(finite) == 1:  # one point draws no line: a marker
             parts.extend(
-                f'<circle cx="{x(s):.1f}" cy="{y(v):.1f}" r="3" fill="{line.color}"><title>{markup(line.label)}'
+                f'<circle cx="{x(s):.1f}" cy="{y(v):.1f}" r="3"'
+                f' fill="{line.color}"><title>{markup(line.label)}'
                 f" at step {s}: {v:.2f} GiB</title></circle>"
                 for s, v in finite
             )
@@ -124,9 +135,13 @@ def timeline_svg(run: Run) -> str:
             f"<title>{markup(line.label)}</title></polyline>"
         )
     parts.append("</svg>")
-    legend = [f'<span><i style="background:{line.color}"></i>{markup(line.label)}</span>' for line, _ in curves]
+    legend = [
+        f'<span><i style="background:{line.color}"></i>{markup(line.label)}</span>' for line, _ in curves
+    ]
     if releases:
-        legend.append(f'<span><i style="background:{RELEASE_COLOR}"></i>cache release ({len(releases)})</span>')
+        legend.append(
+            f'<span><i style="background:{RELEASE_COLOR}"></i>cache release ({len(releases)})</span>'
+        )
     return "".join(parts) + f'<div class="legend">{"".join(legend)}</div>'
 
 
@@ -135,12 +150,15 @@ def render_html(runs: Sequence[Run], logdir: str) -> str:
     body = [f"<h1>Memory report: <bdi>{markup(logdir)}</bdi></h1>"]
     for run in runs:
         table = "".join(
-            f"<tr><td>{markup(label)}</td><td>{markup(value)}</td></tr>" for label, value in rows(summarize(run))
+            f"<tr><td>{markup(label)}</td><td>{markup(value)}</td></tr>"
+            for label, value in rows(summarize(run))
         )
-        heading = f"<bdi>{markup(run.name)}</bdi>{markup(tuned(run))}"  # <bdi>: a right-to-left name stays apart
+        # <bdi>: a right-to-left name stays apart
+        heading = f"<bdi>{markup(run.name)}</bdi>{markup(tuned(run))}"
         body.append(f"<h2>{heading}</h2><table>{table}</table>{timeline_svg(run)}")
     return (
-        f'<!doctype html>\n{HTML_MARK}\n<html lang="en"><head><meta charset="utf-8"><title>gpumem report</title>'
+        f'<!doctype html>\n{HTML_MARK}\n<html lang="en"><head><meta charset="utf-8"><title>gpumem'
+        " report</title>"
         f"<style>{_STYLE}</style></head><body>{''.join(body)}</body></html>\n"
     )
 
@@ -149,8 +167,8 @@ def write_html(runs: Sequence[Run], logdir: str, path: str | os.PathLike[str], f
     """Write :func:`render_html` to ``path`` (whole or not at all) and return it.
 
     ``path`` is never one of the runs' sources; an existing file that the report did not write (one without
-    :data:`~lightning_gpumem.report._output.HTML_MARK` near its start), or a symbolic link, is replaced only with
-    ``force`` (which writes the link's target).
+    :data:`~lightning_gpumem.report._output.HTML_MARK` near its start), or a symbolic link, is replaced only
+    with ``force`` (which writes the link's target).
 
     Raises:
         ReportError: ``path`` is refused, as above.

@@ -1,4 +1,4 @@
-r"""The memory timeline as a PNG, drawn with matplotlib (an optional extra: ``pip install lightning-gpumem[report]``).
+r"""The memory timeline as a PNG, drawn with matplotlib (optional: ``pip install lightning-gpumem[report]``).
 
 A panel's title is the run's name as :func:`panel_title` draws it: control characters, undecodable bytes and
 characters that no font of the title holds written as escapes (``\xff``, ``\u4e2d``), a long name cut in the
@@ -20,7 +20,8 @@ from lightning_gpumem.report.runs import ReportError, Run
 from lightning_gpumem.report.timeline import RELEASE_COLOR, lines, release_steps, tuned
 
 WIDTH_IN, RUN_HEIGHT_IN, DPI = 10.0, 4.0, 100  # each run adds a 1000 x 400 pixel panel
-MAX_RUNS = 24  # panels in one picture (24 x 400 px = 9600 px high); the HTML page and the tables hold every run
+# panels in one picture (24 x 400 px = 9600 px high); the HTML page and the tables hold every run
+MAX_RUNS = 24
 MAX_TITLE_CHARS = 100  # a name drawn longer is cut in the middle (its start and its version directory kept)
 TITLE_SIZE = 10
 
@@ -28,16 +29,18 @@ TITLE_SIZE = 10
 def write_png(runs: Sequence[Run], path: str | os.PathLike[str], force: bool = False) -> Path:
     """Draw one panel per run (GiB against step), for the first :data:`MAX_RUNS` runs, and save it as a PNG.
 
-    The figure is drawn without ``pyplot``, so the caller's matplotlib backend and figures are left alone. The
-    file is written whole or not at all, with a ``Software`` text chunk that marks it as the report's; ``path`` is
-    never one of the runs' sources, and an existing file that the report did not write, or a symbolic link, is
-    replaced only with ``force`` (which writes the link's target). :func:`left_out` says which runs it leaves out.
+    The figure is drawn without ``pyplot``, so the caller's matplotlib backend and figures are left alone.
+    The file is written whole or not at all, with a ``Software`` text chunk that marks it as the report's;
+    ``path`` is never one of the runs' sources, and an existing file that the report did not write, or a
+    symbolic link, is replaced only with ``force`` (which writes the link's target). :func:`left_out` says
+    which runs it leaves out.
 
     Returns:
         The path written.
 
     Raises:
-        ReportError: matplotlib is not installed, ``path`` does not end in ``.png``, or it is refused, as above.
+        ReportError: matplotlib is not installed, ``path`` does not end in ``.png``, or it is refused, as
+            above.
         OSError: it cannot be written.
     """
     out = Path(path)
@@ -57,7 +60,10 @@ def write_png(runs: Sequence[Run], path: str | os.PathLike[str], force: bool = F
 
 
 def left_out(runs: Sequence[Run]) -> str | None:
-    """What :func:`write_png` leaves out of ``runs``, as a sentence naming them (``None`` when it draws them all)."""
+    """What :func:`write_png` leaves out of ``runs``, as a sentence naming them.
+
+    ``None`` when it draws them all.
+    """
     if len(runs) <= MAX_RUNS:
         return None
     names = ", ".join(f"'{printable(run.name)}'" for run in runs[MAX_RUNS:])
@@ -67,8 +73,8 @@ def left_out(runs: Sequence[Run]) -> str | None:
 def _figure(runs: Sequence[Run]) -> Any:
     """The figure: one panel per run.
 
-    The y axis runs from 0 to 8% above the highest value, so a flat series at its maximum (host memory on a CPU
-    run) is drawn inside the frame, not on its edge.
+    The y axis runs from 0 to 8% above the highest value, so a flat series at its maximum (host memory on a
+    CPU run) is drawn inside the frame, not on its edge.
     """
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -94,7 +100,13 @@ def _figure(runs: Sequence[Run]) -> Any:
                     drawstyle="steps-post" if line.dashed else "default",
                 )
         for i, step in enumerate(release_steps(run)):
-            ax.axvline(step, color=RELEASE_COLOR, linestyle=":", linewidth=1, label="cache release" if i == 0 else None)
+            ax.axvline(
+                step,
+                color=RELEASE_COLOR,
+                linestyle=":",
+                linewidth=1,
+                label="cache release" if i == 0 else None,
+            )
         ax.set_title(panel_title(run, glyphs), fontsize=TITLE_SIZE, loc="left")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
         ax.set_xlabel("step")
@@ -110,9 +122,9 @@ def panel_title(run: Run, glyphs: set[int] | None = None) -> str:
     r"""The run's title as its panel draws it (matplotlib text; the tuned batch size added as by ``title``).
 
     Each character of the name is drawn as itself where it is printable and a font of the title holds it (in
-    ``glyphs``; every printable character where ``glyphs`` is ``None``), else as its escape (``\x0a``, ``\xff``
-    for an undecodable byte, ``\U0001f980``); a name longer than :data:`MAX_TITLE_CHARS` so drawn is cut in the
-    middle, at a character's edge. A ``$`` is not read as mathtext.
+    ``glyphs``; every printable character where ``glyphs`` is ``None``), else as its escape (``\x0a``,
+    ``\xff`` for an undecodable byte, ``\U0001f980``); a name longer than :data:`MAX_TITLE_CHARS` so drawn is
+    cut in the middle, at a character's edge. A ``$`` is not read as mathtext.
 
     Example:
         >>> from lightning_gpumem.report.runs import Run
@@ -121,7 +133,8 @@ def panel_title(run: Run, glyphs: set[int] | None = None) -> str:
         'a\\$b\\x0a\\xff'
     """
     pieces = [
-        char if char.isprintable() and (glyphs is None or ord(char) in glyphs) else escape(char) for char in run.name
+        char if char.isprintable() and (glyphs is None or ord(char) in glyphs) else escape(char)
+        for char in run.name
     ]
     if sum(map(len, pieces)) > MAX_TITLE_CHARS:
         half = (MAX_TITLE_CHARS - 1) // 2
@@ -143,7 +156,7 @@ def _within(pieces: list[str], size: int) -> list[str]:
 
 
 def font_glyphs(size: float = TITLE_SIZE) -> set[int]:
-    """The characters (code points) that the fonts matplotlib draws a title with hold: its font and the fallbacks.
+    """The characters (code points) held by the fonts matplotlib draws a title with: its font, the fallbacks.
 
     The families are ``rcParams["font.family"]``, a generic one (``sans-serif``) standing for its list
     (``rcParams["font.sans-serif"]``); a family that is not installed is passed over.

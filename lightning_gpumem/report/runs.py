@@ -1,8 +1,9 @@
-"""Find the runs under a log directory and read their scalars (TensorBoard event files and ``CSVLogger`` CSVs).
+"""Find the runs under a log directory, read their scalars (TensorBoard event files, ``CSVLogger`` CSVs).
 
-A *run* is one directory holding event files (``events.out.tfevents.*``) and/or a ``metrics.csv``, as Lightning's
-``TensorBoardLogger`` and ``CSVLogger`` write them (``<save_dir>/<name>/version_<n>/``). When both loggers write to
-the same directory, the event files' values are kept and the CSV adds only the keys they lack.
+A *run* is one directory holding event files (``events.out.tfevents.*``) and/or a ``metrics.csv``, as
+Lightning's ``TensorBoardLogger`` and ``CSVLogger`` write them (``<save_dir>/<name>/version_<n>/``). When
+both loggers write to the same directory, the event files' values are kept and the CSV adds only the keys
+they lack.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ class Run:
     Attributes:
         name: the run's directory relative to the log directory (its own name where it is the log directory).
         path: the run's directory.
-        series: every ``gpumem/`` key logged, with its ``(step, value)`` points in step order, one per step (the
-            last written where a step was logged twice, as by a run resumed from a checkpoint).
+        series: every ``gpumem/`` key logged, with its ``(step, value)`` points in step order, one per step
+            (the last written where a step was logged twice, as by a run resumed from a checkpoint).
         sources: the files read.
     """
 
@@ -52,7 +53,7 @@ class Run:
     sources: list[Path] = field(default_factory=list)
 
     def values(self, key: str) -> list[float]:
-        """The finite values logged under ``key`` below :data:`MAX_MAGNITUDE` (empty if it was never logged)."""
+        """The finite values logged under ``key`` below :data:`MAX_MAGNITUDE` (empty if never logged)."""
         return [value for _, value in self.series.get(key, []) if in_range(value)]
 
     def last(self, key: str) -> float | None:
@@ -68,7 +69,7 @@ class Run:
 
 @dataclass
 class LoadResult:
-    """The runs found (those with at least one ``gpumem/`` key), what was skipped, with why, and the log files found.
+    """The runs found (with at least one ``gpumem/`` key), what was skipped and why, the log files found.
 
     Attributes:
         runs: the runs, in path order.
@@ -96,13 +97,17 @@ def load_runs(logdir: str | os.PathLike[str]) -> LoadResult:
             ``save_dir``, a ``name`` directory or one ``version_<n>``).
 
     Returns:
-        The runs with ``gpumem/`` metrics, in path order, and the files skipped (corrupt or unreadable) with why.
+        The runs with ``gpumem/`` metrics, in path order, and the files skipped (corrupt or unreadable) with
+        why.
 
     Raises:
-        ReportError: ``logdir`` does not exist or is not a directory, or no file under it holds a ``gpumem/`` metric.
+        ReportError: ``logdir`` does not exist or is not a directory, or no file under it holds a ``gpumem/``
+            metric.
     """
     if not str(logdir).strip():
-        raise ReportError(f"LOGDIR {str(logdir)!r}: expected a directory (a logger's save_dir or a version directory).")
+        raise ReportError(
+            f"LOGDIR {str(logdir)!r}: expected a directory (a logger's save_dir or a version directory)."
+        )
     root = Path(logdir)
     if not root.exists():
         raise ReportError(f"LOGDIR '{_shown(root)}' does not exist.")
@@ -118,7 +123,8 @@ def load_runs(logdir: str | os.PathLike[str]) -> LoadResult:
 
     for directory, _, names in sorted(os.walk(root, onerror=not_searched)):
         events = sorted(
-            (name for name in names if EVENT_FILE_MARK in name and name.startswith("events.out")), key=_natural
+            (name for name in names if EVENT_FILE_MARK in name and name.startswith("events.out")),
+            key=_natural,
         )
         files = [Path(directory, name) for name in events]
         if CSV_NAME in names:
@@ -151,15 +157,15 @@ def load_runs(logdir: str | os.PathLike[str]) -> LoadResult:
                 + "\n  ".join(skipped)
             )
         raise ReportError(
-            f"No `gpumem/` metrics under '{_shown(root)}' ({files_read} readable log file(s)). Log with `MemoryMonitor`"
-            " (and a TensorBoardLogger or CSVLogger) first; point LOGDIR at the logger's save_dir or a version"
-            " directory."
+            f"No `gpumem/` metrics under '{_shown(root)}' ({files_read} readable log file(s)). Log with"
+            " `MemoryMonitor` (and a TensorBoardLogger or CSVLogger) first; point LOGDIR at the logger's"
+            " save_dir or a version directory."
         )
     return LoadResult(runs=runs, skipped=skipped, files_read=files_read, inputs=inputs)
 
 
 def _natural(name: str) -> list[str | int]:
-    """Sort key: the numbers in a name compared as numbers (a writer's file ``.10`` comes after its ``.9``)."""
+    """Sort key: the numbers in a name compared as numbers: a writer's ``.10`` after its ``.9``."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
@@ -171,8 +177,8 @@ def _shown(path: object) -> str:
 def _read_file(file: Path, skipped: list[str]) -> dict[str, Series] | None:
     """The scalars of one event file or ``metrics.csv``, ``None`` where it cannot be read.
 
-    What it passes over goes to ``skipped``: the file itself, the part past the size bound or a damaged record, and
-    values that are not finite numbers or are out of range.
+    What it passes over goes to ``skipped``: the file itself, the part past the size bound or a damaged
+    record, and values that are not finite numbers or are out of range.
     """
     try:
         data, cut = read_log_file(file)
@@ -182,8 +188,8 @@ def _read_file(file: Path, skipped: list[str]) -> dict[str, Series] | None:
     if cut:
         what = "row" if file.name == CSV_NAME else "record"
         skipped.append(
-            f"{_shown(file)}: larger than {_reading.MAX_FILE_BYTES} bytes; read up to there (the {what} cut there left"
-            " out)"
+            f"{_shown(file)}: larger than {_reading.MAX_FILE_BYTES} bytes; read up to there (the {what} cut"
+            " there left out)"
         )
     bad: list[str] = []
     if file.name == CSV_NAME:
@@ -199,15 +205,19 @@ def _read_file(file: Path, skipped: list[str]) -> dict[str, Series] | None:
             table = error.scalars
             kept = sum(map(len, table.values()))
             skipped.append(
-                f"{printable(str(error))}; the rest of the file is skipped ({kept} scalars before it are kept)"
+                f"{printable(str(error))}; the rest of the file is skipped ({kept} scalars before it are"
+                " kept)"
             )
         for key, points in table.items():
             bad.extend(
-                f"{key} at step {step} = {value!r} is out of range (beyond ±{MAX_MAGNITUDE:g}; value left out)"
+                f"{key} at step {step} = {value!r} is out of range (beyond ±{MAX_MAGNITUDE:g}; value left"
+                " out)"
                 for step, value in points
                 if math.isfinite(value) and not in_range(value)
             )
-            table[key] = [(step, value) for step, value in points if not math.isfinite(value) or in_range(value)]
+            table[key] = [
+                (step, value) for step, value in points if not math.isfinite(value) or in_range(value)
+            ]
     skipped.extend(f"{_shown(file)}, {printable(what)}" for what in bad[:NOTICES_PER_FILE])
     if len(bad) > NOTICES_PER_FILE:
         skipped.append(f"{_shown(file)}: {len(bad) - NOTICES_PER_FILE} more values left out, as above")
@@ -215,10 +225,13 @@ def _read_file(file: Path, skipped: list[str]) -> dict[str, Series] | None:
 
 
 def _read_csv(data: bytes, bad: list[str] | None = None) -> dict[str, Series]:
-    """``CSVLogger``'s ``metrics.csv`` (UTF-8): one row per ``log_metrics`` call, a ``step`` column, empty cells.
+    """``CSVLogger``'s ``metrics.csv`` (UTF-8).
 
-    A cell that is not a finite number below :data:`MAX_MAGNITUDE`, or a row whose step is not an integer that an
-    int64 holds (as TensorBoard's steps), is left out and described in ``bad`` (the rest of the file is kept).
+    One row per ``log_metrics`` call, a ``step`` column, empty cells.
+
+    A cell that is not a finite number below :data:`MAX_MAGNITUDE`, or a row whose step is not an integer
+    that an int64 holds (as TensorBoard's steps), is left out and described in ``bad`` (the rest of the file
+    is kept).
     """
     table: dict[str, Series] = {}
     with io.StringIO(data.decode("utf-8"), newline="") as handle:
@@ -238,7 +251,9 @@ def _read_csv(data: bytes, bad: list[str] | None = None) -> dict[str, Series]:
                 continue
             if not -(2**63) <= step < 2**63:
                 if bad is not None:
-                    bad.append(f"line {line}: step {step_text!r} is out of range (beyond int64; row left out)")
+                    bad.append(
+                        f"line {line}: step {step_text!r} is out of range (beyond int64; row left out)"
+                    )
                 continue
             for key, text in row.items():
                 if key is None or key == "step" or not text or not key.startswith(PREFIX):
@@ -254,7 +269,8 @@ def _read_csv(data: bytes, bad: list[str] | None = None) -> dict[str, Series]:
                 if not in_range(value):
                     if bad is not None:
                         bad.append(
-                            f"line {line}: {key} = {text!r} is out of range (beyond ±{MAX_MAGNITUDE:g}; cell left out)"
+                            f"line {line}: {key} = {text!r} is out of range (beyond ±{MAX_MAGNITUDE:g}; cell"
+                            " left out)"
                         )
                     continue
                 table.setdefault(key, []).append((step, value))

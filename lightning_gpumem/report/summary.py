@@ -19,10 +19,10 @@ class RunSummary:
     Attributes:
         name: the run's directory relative to the log directory.
         steps: first and last step with a ``gpumem/`` value.
-        stage_peaks: per stage (``train``, ``val``, ...): the highest logged peak allocated and peak reserved (over
-            ranks, where the ``_max`` keys were logged; likewise the other peaks).
-        batch_peak_mean: mean of the per-batch peaks (``train_peak_allocated_gib``, rank zero's) over the logged
-            batches.
+        stage_peaks: per stage (``train``, ``val``, ...): the highest logged peak allocated and peak reserved
+            (over ranks, where the ``_max`` keys were logged; likewise the other peaks).
+        batch_peak_mean: mean of the per-batch peaks (``train_peak_allocated_gib``, rank zero's) over the
+            logged batches.
         batch_peak_max: the largest of them.
         logged_batches: how many training batches were logged.
         nvml_process_peak: the highest NVML reading for the process (what ``nvidia-smi`` lists for it).
@@ -31,30 +31,32 @@ class RunSummary:
         non_torch_peak: the highest non-PyTorch share (CUDA context, NCCL, cuBLAS).
         host_rss_peak: the highest host resident memory.
         budget: the last ``MemoryBudget`` logged.
-        headroom: ``budget`` minus the highest peak reserved over the stages; without a budget, ``nvml_total`` minus
-            that peak and ``non_torch_peak``.
+        headroom: ``budget`` minus the highest peak reserved over the stages; without a budget,
+            ``nvml_total`` minus that peak and ``non_torch_peak``.
         batch_size: the last batch size a ``BatchSizeTuner`` logged.
-        token_budget: the last ``TokenBudgetSampler`` budget a ``BatchSizeTuner`` tuned, and the epoch's padding
-            fraction (%) at that budget; ``None`` where no budget was tuned.
+        token_budget: the last ``TokenBudgetSampler`` budget a ``BatchSizeTuner`` tuned, and the epoch's
+            padding fraction (%) at that budget; ``None`` where no budget was tuned.
         tuned_budget: the memory budget the ``BatchSizeTuner`` tuned for (``gpumem/batch_size_budget_gib``).
-        step_peaks_over_budget: the logged training steps' peak reserved (the highest over ranks where logged)
-            over ``budget``, else over ``tuned_budget``: p50, p99 and max, and how many steps; ``None`` without a
-            budget or per-step peaks.
-        plan: what a ``MemoryPlanner`` logged before step 1 (``gpumem/plan_*``): the predicted peak at the run's batch
-            size and its band, the line's fixed part and per-sample slope, the memory outside PyTorch and the largest
-            batch size of its first budget; empty without a planner.
+        step_peaks_over_budget: the logged training steps' peak reserved (the highest over ranks where
+            logged) over ``budget``, else over ``tuned_budget``: p50, p99 and max, and how many steps;
+            ``None`` without a budget or per-step peaks.
+        plan: what a ``MemoryPlanner`` logged before step 1 (``gpumem/plan_*``): the predicted peak at the
+            run's batch size and its band, the line's fixed part and per-sample slope, the memory outside
+            PyTorch and the largest batch size of its first budget; empty without a planner.
         cache_releases: releases by ``EmptyCacheOnThreshold`` (summed over ranks where logged per rank).
         released: GiB those releases gave back.
         leak_warnings: how many times the monitor warned of a leak.
         leaks_watched: the monitor's leak detection logged a growth rate or a warning.
-        leak_rate: the growth rate, MiB per step, logged at the first leak warning or the first logging step after
-            it (the detector stops sampling there, so its estimate holds from then on); ``None`` without a warning.
-            A leak-free run's estimates are noise about zero, the highest of them the first, made from the first
-            samples after the warm-up: they are not shown.
+        leak_rate: the growth rate, MiB per step, logged at the first leak warning or the first logging step
+            after it (the detector stops sampling there, so its estimate holds from then on); ``None``
+            without a warning. A leak-free run's estimates are noise about zero, the highest of them the
+            first, made from the first samples after the warm-up: they are not shown.
         alloc_retries: allocator retries (cumulative count, last value).
         ooms: out-of-memory errors (cumulative count, last value).
-        over_ranks: cross-rank ``_max`` keys were logged (DDP/FSDP): the peaks above are the highest over ranks.
-        advice: the fit-end summary's advice (:func:`~lightning_gpumem._core.summary.advice`) on what the logs say.
+        over_ranks: cross-rank ``_max`` keys were logged (DDP/FSDP): the peaks above are the highest over
+            ranks.
+        advice: the fit-end summary's advice (:func:`~lightning_gpumem._core.summary.advice`) on what the
+            logs say.
     """
 
     name: str
@@ -93,10 +95,16 @@ class RunSummary:
 
 
 def summarize(run: Run) -> RunSummary:
-    """Reduce a run's series to its :class:`RunSummary` (its ``memory`` the same model the fit-end summary uses)."""
+    """Reduce a run's series to its :class:`RunSummary`.
+
+    Its ``memory`` is the same model the fit-end summary uses.
+    """
     steps = [step for points in run.series.values() for step, _ in points]
     peaks = {
-        stage: (_highest(run, keys.PEAK_ALLOCATED.format(stage)), _highest(run, keys.PEAK_RESERVED.format(stage)))
+        stage: (
+            _highest(run, keys.PEAK_ALLOCATED.format(stage)),
+            _highest(run, keys.PEAK_RESERVED.format(stage)),
+        )
         for stage in keys.STAGES
     }
     peaks = {stage: pair for stage, pair in peaks.items() if pair != (None, None)}
@@ -125,7 +133,9 @@ def summarize(run: Run) -> RunSummary:
         budget=budget,
         headroom=None if headroom is None else headroom / GIB,
         batch_size=None if batch_size is None or token_budget is not None else round(batch_size),
-        token_budget=None if token_budget is None else (round(token_budget), run.last(keys.PADDING.format())),
+        token_budget=None
+        if token_budget is None
+        else (round(token_budget), run.last(keys.PADDING.format())),
         tuned_budget=tuned_budget,
         step_peaks_over_budget=_step_peaks_over(run, budget if budget is not None else tuned_budget),
         plan={key.name: value for key in PLAN_KEYS if (value := run.last(key.format())) is not None},
@@ -136,24 +146,35 @@ def summarize(run: Run) -> RunSummary:
         leak_rate=_rate_when_flagged(run),
         alloc_retries=memory.alloc_retries,
         ooms=memory.num_ooms,
-        over_ranks=any(found is not None and found.suffix == "_max" for found in map(keys.parse, run.series)),
+        over_ranks=any(
+            found is not None and found.suffix == "_max" for found in map(keys.parse, run.series)
+        ),
         advice=advice(memory),
     )
 
 
 def run_memory(run: Run, peaks: dict[str, tuple[float | None, float | None]] | None = None) -> RunMemory:
-    """The run as the fit-end summary models it (a :class:`~lightning_gpumem._core.summary.RunMemory`), from its logs.
+    """The run as the fit-end summary models it, from its logs.
 
-    What the logs cannot say (precision, DDP settings, layers) is left unknown, and the advice that rests on it is not
-    given.
+    A :class:`~lightning_gpumem._core.summary.RunMemory`.
+
+    What the logs cannot say (precision, DDP settings, layers) is left unknown, and the advice that rests on
+    it is not given.
     """
     if peaks is None:
         peaks = {
-            stage: (_highest(run, keys.PEAK_ALLOCATED.format(stage)), _highest(run, keys.PEAK_RESERVED.format(stage)))
+            stage: (
+                _highest(run, keys.PEAK_ALLOCATED.format(stage)),
+                _highest(run, keys.PEAK_RESERVED.format(stage)),
+            )
             for stage in keys.STAGES
         }
         peaks = {stage: pair for stage, pair in peaks.items() if pair != (None, None)}
-    ranks = [int(found.suffix[5:]) for found in map(keys.parse, run.series) if found and found.suffix[:5] == "_rank"]
+    ranks = [
+        int(found.suffix[5:])
+        for found in map(keys.parse, run.series)
+        if found and found.suffix[:5] == "_rank"
+    ]
     return RunMemory(
         device_name=run.name,
         total_bytes=_bytes(run.last(keys.NVML_TOTAL.format())),
@@ -173,7 +194,7 @@ def run_memory(run: Run, peaks: dict[str, tuple[float | None, float | None]] | N
 
 
 def _rate_when_flagged(run: Run) -> float | None:
-    """The leak rate logged at the first leak warning or next after it, ``None`` where no leak was flagged."""
+    """The leak rate logged at the first leak warning or next after it; ``None`` where none was flagged."""
     flagged = [step for step, value in run.series.get(keys.LEAK_WARNINGS.format(), []) if in_range(value)]
     if not flagged:
         return None
@@ -182,9 +203,10 @@ def _rate_when_flagged(run: Run) -> float | None:
 
 
 def _step_peaks_over(run: Run, budget: float | None) -> tuple[float, float, float, int] | None:
-    """p50, p99 and max of the training steps' peak reserved over ``budget`` (GiB), and the number of steps."""
+    """p50, p99 and max of the training steps' peak reserved over ``budget`` (GiB), and the step count."""
     key = keys.PEAK_RESERVED.format("train")
-    peaks = run.values(f"{key}_max") or run.values(key)  # under DDP/FSDP the highest rank's: each rank has the budget
+    # under DDP/FSDP the highest rank's: each rank has the budget
+    peaks = run.values(f"{key}_max") or run.values(key)
     if not peaks or budget is None or budget <= 0:
         return None
     ratios = sorted(peak / budget for peak in peaks)
@@ -192,7 +214,7 @@ def _step_peaks_over(run: Run, budget: float | None) -> tuple[float, float, floa
 
 
 def _percentile(ordered: list[float], q: float) -> float:
-    """The ``q``-th percentile of sorted values, interpolated linearly between the closest ranks (numpy's default)."""
+    """The ``q``-th percentile of sorted values, linear between the closest ranks (numpy's default)."""
     position = (len(ordered) - 1) * q / 100
     below = int(position)
     above = min(below + 1, len(ordered) - 1)
@@ -228,7 +250,7 @@ def _per_rank_total(run: Run, key: keys.Key) -> float | None:
 
 
 def _gib(value: float | None, digits: int = 2) -> str:
-    """A value logged in GiB, formatted as the rest of the package formats bytes; ``-`` where it was not logged."""
+    """A value logged in GiB, formatted as the package formats bytes; ``-`` where it was not logged."""
     return "-" if value is None else format_gib(value * GIB, digits)
 
 
@@ -284,7 +306,8 @@ def rows(summary: RunSummary) -> list[tuple[str, str]]:
         out.append(
             (
                 "step peak reserved / budget",
-                f"p50 {p50:.2f}, p99 {p99:.2f}, max {highest:.2f} over {steps} logged training steps ({whose})",
+                f"p50 {p50:.2f}, p99 {p99:.2f}, max {highest:.2f} over {steps} logged training steps"
+                f" ({whose})",
             )
         )
     if summary.plan:
@@ -293,10 +316,19 @@ def rows(summary: RunSummary) -> list[tuple[str, str]]:
         released = f", {_gib(summary.released)} given back" if summary.released is not None else ""
         out.append(("cache releases", f"{summary.cache_releases}{released}"))
     if summary.leaks_watched:
-        rate = f" (growth {summary.leak_rate:.2f} MiB/step when flagged)" if summary.leak_rate is not None else ""
+        rate = (
+            f" (growth {summary.leak_rate:.2f} MiB/step when flagged)"
+            if summary.leak_rate is not None
+            else ""
+        )
         out.append(("leak warnings", f"{summary.leak_warnings}{rate}"))
     if summary.alloc_retries is not None or summary.ooms is not None:
-        out.append(("allocator retries / OOMs", f"{_count_text(summary.alloc_retries)} / {_count_text(summary.ooms)}"))
+        out.append(
+            (
+                "allocator retries / OOMs",
+                f"{_count_text(summary.alloc_retries)} / {_count_text(summary.ooms)}",
+            )
+        )
     if summary.host_rss_peak is not None:
         out.append(("host RSS peak", _gib(summary.host_rss_peak)))
     out.extend(("advice", line) for line in summary.advice)
@@ -318,9 +350,15 @@ def _plan_text(plan: dict[str, float]) -> str:
     parts = []
     if keys.PLAN_PEAK.name in plan:
         band = plan.get(keys.PLAN_BAND.name)
-        parts.append(f"peak {plan[keys.PLAN_PEAK.name]:.2f}" + (f" +- {band:.2f}" if band is not None else "") + " GiB")
+        parts.append(
+            f"peak {plan[keys.PLAN_PEAK.name]:.2f}"
+            + (f" +- {band:.2f}" if band is not None else "")
+            + " GiB"
+        )
     if keys.PLAN_FIXED.name in plan and keys.PLAN_PER_SAMPLE.name in plan:
-        parts.append(f"{plan[keys.PLAN_FIXED.name]:.2f} GiB + {plan[keys.PLAN_PER_SAMPLE.name]:.1f} MiB per sample")
+        parts.append(
+            f"{plan[keys.PLAN_FIXED.name]:.2f} GiB + {plan[keys.PLAN_PER_SAMPLE.name]:.1f} MiB per sample"
+        )
     if keys.PLAN_OUTSIDE.name in plan:
         parts.append(f"{plan[keys.PLAN_OUTSIDE.name]:.2f} GiB outside PyTorch")
     if keys.PLAN_LARGEST.name in plan:
@@ -332,4 +370,6 @@ def format_table(summary: RunSummary) -> str:
     """The run's table as aligned plain text, headed by the run's name; control characters escaped."""
     table = [(printable(label), printable(value)) for label, value in rows(summary)]
     width = max((len(label) for label, _ in table), default=0)
-    return "\n".join([f"run {printable(summary.name)}", *(f"  {label:<{width}}  {value}" for label, value in table)])
+    return "\n".join(
+        [f"run {printable(summary.name)}", *(f"  {label:<{width}}  {value}" for label, value in table)]
+    )

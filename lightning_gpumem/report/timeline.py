@@ -54,11 +54,14 @@ def release_steps(run: Run) -> list[int]:
 
 
 def title(run: Run) -> str:
-    """The run's name, with the tuned batch size where a ``BatchSizeTuner`` logged one (raw: escape it to show it)."""
+    """The run's name, with the tuned batch size where a ``BatchSizeTuner`` logged one.
+
+    Raw: escape it to show it.
+    """
     return run.name + tuned(run)
 
 
 def tuned(run: Run) -> str:
-    """What :func:`title` adds to the run's name: ``"  (tuned batch size N)"``, or ``""`` where none was logged."""
+    """What :func:`title` adds to the run's name: ``"  (tuned batch size N)"``, or ``""`` if none."""
     batch_size = run.last(keys.BATCH_SIZE.format())
     return "" if batch_size is None else f"  (tuned batch size {round(batch_size)})"

@@ -61,6 +61,7 @@ class Bracket:
     lo: int
     hi: int | None
     upper: int
+    tolerance: float = 0.0  # the search's: the bracket is closed once hi - lo - 1 <= tolerance * lo
     last_move: Move | None = None  # None: no move yet
     last_accepted: bool = False
     last_size: int = 0
@@ -75,6 +76,16 @@ class Bracket:
     def top(self) -> int:
         """The largest size still open."""
         return self.upper if self.hi is None else self.hi - 1
+
+    def edge(self, ev: Evidence) -> int:
+        """The size just above ``lo`` that ends the search if it fails.
+
+        The largest whose failure closes the bracket within the tolerance, where live tensors alone leave room
+        past it; else ``lo + 1`` (the boundary is then exact).
+        """
+        far = min(self.top, self.lo + 1 + math.floor(self.tolerance * self.lo))
+        room = ev.optimistic_size()
+        return far if room is not None and room > far else self.lo + 1
 
 
 @dataclass
@@ -199,8 +210,9 @@ def _edge(b: Bracket, ev: Evidence) -> Proposal | None:
         return None
     if safe is None and not ev.has_model:
         return None  # no model at all: doubling and bisection decide
-    reason = f"the safe model has nothing above it: if {b.lo + 1} fails the search is over"
-    return Proposal(Move.EDGE, b.lo + 1, reason)
+    edge = b.edge(ev)
+    reason = f"the safe model has nothing above it: if {edge} fails the search is over"
+    return Proposal(Move.EDGE, edge, reason)
 
 
 def _squeezed(b: Bracket, ev: Evidence) -> Proposal | None:
@@ -242,7 +254,8 @@ def _near_cap(b: Bracket, ev: Evidence) -> Proposal | None:
         return Proposal(Move.NEAR_CAP, size, f"{reason} at {size}")
     if b.edge_at == b.lo or b.lo + 1 > b.top or b.lo_move not in (*MODEL_MOVES, Move.NEAR_CAP):
         return None  # only from a size a model chose: no crawling one size per trial
-    return Proposal(Move.EDGE, b.lo + 1, f"near the cap, no room above {b.lo + 1}: if it fails the search is over")
+    edge = b.edge(ev)
+    return Proposal(Move.EDGE, edge, f"near the cap, no room above {b.lo}: if {edge} fails the search is over")
 
 
 def _optimistic(b: Bracket, ev: Evidence) -> Proposal | None:

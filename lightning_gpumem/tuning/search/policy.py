@@ -110,7 +110,7 @@ def search_batch_size(
         size = guess if guess is not None and 1 <= guess < size else max(1, size // 2)
 
     # 2. Up the bracket, one move per trial.
-    bracket = Bracket(lo=size, hi=hi, upper=upper)
+    bracket = Bracket(lo=size, hi=hi, upper=upper, tolerance=tolerance)
     while True:
         lo = bracket.lo
         stop = _stop(bracket, trials, limit_bytes, max_trials, tolerance)
