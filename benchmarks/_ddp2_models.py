@@ -136,7 +136,9 @@ class TinyGPT(pl.LightningModule):
             raise simulated_oom(self.global_rank)
         logits = self(batch[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-        self.log("train_loss", loss, sync_dist=True)  # a collective in the step: must not pair with an agreement
+        self.log(
+            "train_loss", loss, sync_dist=True
+        )  # a collective in the step: must not pair with an agreement
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

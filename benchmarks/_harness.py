@@ -89,7 +89,9 @@ def _source_version(module: str) -> str | None:
         return None
     if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
         return None
-    found = re.search(r"""^__version__\s*=\s*["']([^"']+)["']""", Path(spec.origin).read_text("utf-8"), re.MULTILINE)
+    found = re.search(
+        r"""^__version__\s*=\s*["']([^"']+)["']""", Path(spec.origin).read_text("utf-8"), re.MULTILINE
+    )
     return found.group(1) if found else None
 
 
@@ -128,7 +130,11 @@ class Worker:
     """
 
     def __init__(
-        self, argv: list[str], name: str = "worker", env: dict[str, str] | None = None, workdir: Path | None = None
+        self,
+        argv: list[str],
+        name: str = "worker",
+        env: dict[str, str] | None = None,
+        workdir: Path | None = None,
     ) -> None:
         self.argv = argv
         self._tmp = None if workdir is not None else tempfile.TemporaryDirectory(prefix="bench_worker_")
@@ -142,7 +148,9 @@ class Worker:
         self.started = time.perf_counter()
         env = env if env is not None else worker_env()
         with open(self.out, "w", encoding="utf-8") as out, open(self.err, "w", encoding="utf-8") as err:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env, cwd=REPO_ROOT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                argv, stdout=out, stderr=err, env=env, cwd=REPO_ROOT, start_new_session=True
+            )
 
     def stderr_tail(self, chars: int = 800) -> str:
         """The last ``chars`` characters of stderr so far (the worker may still be running)."""
@@ -186,7 +194,9 @@ class Worker:
         return f"{why}: ...{self.stderr_tail()}"
 
 
-def run_worker(argv: list[str], timeout: float, name: str = "worker", env: dict[str, str] | None = None) -> Worker:
+def run_worker(
+    argv: list[str], timeout: float, name: str = "worker", env: dict[str, str] | None = None
+) -> Worker:
     """Start a :class:`Worker` and wait for it, at most ``timeout`` seconds."""
     return Worker(argv, name, env).wait(time.perf_counter() + timeout)
 
@@ -284,10 +294,15 @@ def _window_callback_classes() -> tuple[type, type]:
         def __init__(self, window: StepWindow) -> None:
             self.window = window
 
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        def on_train_batch_end(
+            self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+        ) -> None:
             self.window.batch_ended()
 
-    for cls in (WindowStart, WindowEnd):  # Lightning names a callback by its qualified name (profiler, state key)
+    for cls in (
+        WindowStart,
+        WindowEnd,
+    ):  # Lightning names a callback by its qualified name (profiler, state key)
         cls.__qualname__ = cls.__name__
     return WindowStart, WindowEnd
 
@@ -321,7 +336,10 @@ def rotation(configs: Sequence[str], index: int) -> list[str]:
 
 
 def interleaved_rounds(
-    configs: Sequence[str], rounds: int, measure: Callable[[str], float], progress: Callable[[str], None] | None = None
+    configs: Sequence[str],
+    rounds: int,
+    measure: Callable[[str], float],
+    progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, float]]:
     """``rounds`` rounds of ``measure(config)`` for every config, the order rotated by one each round.
 

@@ -42,7 +42,9 @@ DATASETS = ("zipf", "skewed")
 ATTENTIONS = ("sdpa", "eager")
 DEFAULT_SAMPLES = 8000  # full size: (sdpa, zipf) epochs of about 20-30 s on an H100 (see token_budget.py)
 QUICK_SAMPLES = 600
-SIMULATED_OOM_MESSAGE = "CUDA out of memory: too many padded tokens in the batch (simulated, token_budget.py --quick)"
+SIMULATED_OOM_MESSAGE = (
+    "CUDA out of memory: too many padded tokens in the batch (simulated, token_budget.py --quick)"
+)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,9 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-SIMULATED_OOM_MESSAGE = "CUDA out of memory. Tried to allocate 1.00 GiB (simulated by benchmarks/tuner.py --quick)"
+SIMULATED_OOM_MESSAGE = (
+    "CUDA out of memory. Tried to allocate 1.00 GiB (simulated by benchmarks/tuner.py --quick)"
+)
 
 
 @dataclass(frozen=True)
@@ -87,15 +89,30 @@ def workload(name: str, quick: bool) -> Workload:
     if name == "gpt":
         if quick:
             return Workload(
-                "gpt", "gpt", 4096, 2048, simulated_oom_above=37, vocab=256, seq_len=32, d_model=64, layers=2, heads=4
+                "gpt",
+                "gpt",
+                4096,
+                2048,
+                simulated_oom_above=37,
+                vocab=256,
+                seq_len=32,
+                d_model=64,
+                layers=2,
+                heads=4,
             )
         # 16384 samples: 50 steps at any plausible size stay inside one epoch; 16384 x 513 int64 is 67 MB.
-        return Workload("gpt", "gpt", 16384, 2048, vocab=32768, seq_len=512, d_model=1024, layers=16, heads=16)
+        return Workload(
+            "gpt", "gpt", 16384, 2048, vocab=32768, seq_len=512, d_model=1024, layers=16, heads=16
+        )
     if name == "resnet":
         if quick:
-            return Workload("resnet", "cnn", 4096, 1024, simulated_oom_above=53, image_size=32, num_classes=10)
+            return Workload(
+                "resnet", "cnn", 4096, 1024, simulated_oom_above=53, image_size=32, num_classes=10
+            )
         workers = max(0, min(6, (os.cpu_count() or 2) // 2))  # 1 ms per generated image: keep the GPU fed
-        return Workload("resnet", "resnet", 65536, 1024, num_workers=workers, image_size=224, num_classes=1000)
+        return Workload(
+            "resnet", "resnet", 65536, 1024, num_workers=workers, image_size=224, num_classes=1000
+        )
     if name in ("gpt124", "gpt-ckpt", "encoder"):
         if quick:
             return Workload(name, "gpt", 4096, 2048, simulated_oom_above=37, vocab=256, seq_len=32, d_model=64,
@@ -108,10 +125,14 @@ def workload(name: str, quick: bool) -> Workload:
     if name == "hf-gpt2":
         if quick:
             tiny = {"vocab": 256, "seq_len": 32, "d_model": 64, "layers": 2, "heads": 4}
-            kind = "hfgpt2" if _transformers_importable() else "gpt"  # the tiny GPT stands in without transformers
+            kind = (
+                "hfgpt2" if _transformers_importable() else "gpt"
+            )  # the tiny GPT stands in without transformers
             return Workload(name, kind, 4096, 2048, simulated_oom_above=37, **tiny)
         # 16384 samples as for `gpt`: 50 steps at any plausible size stay inside one epoch (16384 x 513 int64, 67 MB).
-        return Workload(name, "hfgpt2", 16384, 2048, vocab=50257, seq_len=512, d_model=1024, layers=24, heads=16)
+        return Workload(
+            name, "hfgpt2", 16384, 2048, vocab=50257, seq_len=512, d_model=1024, layers=24, heads=16
+        )
     if name == "vit":
         if quick:
             return Workload("vit", "cnn", 4096, 1024, simulated_oom_above=53, image_size=32, num_classes=10)
@@ -218,7 +239,14 @@ def build_model(w: Workload) -> nn.Module:
     if w.kind == "gpt":
         classes = 2 if not w.causal else 0
         return GPT(
-            w.vocab, max(w.seq_len, w.val_seq_len), w.d_model, w.layers, w.heads, w.checkpointing, w.causal, classes
+            w.vocab,
+            max(w.seq_len, w.val_seq_len),
+            w.d_model,
+            w.layers,
+            w.heads,
+            w.checkpointing,
+            w.causal,
+            classes,
         )
     if w.kind == "hfgpt2":
         from transformers import GPT2Config, GPT2LMHeadModel  # only the hf-gpt2 workload needs it
@@ -292,7 +320,10 @@ def batch_length(batch: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> int:
 
 
 def compute_loss(
-    w: Workload, model: nn.Module, batch: list[torch.Tensor] | tuple[torch.Tensor, ...], validation: bool = False
+    w: Workload,
+    model: nn.Module,
+    batch: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    validation: bool = False,
 ) -> torch.Tensor:
     """Next-token cross-entropy (GPTs) or classification cross-entropy (images); raises a simulated OOM in --quick."""
     check_simulated_oom(w, batch_length(batch), validation)
@@ -333,7 +364,9 @@ def is_oom(error: BaseException) -> bool:
     A copy of ``lightning_gpumem._hw.oom.is_oom_error``: importing that module imports the package and with it
     Lightning, which the probe workers avoid.
     """
-    oom_types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None), torch.cuda.OutOfMemoryError) if t)
+    oom_types = tuple(
+        t for t in (getattr(torch, "OutOfMemoryError", None), torch.cuda.OutOfMemoryError) if t
+    )
     if isinstance(error, oom_types):
         return True
     return isinstance(error, RuntimeError) and any(text in str(error) for text in _OOM_MESSAGES)

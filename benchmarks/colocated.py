@@ -92,7 +92,9 @@ def holder_worker(args: argparse.Namespace) -> int:
     try:
         free, total = torch.cuda.mem_get_info()  # after this process's own CUDA context
         if free <= args.free_bytes:
-            raise RuntimeError(f"only {free / GIB:.1f} GiB free, not more than F = {args.free_bytes / GIB:.1f} GiB")
+            raise RuntimeError(
+                f"only {free / GIB:.1f} GiB free, not more than F = {args.free_bytes / GIB:.1f} GiB"
+            )
         block = torch.empty(free - args.free_bytes, dtype=torch.uint8, device="cuda")
         info = {"device": torch.cuda.get_device_name(), "total_bytes": total, "free_before_bytes": free}
         info.update(held_bytes=block.numel(), free_after_bytes=torch.cuda.mem_get_info()[0])
@@ -174,7 +176,9 @@ def _a_classes() -> tuple[type, type, type]:
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
         def train_dataloader(self) -> DataLoader:
-            return DataLoader(torch.arange(self.steps), batch_size=None)  # dummy batches; the data is drawn on the GPU
+            return DataLoader(
+                torch.arange(self.steps), batch_size=None
+            )  # dummy batches; the data is drawn on the GPU
 
         def val_dataloader(self) -> DataLoader:
             return DataLoader(torch.arange(2), batch_size=None)
@@ -191,7 +195,10 @@ def _a_classes() -> tuple[type, type, type]:
             info: dict[str, Any] = {"step": trainer.global_step}
             if self.cuda:
                 torch.cuda.synchronize()
-                info.update(reserved_bytes=torch.cuda.memory_reserved(), allocated_bytes=torch.cuda.memory_allocated())
+                info.update(
+                    reserved_bytes=torch.cuda.memory_reserved(),
+                    allocated_bytes=torch.cuda.memory_allocated(),
+                )
                 info["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
             if self.cache is not None:
                 info["releases"] = self.cache.releases
@@ -235,7 +242,13 @@ def _hook_cost(cache: Any, trainer: Any, module: Any) -> dict[str, Any]:
 
 def a_worker(args: argparse.Namespace) -> int:
     """A: the Lightning fit with the validation spike; reports memory after its first validation and its speed."""
-    result: dict[str, Any] = {"role": "A", "scenario": args.scenario, "finished": False, "oom": False, "error": None}
+    result: dict[str, Any] = {
+        "role": "A",
+        "scenario": args.scenario,
+        "finished": False,
+        "oom": False,
+        "error": None,
+    }
     try:
         warnings.filterwarnings("ignore", message=r".*(num_workers|does not have many workers).*")
         import lightning.pytorch as pl
@@ -251,7 +264,13 @@ def a_worker(args: argparse.Namespace) -> int:
         start, end = window.callbacks()
         cache = cache_cls(threshold=args.threshold) if args.scenario == "with" else None
         signal_cb = signal_cls(args, cuda, cache)
-        callbacks = [start, MemoryBudget(args.free_bytes), *([cache] if cache is not None else []), end, signal_cb]
+        callbacks = [
+            start,
+            MemoryBudget(args.free_bytes),
+            *([cache] if cache is not None else []),
+            end,
+            signal_cb,
+        ]
         with tempfile.TemporaryDirectory(prefix="colocated_") as root:
             trainer = pl.Trainer(
                 accelerator="gpu" if cuda else "cpu",
@@ -304,7 +323,9 @@ def _wait_ready(path: Path, holder: H.Worker, seconds: float) -> dict[str, Any]:
     return {"error": "holder: timeout"}
 
 
-def run_scenario(args: argparse.Namespace, scenario: str, sizes: dict[str, int], root: Path) -> dict[str, Any]:
+def run_scenario(
+    args: argparse.Namespace, scenario: str, sizes: dict[str, int], root: Path
+) -> dict[str, Any]:
     """A fresh holder, then A and B together; returns their results. Every process is gone when it returns."""
     workdir = root / scenario
     workdir.mkdir(parents=True, exist_ok=True)
@@ -312,7 +333,14 @@ def run_scenario(args: argparse.Namespace, scenario: str, sizes: dict[str, int],
     for path in files.values():
         path.unlink(missing_ok=True)
     env = H.worker_env()
-    base = [sys.executable, str(Path(__file__).resolve()), "--scenario", scenario, "--steps", str(args.steps)]
+    base = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--scenario",
+        scenario,
+        "--steps",
+        str(args.steps),
+    ]
     base += ["--threshold", str(args.threshold), "--wait", str(args.timeout / 2)]
     base += [f"--{key.replace('_', '-')}={value}" for key, value in sizes.items()]
     base += [f"--{name}-file={path}" for name, path in files.items()] + (["--quick"] if args.quick else [])
@@ -360,12 +388,17 @@ def _b_cell(entry: dict[str, Any]) -> str:
         return "not run"
     outcome = b.get("outcome") or ("timeout" if b.get("timed_out") else "error")
     free = b.get("free_before_bytes")
-    return ("**OOM**" if outcome == "OOM" else outcome) + ("" if free is None else f" ({free / GIB:.1f} GiB free)")
+    return ("**OOM**" if outcome == "OOM" else outcome) + (
+        "" if free is None else f" ({free / GIB:.1f} GiB free)"
+    )
 
 
 def _table(report: dict[str, Any]) -> str:
     threshold = report["settings"]["threshold"]
-    labels = {"without": "without `EmptyCacheOnThreshold`", "with": f"`EmptyCacheOnThreshold(threshold={threshold})`"}
+    labels = {
+        "without": "without `EmptyCacheOnThreshold`",
+        "with": f"`EmptyCacheOnThreshold(threshold={threshold})`",
+    }
     lines = [
         "| scenario | A finished | A reserved after validation (GiB) | A cache releases | B outcome | A steps/s |",
         "|---|---|---|---|---|---|",
@@ -373,8 +406,15 @@ def _table(report: dict[str, Any]) -> str:
     for scenario, entry in report["scenarios"].items():
         a = entry.get("A") or {}
         reserved = (a.get("first_validation") or {}).get("reserved_bytes")
-        cells = [_finished_cell(entry), _fmt(reserved, ".2f", 1 / GIB), str(a.get("releases", "-")), _b_cell(entry)]
-        lines.append(f"| {labels[scenario]} | " + " | ".join([*cells, _fmt(a.get("steps_per_second"))]) + " |")
+        cells = [
+            _finished_cell(entry),
+            _fmt(reserved, ".2f", 1 / GIB),
+            str(a.get("releases", "-")),
+            _b_cell(entry),
+        ]
+        lines.append(
+            f"| {labels[scenario]} | " + " | ".join([*cells, _fmt(a.get("steps_per_second"))]) + " |"
+        )
     return "\n".join(lines)
 
 
@@ -405,8 +445,12 @@ def orchestrate(args: argparse.Namespace) -> int:
     if args.steps is None:
         args.steps = 60 if args.quick else 400
     if args.steps // 2 < WARMUP_STEPS + 5:
-        sys.exit(f"--steps must be at least {2 * (WARMUP_STEPS + 5)}: {WARMUP_STEPS} warm-up steps, then 5 timed")
-    if not args.quick and not torch.cuda.is_available():  # no CUDA context here: the holder measures the memory
+        sys.exit(
+            f"--steps must be at least {2 * (WARMUP_STEPS + 5)}: {WARMUP_STEPS} warm-up steps, then 5 timed"
+        )
+    if (
+        not args.quick and not torch.cuda.is_available()
+    ):  # no CUDA context here: the holder measures the memory
         sys.exit("No CUDA device: the benchmark needs one. Use --quick for a CPU smoke run.")
     scale = MIB if args.quick else GIB
     spike_gib, b_need_gib = (16, 8) if args.quick else (args.spike_gib, args.b_need_gib)
@@ -424,14 +468,18 @@ def orchestrate(args: argparse.Namespace) -> int:
     if args.quick:
         print("quick mode: CPU, no holder, tiny sizes, the callbacks only warn; numbers are not meaningful")
     with contextlib.ExitStack() as stack:
-        root = Path(args.log_dir) if args.log_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        root = (
+            Path(args.log_dir) if args.log_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        )
         for scenario in SCENARIOS:
             H.log(f"{scenario}: starting")
             report["scenarios"][scenario] = run_scenario(args, scenario, sizes, root)
             report["summary"] = _summary(report)[0]
             if args.json:
                 Path(args.json).write_text(json.dumps(report, indent=2), "utf-8")
-    holder = next((e["holder"] for e in report["scenarios"].values() if "held_bytes" in e.get("holder", {})), None)
+    holder = next(
+        (e["holder"] for e in report["scenarios"].values() if "held_bytes" in e.get("holder", {})), None
+    )
     if holder is not None:
         print(
             f"GPU: {holder['device']} ({holder['total_bytes'] / GIB:.1f} GiB); F ="
@@ -448,7 +496,9 @@ def orchestrate(args: argparse.Namespace) -> int:
 def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--free-gib", type=float, default=12.0, help="free GPU memory F that A and B share")
-    parser.add_argument("--spike-gib", type=float, default=6.0, help="A's temporary allocation per validation batch")
+    parser.add_argument(
+        "--spike-gib", type=float, default=6.0, help="A's temporary allocation per validation batch"
+    )
     parser.add_argument("--b-need-gib", type=float, default=7.0, help="what B allocates and keeps")
     parser.add_argument("--threshold", type=float, default=0.5, help="EmptyCacheOnThreshold's threshold")
     parser.add_argument("--steps", type=int, help="A's training steps (default 400, 60 with --quick)")

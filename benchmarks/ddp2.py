@@ -166,7 +166,9 @@ def case_tuner(args: argparse.Namespace, out: Path) -> None:
     seed_everything(SEED)
     tuner = BatchSizeTuner(max_val=n if args.cpu else None)  # on a CPU the tuner searches only when asked
     model = M.TinyGPT(config, batch_size=2, n=n, oom_above=oom)
-    trainer = make_trainer(args, max_steps=5, callbacks=[*rank1_budget(args), tuner], deterministic=not args.cpu)
+    trainer = make_trainer(
+        args, max_steps=5, callbacks=[*rank1_budget(args), tuner], deterministic=not args.cpu
+    )
     start = time.perf_counter()
     trainer.fit(model)
     chosen = int(tuner.optimal_batch_size) if tuner.optimal_batch_size is not None else -1
@@ -218,10 +220,14 @@ def case_microbatch(args: argparse.Namespace, out: Path) -> None:
         def __init__(self, auto: AutoMicrobatch) -> None:
             self.auto, self.history = auto, []
 
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, b: Any, batch_idx: int) -> None:
+        def on_train_batch_end(
+            self, trainer: Any, pl_module: Any, outputs: Any, b: Any, batch_idx: int
+        ) -> None:
             self.history.append(self.auto.microbatches)
 
-    def fit(callbacks: list[Any], long_step: int | None, model_oom: dict[int, int] | None, n_steps: int) -> Any:
+    def fit(
+        callbacks: list[Any], long_step: int | None, model_oom: dict[int, int] | None, n_steps: int
+    ) -> Any:
         seed_everything(SEED)
         model = M.TinyGPT(config, oom_above=model_oom, optimizer="sgd", batches=data(long_step, n_steps))
         trainer = make_trainer(args, max_steps=n_steps, callbacks=callbacks, use_distributed_sampler=False)
@@ -231,7 +237,9 @@ def case_microbatch(args: argparse.Namespace, out: Path) -> None:
 
     seed_everything(SEED)
     initial = weights(M.TinyGPT(config))
-    trainer, reference, _ = fit([], LONG_STEP, None, steps)  # with room: no budget, no callback, nothing splits
+    trainer, reference, _ = fit(
+        [], LONG_STEP, None, steps
+    )  # with room: no budget, no callback, nothing splits
     reference_weights = weights(reference)
     auto = AutoMicrobatch()
     splits = Splits(auto)
@@ -290,16 +298,24 @@ def case_monitor(args: argparse.Namespace, out: Path) -> None:
     part: dict[str, Any] = {"rank": rank}
     if rank == 1:  # held for the whole fit
         # a touched (resident) host buffer on the CPU, a GPU one otherwise
-        buffer = torch.ones(512 * MIB // 4) if args.cpu else torch.ones(GIB // 4, device=torch.device("cuda", 1))
+        buffer = (
+            torch.ones(512 * MIB // 4) if args.cpu else torch.ones(GIB // 4, device=torch.device("cuda", 1))
+        )
         part["buffer_bytes"] = buffer.numel() * buffer.element_size()
     callbacks: list[Any] = [MemoryMonitor(log_every_n_steps=1, nvml_host_interval_s=0)]
     if not args.cpu:
         total = torch.cuda.get_device_properties(rank).total_memory
-        callbacks.append(EmptyCacheOnThreshold(threshold=0.5 * GIB / total, relative_to="device", min_steps_between=1))
+        callbacks.append(
+            EmptyCacheOnThreshold(threshold=0.5 * GIB / total, relative_to="device", min_steps_between=1)
+        )
     model = M.TinyGPT(M.CPU_GPT if args.cpu else M.SMALL_GPU_GPT, batch_size=8, n=256)
     log_dir = out / "monitor_logs"
     trainer = make_trainer(
-        args, max_steps=6, callbacks=callbacks, logger=CSVLogger(log_dir, name="", version=0), log_every_n_steps=1
+        args,
+        max_steps=6,
+        callbacks=callbacks,
+        logger=CSVLogger(log_dir, name="", version=0),
+        log_every_n_steps=1,
     )
     trainer.fit(model)
     part["global_step"] = int(trainer.global_step)
@@ -324,7 +340,9 @@ def outside_allocation(nbytes: int, device: Any) -> tuple[Callable[[], None], st
         return (lambda: driver.cuMemFree_v2(pointer)), "cuMemAlloc (outside the caching allocator)"
     except Exception as error:
         tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return (lambda: tensor.numel()), f"PyTorch tensor (counts as PyTorch memory: {H.describe_error(error)})"
+        return (
+            lambda: tensor.numel()
+        ), f"PyTorch tensor (counts as PyTorch memory: {H.describe_error(error)})"
 
 
 def case_planner(args: argparse.Namespace, out: Path) -> None:
@@ -369,7 +387,9 @@ def case_fsdp(args: argparse.Namespace, out: Path, which: str) -> None:
     try:
         from lightning.pytorch.strategies import FSDPStrategy
 
-        strategy = FSDPStrategy(timeout=timedelta(seconds=args.collective_timeout), auto_wrap_policy={M.Block})
+        strategy = FSDPStrategy(
+            timeout=timedelta(seconds=args.collective_timeout), auto_wrap_policy={M.Block}
+        )
         trainer = make_trainer(args, strategy=strategy, max_steps=3, callbacks=[callback])
     except Exception as error:
         part.update(outcome="not_available", message=H.describe_error(error))
@@ -426,7 +446,9 @@ def worker(args: argparse.Namespace) -> None:
         error_file = out / f"{name}.rank{local_rank()}.error"
         error_file.write_text(H.describe_error(error) + "\n" + traceback.format_exc()[-4000:])
         close_process_group()
-        sys.exit(0 if local_rank() else 1)  # rank 1 exits 0: a failed child makes Lightning kill rank 0 at once
+        sys.exit(
+            0 if local_rank() else 1
+        )  # rank 1 exits 0: a failed child makes Lightning kill rank 0 at once
     close_process_group()
 
 
@@ -472,7 +494,12 @@ def both(parts: dict[int, Any], key: str) -> tuple[Any, Any]:
 def check_tuner(c: Checks, parts: dict[int, Any], cpu: bool) -> None:
     case = "tuner"
     chosen = both(parts, "chosen")
-    c.check(case, "both ranks chose one batch size", chosen[0] == chosen[1] and chosen[0] > 0, f"rank 0, 1: {chosen}")
+    c.check(
+        case,
+        "both ranks chose one batch size",
+        chosen[0] == chosen[1] and chosen[0] > 0,
+        f"rank 0, 1: {chosen}",
+    )
     gathered = both(parts, "gathered")
     c.check(
         case,
@@ -482,7 +509,10 @@ def check_tuner(c: Checks, parts: dict[int, Any], cpu: bool) -> None:
     )
     ooms = [sum(not fits for _, fits in parts[r].get("trials", [])) for r in (0, 1)]
     c.check(
-        case, "a trial ran out of memory on rank 1 (tuning was bounded)", ooms[1] > 0, f"OOM trials per rank: {ooms}"
+        case,
+        "a trial ran out of memory on rank 1 (tuning was bounded)",
+        ooms[1] > 0,
+        f"OOM trials per rank: {ooms}",
     )
     if cpu:
         c.check(case, "the size fits rank 1's limit (24)", 0 < chosen[1] <= 24, chosen[1])
@@ -506,7 +536,9 @@ def check_tuner(c: Checks, parts: dict[int, Any], cpu: bool) -> None:
 def check_microbatch(c: Checks, parts: dict[int, Any], cpu: bool) -> None:
     case = "microbatch"
     splits = both(parts, "splits")
-    c.check(case, "same micro-batches per step on both ranks", splits[0] == splits[1], f"rank 0, 1: {splits}")
+    c.check(
+        case, "same micro-batches per step on both ranks", splits[0] == splits[1], f"rank 0, 1: {splits}"
+    )
     c.check(
         case,
         f"the long step ({LONG_STEP}) ran split on both ranks",
@@ -515,8 +547,12 @@ def check_microbatch(c: Checks, parts: dict[int, Any], cpu: bool) -> None:
     )
     c.info(case, "OOMs recovered per rank", list(both(parts, "recoveries")))
     steps = both(parts, "global_step")
-    c.check(case, "the fit ended on both ranks (no hang)", all(s == parts[0]["steps"] for s in steps), f"{steps}")
-    c.check(case, "weights equal across ranks", parts[0].get("sha256") == parts[1].get("sha256"), "split fit")
+    c.check(
+        case, "the fit ended on both ranks (no hang)", all(s == parts[0]["steps"] for s in steps), f"{steps}"
+    )
+    c.check(
+        case, "weights equal across ranks", parts[0].get("sha256") == parts[1].get("sha256"), "split fit"
+    )
     tolerance = 1e-5 if cpu else 2e-2
     rel = both(parts, "rel_diff")
     c.check(
@@ -531,7 +567,9 @@ def check_microbatch(c: Checks, parts: dict[int, Any], cpu: bool) -> None:
     if throughput is None:
         c.check(case, "throughput measured", False, "no throughput")
     elif cpu:
-        c.info(case, "steps/s AutoMicrobatch (never splitting) / plain DDP", f"{throughput['ratio']:.3f} (CPU)")
+        c.info(
+            case, "steps/s AutoMicrobatch (never splitting) / plain DDP", f"{throughput['ratio']:.3f} (CPU)"
+        )
     else:
         c.check(
             case,
@@ -555,7 +593,9 @@ def check_monitor(c: Checks, parts: dict[int, Any], cpu: bool) -> None:
         """``key``, ``_max`` and ``_min`` exist; ``_max`` is rank 1's (the buffer above ``_min``), plain is rank 0's."""
         names = [key, key + "_max", key + "_min"]
         missing = [k for k in names if k not in metrics]
-        c.check(case, f"{name}: plain, _max, _min logged", not missing, f"missing {missing}" if missing else "")
+        c.check(
+            case, f"{name}: plain, _max, _min logged", not missing, f"missing {missing}" if missing else ""
+        )
         if missing or not spread_checked:
             return
         plain, high, low = (max(metrics[k]) for k in names)
@@ -565,9 +605,16 @@ def check_monitor(c: Checks, parts: dict[int, Any], cpu: bool) -> None:
             high - low >= 0.8 * held,
             f"max {high:.3f}, min {low:.3f} GiB",
         )
-        c.check(case, f"{name}: plain key is rank 0's (== _min)", abs(plain - low) < 0.1 * held, f"plain {plain:.3f}")
+        c.check(
+            case,
+            f"{name}: plain key is rank 0's (== _min)",
+            abs(plain - low) < 0.1 * held,
+            f"plain {plain:.3f}",
+        )
 
-    spread("gpumem/host_rss_gib", "host RSS", spread_checked=cpu)  # rank 1's buffer is in host memory on the CPU
+    spread(
+        "gpumem/host_rss_gib", "host RSS", spread_checked=cpu
+    )  # rank 1's buffer is in host memory on the CPU
     if cpu:
         for what in ("train_peak_allocated", "train_peak_reserved", "per-rank cache_releases"):
             c.skip(case, f"{what} keys", "skipped on CPU: no CUDA memory to measure")
@@ -580,7 +627,10 @@ def check_monitor(c: Checks, parts: dict[int, Any], cpu: bool) -> None:
     c.check(
         case,
         "cache_releases_rank1 > 0 and cache_releases_rank0 == 0 (the per-rank keys name the right rank)",
-        releases[0] is not None and releases[1] is not None and max(releases[0]) == 0 and max(releases[1]) > 0,
+        releases[0] is not None
+        and releases[1] is not None
+        and max(releases[0]) == 0
+        and max(releases[1]) > 0,
         f"rank0 {releases[0] and max(releases[0])}, rank1 {releases[1] and max(releases[1])}",
     )
 
@@ -590,15 +640,23 @@ def check_planner(c: Checks, parts: dict[int, Any], cpu: bool) -> None:
     planned = both(parts, "planned")
     if cpu:
         steps = both(parts, "global_step")
-        c.check(case, "stop=True ended the fit before step 1 on both ranks (no plan on a CPU)", steps == (0, 0))
-        c.skip(case, "plan equal on both ranks", f"skipped on CPU: no allocator to measure (planned: {planned})")
+        c.check(
+            case, "stop=True ended the fit before step 1 on both ranks (no plan on a CPU)", steps == (0, 0)
+        )
+        c.skip(
+            case, "plan equal on both ranks", f"skipped on CPU: no allocator to measure (planned: {planned})"
+        )
         return
     c.check(case, "both ranks planned", all(planned), f"{planned}")
     steps = both(parts, "global_step")
     c.check(case, "stop=True ended the fit before step 1", steps == (0, 0), f"global_step {steps}")
     c.info(case, "rank 1's outside memory", parts[1].get("outside_how"))
     outside = both(parts, "outside")
-    c.info(case, "memory outside PyTorch per rank (GiB)", [None if o is None else round(o / GIB, 3) for o in outside])
+    c.info(
+        case,
+        "memory outside PyTorch per rank (GiB)",
+        [None if o is None else round(o / GIB, 3) for o in outside],
+    )
     c.check(
         case,
         "rank 1 measured its 2 GiB outside PyTorch",
@@ -625,7 +683,9 @@ def check_fsdp(c: Checks, name: str, parts: dict[int, Any], cpu: bool) -> None:
         return
     message = parts[0].get("message") or ""
     c.info(
-        name, "outcome", f"refused: {parts[0].get('error_type')}: {message[:300]} (raised in {parts[0].get('where')})"
+        name,
+        "outcome",
+        f"refused: {parts[0].get('error_type')}: {message[:300]} (raised in {parts[0].get('where')})",
     )
     c.check(
         name,
@@ -678,7 +738,10 @@ def orchestrate(args: argparse.Namespace) -> int:
 
     probe = H.run_worker([sys.executable, __file__, "--info", *flags], timeout=120, name="info", env=env)
     header = probe.result() or {"error": probe.failure()}
-    print("# lightning_gpumem under DDP, 2 ranks" + (" (CPU dry run: gloo, simulated OOMs)" if args.cpu else ""))
+    print(
+        "# lightning_gpumem under DDP, 2 ranks"
+        + (" (CPU dry run: gloo, simulated OOMs)" if args.cpu else "")
+    )
     print()
     for key, value in header.get("versions", {}).items():
         print(f"- {key}: {value}")
@@ -728,14 +791,18 @@ def orchestrate(args: argparse.Namespace) -> int:
                 else:
                     check_fsdp(checks, name, parts, args.cpu)
             except Exception as error:  # a part without what its check reads: a failure, not a crash here
-                checks.check(name, "the ranks' parts hold what the checks read", False, H.describe_error(error))
+                checks.check(
+                    name, "the ranks' parts hold what the checks read", False, H.describe_error(error)
+                )
 
     print("| case | check | result | detail |\n| --- | --- | --- | --- |")
     for row in checks.rows:
         detail = row["detail"].replace("|", "\\|").replace("\n", " ")
         print(f"| {row['case']} | {row['check']} | {row['status']} | {detail} |")
     counts = {s: sum(r["status"] == s for r in checks.rows) for s in ("PASS", "FAIL", "SKIP", "INFO")}
-    print(f"\n{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped ({counts['INFO']} info rows)")
+    print(
+        f"\n{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped ({counts['INFO']} info rows)"
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         document = {"meta": {**header, "command": " ".join(sys.argv)}, "checks": checks.rows, "runs": runs}
@@ -751,8 +818,12 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {','.join(CASES)}")
     parser.add_argument("--time-limit", type=float, default=1500.0, help="seconds for all cases together")
     parser.add_argument("--case-timeout", type=float, default=600.0, help="seconds for one case's worker")
-    parser.add_argument("--collective-timeout", type=float, default=None, help="DDP/FSDP timeout (s); 60 CPU, 180 GPU")
-    parser.add_argument("--rank1-budget", type=float, default=0.6, help="rank 1's MemoryBudget, a device fraction")
+    parser.add_argument(
+        "--collective-timeout", type=float, default=None, help="DDP/FSDP timeout (s); 60 CPU, 180 GPU"
+    )
+    parser.add_argument(
+        "--rank1-budget", type=float, default=0.6, help="rank 1's MemoryBudget, a device fraction"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     parser.add_argument("--info", action="store_true", help=argparse.SUPPRESS)

@@ -65,7 +65,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument(
-        "--log-every", type=int, default=0, help="as log_every_n_steps=N: logging steps' samples are free (0: none)"
+        "--log-every",
+        type=int,
+        default=0,
+        help="as log_every_n_steps=N: logging steps' samples are free (0: none)",
     )
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
@@ -81,8 +84,12 @@ def main() -> None:
     results = {name: run(values, args.rounds, args.log_every) for name, values in workloads.items()}
     late = results["late_leak_1_mib_per_step"]
     late["leak_starts_at_step"] = args.steps
-    late["flagged_steps_after_start"] = late["flagged_at_step"] - args.steps if late["flagged_at_step"] >= 0 else -1
-    print("| workload | samples | reads | mean µs per batch | median µs per add | max µs per add | flagged at step |")
+    late["flagged_steps_after_start"] = (
+        late["flagged_at_step"] - args.steps if late["flagged_at_step"] >= 0 else -1
+    )
+    print(
+        "| workload | samples | reads | mean µs per batch | median µs per add | max µs per add | flagged at step |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, r in results.items():
         print(
@@ -92,7 +99,11 @@ def main() -> None:
         )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"command": " ".join(sys.argv), "python": platform.python_version(), "machine": platform.processor()}
+        meta = {
+            "command": " ".join(sys.argv),
+            "python": platform.python_version(),
+            "machine": platform.processor(),
+        }
         report = {"meta": meta, "steps": args.steps, "log_every": args.log_every, "results": results}
         args.json.write_text(json.dumps(report, indent=2) + "\n")
 

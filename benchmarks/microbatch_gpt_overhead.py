@@ -79,22 +79,40 @@ TOP = 25  # rows of each profile table
 # ---------------------------------------------------------------------------------------------------- settings
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--rounds", type=int, help="interleaved rounds of one fit per arm (default 7, quick 2)")
+    parser.add_argument(
+        "--rounds", type=int, help="interleaved rounds of one fit per arm (default 7, quick 2)"
+    )
     parser.add_argument("--steps", type=int, help="timed steps per fit (default 30, quick 8)")
-    parser.add_argument("--warmup", type=int, help="untimed steps at the start of every fit (default 5, quick 2)")
-    parser.add_argument("--log-every", type=int, default=10, help="the Trainer's log_every_n_steps (default 10)")
-    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="default: cuda if available")
-    parser.add_argument("--quick", action="store_true", help="tiny GPT, few steps: a smoke run (CPU is fine)")
-    parser.add_argument("--profile", action="store_true", help="profile a few steps per arm instead of the rounds")
-    parser.add_argument("--profile-steps", type=int, default=5, help="steps recorded by --profile (default 5)")
+    parser.add_argument(
+        "--warmup", type=int, help="untimed steps at the start of every fit (default 5, quick 2)"
+    )
+    parser.add_argument(
+        "--log-every", type=int, default=10, help="the Trainer's log_every_n_steps (default 10)"
+    )
+    parser.add_argument(
+        "--device", choices=("auto", "cuda", "cpu"), default="auto", help="default: cuda if available"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny GPT, few steps: a smoke run (CPU is fine)"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="profile a few steps per arm instead of the rounds"
+    )
+    parser.add_argument(
+        "--profile-steps", type=int, default=5, help="steps recorded by --profile (default 5)"
+    )
     parser.add_argument("--json", type=Path, help="write every number, with version stamps, to this file")
     args = parser.parse_args(argv)
-    defaults = {"rounds": 2, "steps": 8, "warmup": 2} if args.quick else {"rounds": 7, "steps": 30, "warmup": 5}
+    defaults = (
+        {"rounds": 2, "steps": 8, "warmup": 2} if args.quick else {"rounds": 7, "steps": 30, "warmup": 5}
+    )
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     if min(args.rounds, args.steps, args.log_every, args.profile_steps) < 1 or args.warmup < 0:
-        parser.error("--rounds, --steps, --log-every and --profile-steps must be positive, --warmup non-negative")
+        parser.error(
+            "--rounds, --steps, --log-every and --profile-steps must be positive, --warmup non-negative"
+        )
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available")
     if args.device == "auto":
@@ -106,7 +124,9 @@ def workload(args: argparse.Namespace) -> tuple[M.Workload, int]:
     """The GPT (full or ``--quick``) as a ``_tuner_models`` workload, and the batch size."""
     size = dict(QUICK if args.quick else FULL)
     batch = size.pop("batch")
-    samples = batch * (args.warmup + max(args.steps, args.profile_steps + 1))  # no fit crosses an epoch boundary
+    samples = batch * (
+        args.warmup + max(args.steps, args.profile_steps + 1)
+    )  # no fit crosses an epoch boundary
     return M.Workload("gpt", "gpt", samples, search_upper=batch, **size), batch
 
 
@@ -115,7 +135,10 @@ def parameter_counts(w: M.Workload) -> dict[str, int]:
     with torch.device("meta"):
         net = M.build_model(w)
     total = M.count_parameters(net)
-    return {"parameters": total, "non_embedding_parameters": total - net.tok.weight.numel() - net.pos.weight.numel()}
+    return {
+        "parameters": total,
+        "non_embedding_parameters": total - net.tok.weight.numel() - net.pos.weight.numel(),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------- model, fit
@@ -201,7 +224,9 @@ def release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def timed_fit(args: argparse.Namespace, setup: tuple[M.Workload, TensorDataset, int], arm: str, log_dir: str) -> float:
+def timed_fit(
+    args: argparse.Namespace, setup: tuple[M.Workload, TensorDataset, int], arm: str, log_dir: str
+) -> float:
     """Milliseconds per step over the ``--steps`` timed steps of one fresh fit."""
     window = H.StepWindow(args.warmup, args.warmup + args.steps - 1, cuda=args.device == "cuda")
     start, end = window.callbacks()
@@ -213,12 +238,17 @@ def timed_fit(args: argparse.Namespace, setup: tuple[M.Workload, TensorDataset, 
 
 
 # ---------------------------------------------------------------------------------------------------- rounds
-def run_rounds(args: argparse.Namespace, setup: tuple[M.Workload, TensorDataset, int], log_dir: str) -> dict[str, Any]:
+def run_rounds(
+    args: argparse.Namespace, setup: tuple[M.Workload, TensorDataset, int], log_dir: str
+) -> dict[str, Any]:
     began = time.perf_counter()
     warm = timed_fit(args, setup, "none", log_dir)  # process warm-up, discarded
     H.log(f"warm-up fit (none, discarded): {warm:.2f} ms/step")
     per_round = H.interleaved_rounds(
-        ARMS, args.rounds, lambda arm: timed_fit(args, setup, arm, log_dir), progress=lambda line: H.log(line + " ms")
+        ARMS,
+        args.rounds,
+        lambda arm: timed_fit(args, setup, arm, log_dir),
+        progress=lambda line: H.log(line + " ms"),
     )
     tokens = setup[2] * setup[0].seq_len
     results: dict[str, Any] = {}
@@ -300,7 +330,9 @@ class ActionTimes(Profiler):
             self.calls[name] += 1
 
     def table(self, steps: int, rows: int = TOP) -> str:
-        names = [name for name in self.self_time if "StepMarks" not in name]  # the profiler's own step, not ours
+        names = [
+            name for name in self.self_time if "StepMarks" not in name
+        ]  # the profiler's own step, not ours
         names = sorted(names, key=self.self_time.get, reverse=True)[:rows]  # type: ignore[arg-type]
         lines = [
             "| Lightning action | calls/step | self ms/step | total ms/step |",
@@ -320,7 +352,9 @@ class StepMarks(Callback):
     def __init__(self, on_step: Any) -> None:
         self.on_step, self.ended = on_step, 0
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.ended += 1
         self.on_step(self.ended)
 
@@ -331,7 +365,9 @@ def profile_arm(
     """Tables 1-3 of the docstring for one arm."""
     cuda = args.device == "cuda"
     first, steps = args.warmup + 1, args.profile_steps  # one untimed step more: the profiler's own warm-up
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if cuda else []
+    )
     schedule = torch.profiler.schedule(wait=first - 1, warmup=1, active=steps, repeat=1)
     actions = ActionTimes()
     window = H.StepWindow(first, first + steps - 1, cuda=cuda)
@@ -344,7 +380,16 @@ def profile_arm(
             prof.step()
             actions.active = first <= ended < first + steps
 
-        fit(args, setup, arm, first - args.warmup + steps, log_dir, [start], [end, StepMarks(on_step)], actions)
+        fit(
+            args,
+            setup,
+            arm,
+            first - args.warmup + steps,
+            log_dir,
+            [start],
+            [end, StepMarks(on_step)],
+            actions,
+        )
     ops = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=TOP)
 
     profiler = cProfile.Profile()
@@ -368,7 +413,9 @@ def profile_arm(
     }
 
 
-def run_profile(args: argparse.Namespace, setup: tuple[M.Workload, TensorDataset, int], log_dir: str) -> None:
+def run_profile(
+    args: argparse.Namespace, setup: tuple[M.Workload, TensorDataset, int], log_dir: str
+) -> None:
     fit(args, setup, "none", 1, log_dir)  # process warm-up, discarded
     for arm in ("AutoMicrobatch", "none"):
         H.log(f"profiling {arm}")
@@ -381,7 +428,9 @@ def run_profile(args: argparse.Namespace, setup: tuple[M.Workload, TensorDataset
         print(r["ops"] + "\n")
         print(f"### {arm}: Python-level time per Lightning action (self = without nested actions)\n")
         print(r["actions"] + "\n")
-        print(f"### {arm}: top {TOP} Python functions by own time (cProfile, a second fit, the same steps)\n")
+        print(
+            f"### {arm}: top {TOP} Python functions by own time (cProfile, a second fit, the same steps)\n"
+        )
         print(r["python"] + "\n", flush=True)
 
 
@@ -396,12 +445,17 @@ def main(argv: list[str] | None = None) -> int:
     data = M.build_dataset(w)
     setup = (w, data, batch)
     cuda = args.device == "cuda"
-    device_name = torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine() or "cpu"
+    device_name = (
+        torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine() or "cpu"
+    )
     precision = "bf16-mixed" if cuda else "32-true"
     stamps = H.versions()
     print("# AutoMicrobatch on a GPU-bound GPT, never splitting\n")
     print("versions: " + ", ".join(f"{k} {v}" for k, v in stamps.items()))
-    print(f"device: {device_name} ({args.device}), precision {precision}" + (" (--quick)" if args.quick else ""))
+    print(
+        f"device: {device_name} ({args.device}), precision {precision}"
+        + (" (--quick)" if args.quick else "")
+    )
     print(
         f"model: GPT d_model={w.d_model} layers={w.layers} heads={w.heads} vocab={w.vocab} context={w.seq_len},"
         f" {counts['parameters']:,} parameters ({counts['non_embedding_parameters']:,} without embeddings);"
@@ -427,7 +481,9 @@ def main(argv: list[str] | None = None) -> int:
             "versions": stamps,
             "device": device_name,
             "precision": precision,
-            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "json"},
+            "settings": {
+                k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "json"
+            },
             "model": {
                 "description": M.describe(w),
                 **counts,

@@ -86,7 +86,9 @@ def timed_fit(config: str, args: argparse.Namespace, gpu: bool) -> float:
         if config == "split2":
             callbacks.append(Split(callback, 2, grow_after=10**9))  # held at 2
         elif config == "grown_back":
-            callbacks.append(Split(callback, 2, grow_after=max(1, args.warmup // 2)))  # back to 1 in the warm-up
+            callbacks.append(
+                Split(callback, 2, grow_after=max(1, args.warmup // 2))
+            )  # back to 1 in the warm-up
     trainer = pl.Trainer(
         accelerator="gpu" if gpu else "cpu",
         devices=1,
@@ -101,7 +103,9 @@ def timed_fit(config: str, args: argparse.Namespace, gpu: bool) -> float:
         raise RuntimeError(f"{config}: ended at {callback.microbatches} micro-batches, expected {expected}")
     rate = window.steps_per_second()
     if rate is None:
-        raise RuntimeError(f"{config}: the fit ran {window.ended} batches, expected {args.warmup + args.steps}")
+        raise RuntimeError(
+            f"{config}: the fit ran {window.ended} batches, expected {args.warmup + args.steps}"
+        )
     return rate
 
 
@@ -112,13 +116,17 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--quick", action="store_true", help="2 rounds of 15 steps, small batches (CPU smoke run)")
+    parser.add_argument(
+        "--quick", action="store_true", help="2 rounds of 15 steps, small batches (CPU smoke run)"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.steps, args.warmup, args.batch, args.seq = 2, 15, 3, 8, 32
     if min(args.rounds, args.steps, args.batch, args.seq) < 1 or args.warmup < 2 or args.batch < 2:
-        parser.error("--rounds, --steps and --seq must be positive, --batch and --warmup at least 2 (grown_back)")
+        parser.error(
+            "--rounds, --steps and --seq must be positive, --batch and --warmup at least 2 (grown_back)"
+        )
     warnings.filterwarnings("ignore")
     gpu = torch.cuda.is_available()
     timed_fit("none", args, gpu)  # warm the process up

@@ -98,18 +98,28 @@ class Settings:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model and few steps: a smoke test (CPU is fine)")
-    parser.add_argument("--rounds", type=int, help="part 3: rounds of the interleaved fits (default 5, quick 2)")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny model and few steps: a smoke test (CPU is fine)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, help="part 3: rounds of the interleaved fits (default 5, quick 2)"
+    )
     parser.add_argument("--steps", type=int, help="part 3: timed steps per fit (default 200, quick 15)")
-    parser.add_argument("--warmup", type=int, help="untimed steps at the start of every fit (default 20, quick 3)")
+    parser.add_argument(
+        "--warmup", type=int, help="untimed steps at the start of every fit (default 20, quick 3)"
+    )
     parser.add_argument("--hook-steps", type=int, help="part 2: batches per fit (default 420, quick 40)")
     parser.add_argument("--json", type=Path, help="write all numbers (raw samples included) to this file")
-    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="default: cuda if available")
+    parser.add_argument(
+        "--device", choices=("auto", "cuda", "cpu"), default="auto", help="default: cuda if available"
+    )
     args = parser.parse_args(argv)
     for name in ("rounds", "steps", "warmup", "hook_steps"):
         value = getattr(args, name)
         if value is not None and (value < 1 if name != "warmup" else value < 0):
-            parser.error(f"--{name.replace('_', '-')} must be {'positive' if name != 'warmup' else 'non-negative'}")
+            parser.error(
+                f"--{name.replace('_', '-')} must be {'positive' if name != 'warmup' else 'non-negative'}"
+            )
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available")
     return args
@@ -119,10 +129,31 @@ def make_settings(args: argparse.Namespace) -> Settings:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if args.quick:
         model = {"vocab": 1024, "d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 32, "batch_size": 8}
-        counts = {"rounds": 2, "warmup": 3, "steps": 15, "hook_steps": 40, "micro_calls": 200, "micro_warmup": 20}
+        counts = {
+            "rounds": 2,
+            "warmup": 3,
+            "steps": 15,
+            "hook_steps": 40,
+            "micro_calls": 200,
+            "micro_warmup": 20,
+        }
     else:
-        model = {"vocab": 8192, "d_model": 512, "n_layers": 4, "n_heads": 8, "seq_len": 256, "batch_size": 32}
-        counts = {"rounds": 5, "warmup": 20, "steps": 200, "hook_steps": 420, "micro_calls": 2000, "micro_warmup": 200}
+        model = {
+            "vocab": 8192,
+            "d_model": 512,
+            "n_layers": 4,
+            "n_heads": 8,
+            "seq_len": 256,
+            "batch_size": 32,
+        }
+        counts = {
+            "rounds": 5,
+            "warmup": 20,
+            "steps": 200,
+            "hook_steps": 420,
+            "micro_calls": 2000,
+            "micro_warmup": 200,
+        }
     for name in ("rounds", "warmup", "steps", "hook_steps"):
         if getattr(args, name) is not None:
             counts[name] = getattr(args, name)
@@ -150,7 +181,9 @@ class TinyGPT(pl.LightningModule):
         self.blocks = nn.TransformerEncoder(layer, n_layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
-        self.register_buffer("causal_mask", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False)
+        self.register_buffer(
+            "causal_mask", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         length = tokens.shape[1]
@@ -270,7 +303,9 @@ def reader_candidates(s: Settings) -> list[tuple[str, Callable[[], Any] | None, 
     has_accel_stats = accelerator is not None and hasattr(accelerator, "memory_stats")
 
     rows: list[tuple[str, Callable[[], Any] | None, str]] = [("(empty call: timer floor)", lambda: None, "")]
-    rows.append(("torch.cuda.memory_stats(dev)", (lambda: torch.cuda.memory_stats(device)) if on_cuda else None, ""))
+    rows.append(
+        ("torch.cuda.memory_stats(dev)", (lambda: torch.cuda.memory_stats(device)) if on_cuda else None, "")
+    )
     if not has_accel_stats:
         rows.append(("torch.accelerator.memory_stats(idx)", None, "skipped: not in this torch"))
     else:
@@ -300,7 +335,9 @@ def reader_candidates(s: Settings) -> list[tuple[str, Callable[[], Any] | None, 
     probe = MemoryProbe(device, nvml=True, host=True)
     sample = probe.read(nvml=True, host=True)
     probe_note = "" if on_cuda else "cpu: no allocator, host fields only"
-    nvml_note = probe_note or ("" if sample.nvml_total_bytes is not None else "NVML unavailable: no NVML read")
+    nvml_note = probe_note or (
+        "" if sample.nvml_total_bytes is not None else "NVML unavailable: no NVML read"
+    )
     if on_cuda and sample.nvml_total_bytes is not None and sample.nvml_process_bytes is None:
         nvml_note = "NVML process list lacks this pid (container?)"
     rows += [
@@ -416,7 +453,9 @@ def run_hooks(s: Settings, data: TensorDataset, log_dir: str) -> dict[str, Any]:
 
 def print_hooks(results: dict[str, Any], s: Settings) -> None:
     no_sync = (
-        " No `torch.cuda.synchronize()` is inserted: host-side cost as the loop sees it." if s.device == "cuda" else ""
+        " No `torch.cuda.synchronize()` is inserted: host-side cost as the loop sees it."
+        if s.device == "cuda"
+        else ""
     )
     print(
         f"## 2. Hook cost per training batch (µs, `on_train_batch_start` + `on_train_batch_end`, host time)\n\n"
@@ -438,7 +477,16 @@ def print_hooks(results: dict[str, Any], s: Settings) -> None:
                 fmt(r["amortized_mean_us"], 2),
             ]
         )
-    header = ["Callback", "non-log n", "median µs", "mean µs", "log n", "median µs", "mean µs", "mean µs/batch (all)"]
+    header = [
+        "Callback",
+        "non-log n",
+        "median µs",
+        "mean µs",
+        "log n",
+        "median µs",
+        "mean µs",
+        "mean µs/batch (all)",
+    ]
     print(markdown_table(header, rows))
     print()
 
@@ -459,7 +507,9 @@ def timed_fit(s: Settings, data: TensorDataset, config: str, log_dir: str, steps
 
 def run_throughput(s: Settings, data: TensorDataset, log_dir: str) -> dict[str, Any]:
     timed_fit(s, data, "none", log_dir, steps=min(s.steps, 20))  # process warm-up, discarded
-    per_round = H.interleaved_rounds(CONFIGS, s.rounds, lambda config: timed_fit(s, data, config, log_dir, s.steps))
+    per_round = H.interleaved_rounds(
+        CONFIGS, s.rounds, lambda config: timed_fit(s, data, config, log_dir, s.steps)
+    )
 
     results: dict[str, Any] = {"order": "rotated by one configuration per round", "configs": {}}
     for config in CONFIGS:
@@ -500,7 +550,14 @@ def print_throughput(results: dict[str, Any], s: Settings) -> None:
                 fmt(r["median_extra_ms_per_step_vs_none"], 3),
             ]
         )
-    header = ["Config", "median steps/s", "ms/step", "steps/s range", "ratio vs none", "extra ms/step vs none"]
+    header = [
+        "Config",
+        "median steps/s",
+        "ms/step",
+        "steps/s range",
+        "ratio vs none",
+        "extra ms/step vs none",
+    ]
     print(markdown_table(header, rows))
     print()
 
@@ -527,15 +584,20 @@ def environment(s: Settings) -> dict[str, Any]:
 
 def print_header(env: dict[str, Any], s: Settings) -> None:
     print("# lightning-gpumem monitor overhead\n")
-    device = env["device_name"] + (f", {env['total_memory_gib']} GiB, CUDA {env['cuda']}" if s.device == "cuda" else "")
+    device = env["device_name"] + (
+        f", {env['total_memory_gib']} GiB, CUDA {env['cuda']}" if s.device == "cuda" else ""
+    )
     print(
         f"- torch {env['torch']}, lightning {env['lightning']}, lightning-gpumem {env['lightning_gpumem']},"
         f" Python {env['python']}"
     )
-    print(f"- device: `{s.device}` ({device}); {env['cpu_count']} CPUs, {env['torch_threads']} torch threads")
+    print(
+        f"- device: `{s.device}` ({device}); {env['cpu_count']} CPUs, {env['torch_threads']} torch threads"
+    )
     print(
         f"- model: GPT d_model={s.d_model}, layers={s.n_layers}, heads={s.n_heads}, vocab={s.vocab},"
-        f" seq={s.seq_len}, batch={s.batch_size}, precision={s.precision}" + (" (--quick)" if s.quick else "")
+        f" seq={s.seq_len}, batch={s.batch_size}, precision={s.precision}"
+        + (" (--quick)" if s.quick else "")
     )
     print()
 

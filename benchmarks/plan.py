@@ -54,7 +54,9 @@ def plan_worker(args: argparse.Namespace) -> int:
     """The planner on one workload in a fresh process; prints its plan as JSON."""
     result: dict[str, Any] = {"model": args.model, "status": "error", "error": None}
     try:
-        warnings.filterwarnings("ignore", message=r".*(num_workers|does not have many workers|LightningModule\.log).*")
+        warnings.filterwarnings(
+            "ignore", message=r".*(num_workers|does not have many workers|LightningModule\.log).*"
+        )
         import lightning.pytorch as pl
 
         from lightning_gpumem import MemoryPlanner
@@ -110,7 +112,16 @@ def plan_worker(args: argparse.Namespace) -> int:
 def measure(model: str, size: int, env: dict[str, str], timeout: float, quick: bool) -> H.Worker:
     """Start the fit at ``size`` by hand in a fresh process (no cap): 3 steps and one validation batch."""
     argv = [sys.executable, str(Path(T.__file__).resolve()), "--finder-worker", "fixed", "--model", model]
-    argv += ["--batch-size", str(size), "--budget-bytes", str(10**15), "--fit-steps", "3", "--fit-val-batches", "1"]
+    argv += [
+        "--batch-size",
+        str(size),
+        "--budget-bytes",
+        str(10**15),
+        "--fit-steps",
+        "3",
+        "--fit-val-batches",
+        "1",
+    ]
     argv += ["--headroom", "0", "--steps", "3", *(["--quick"] if quick else [])]
     return H.Worker(argv, f"measure_{model}_{size}", env)
 
@@ -123,16 +134,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     env = H.worker_env()
     if args.expandable:
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    report: dict[str, Any] = {"settings": vars(args), "versions": H.versions(("lightning", "timm")), "workloads": {}}
+    report: dict[str, Any] = {
+        "settings": vars(args),
+        "versions": H.versions(("lightning", "timm")),
+        "workloads": {},
+    }
     if torch.cuda.is_available() and not args.quick:
         report["device"] = torch.cuda.get_device_name(0)
     for model in [m for m in args.models.split(",") if m]:
         argv = [sys.executable, str(Path(__file__).resolve()), "--plan-worker", "--model", model]
-        planned = H.run_worker([*argv, *(["--quick"] if args.quick else [])], args.timeout, f"plan_{model}", env)
+        planned = H.run_worker(
+            [*argv, *(["--quick"] if args.quick else [])], args.timeout, f"plan_{model}", env
+        )
         entry = planned.result() or {"status": "crashed", "error": planned.failure()}
         entry["process_seconds"] = planned.seconds
         report["workloads"][model] = entry
-        H.log(f"{model}: plan {entry.get('status')} in {entry.get('plan_seconds')} s ({entry.get('error') or ''})")
+        H.log(
+            f"{model}: plan {entry.get('status')} in {entry.get('plan_seconds')} s ({entry.get('error') or ''})"
+        )
         pending = list(entry.get("predicted", []))
         done_workers: list[tuple[dict[str, Any], H.Worker]] = []
         while pending:  # at most `parallel` at once: three 48 GiB-plan fits together need a 139 GiB card
@@ -199,7 +218,9 @@ def table(report: dict[str, Any]) -> str:
     for model, entry in report["workloads"].items():
         probes = ",".join(str(p["size"]) for p in entry.get("probes", [])) or "-"
         seconds = entry.get("plan_seconds")
-        plan_s = "-" if seconds is None else f"{seconds:.1f} ({entry.get('seconds_with_validation') or 0:.1f})"
+        plan_s = (
+            "-" if seconds is None else f"{seconds:.1f} ({entry.get('seconds_with_validation') or 0:.1f})"
+        )
         budgets = " / ".join(
             f"{b['largest']}{' v' if b['validated'] else ''}" for b in entry.get("budgets", [])
         ) or str(entry.get("status"))
@@ -219,10 +240,15 @@ def table(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--models", default="gpt124,gpt,resnet,vit,encoder,gpt-ckpt")
-    parser.add_argument("--expandable", action="store_true", help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    parser.add_argument(
+        "--expandable", action="store_true", help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    )
     parser.add_argument("--timeout", type=float, default=150.0)
     parser.add_argument(
-        "--parallel", type=int, default=None, help="measuring fits at once (default: 3 on a card of 120 GiB or more)"
+        "--parallel",
+        type=int,
+        default=None,
+        help="measuring fits at once (default: 3 on a card of 120 GiB or more)",
     )
     parser.add_argument("--json")
     parser.add_argument("--quick", action="store_true")

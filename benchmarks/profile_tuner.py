@@ -112,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         "search_seconds": worker.get("search_seconds"),
         "trial_seconds": [t["seconds"] for t in worker.get("tuner_trials") or []],
         "releases": releases,
-        "stages": {label: {"seconds": round(seconds[label], 4), "calls": calls[label]} for _, _, label in STAGES},
+        "stages": {
+            label: {"seconds": round(seconds[label], 4), "calls": calls[label]} for _, _, label in STAGES
+        },
         "worker": worker,
     }
     print(json.dumps({k: v for k, v in out.items() if k != "worker"}, indent=1))

@@ -83,7 +83,9 @@ def read_tensorboard(path: Path) -> dict[str, list[tuple[int, float]]]:
 
     accumulator = EventAccumulator(str(path), size_guidance={"scalars": 0})
     accumulator.Reload()
-    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+    return {
+        tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]
+    }
 
 
 def warm(path: Path, rounds: int) -> dict[str, dict[str, float]]:
@@ -105,7 +107,10 @@ def warm(path: Path, rounds: int) -> dict[str, dict[str, float]]:
 
 def cold(path: Path, rounds: int, scalars: int) -> dict[str, dict[str, float]]:
     """Seconds per read in a fresh interpreter (the reader's import included), readers interleaved."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     times: dict[str, list[float]] = {name: [] for name in READERS}
     for _ in range(rounds):
         for name in READERS:
@@ -121,13 +126,17 @@ def cold(path: Path, rounds: int, scalars: int) -> dict[str, dict[str, float]]:
             if int(count) != scalars:
                 raise RuntimeError(f"{name} read {count} scalars in a fresh process, expected {scalars}")
             times[name].append(float(seconds))
-    return {name: {"median_s": statistics.median(values), "rounds_s": values} for name, values in times.items()}
+    return {
+        name: {"median_s": statistics.median(values), "rounds_s": values} for name, values in times.items()
+    }
 
 
 def _cpu() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            model = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), "")
+            model = next(
+                (line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), ""
+            )
     except OSError:
         model = ""
     return f"{model or platform.processor() or platform.machine()}, {os.cpu_count()} logical CPUs"
@@ -159,11 +168,16 @@ def main() -> None:
         ours, theirs = read_ours(path), read_tensorboard(path)
         if sum(map(len, ours.values())) != scalars or ours.keys() != theirs.keys():
             raise RuntimeError("the readers disagree on what the file holds")
-        for tag, points in theirs.items():  # TensorBoard keeps float32 values as Python floats: equal, not close
+        for (
+            tag,
+            points,
+        ) in theirs.items():  # TensorBoard keeps float32 values as Python floats: equal, not close
             if ours[tag] != points:
                 raise RuntimeError(f"the readers disagree on {tag}")
         file_bytes = path.stat().st_size
-        load_before = os.getloadavg()[0]  # other work on the machine slows both readers: recorded beside the times
+        load_before = os.getloadavg()[
+            0
+        ]  # other work on the machine slows both readers: recorded beside the times
         warm_times = warm(path, args.rounds)
         cold_times = cold(path, args.cold_rounds, scalars)
         load_after = os.getloadavg()[0]

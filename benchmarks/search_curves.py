@@ -42,7 +42,9 @@ def curves() -> list[tuple[Any, Any, Any, int]]:
 
         val = None if val_per is None else (lambda b, f=fixed, v=val_per: f * 0.5 + v * b)
 
-        def reserved(b: int, live: Any = live, val: Any = val, jump: float = jump, at: float = at, cap: int = cap):
+        def reserved(
+            b: int, live: Any = live, val: Any = val, jump: float = jump, at: float = at, cap: int = cap
+        ):
             need = max(live(b), val(b) if val else 0)
             return need * (jump if need > at * cap else 1.0)
 
@@ -65,7 +67,9 @@ def measure(search_names: list[str], tolerances: list[float]) -> dict[str, Any]:
                 if truth is None:
                     continue
 
-                def run(b: int, live: Any = live, val: Any = val, reserved: Any = reserved, cap: int = cap) -> Any:
+                def run(
+                    b: int, live: Any = live, val: Any = val, reserved: Any = reserved, cap: int = cap
+                ) -> Any:
                     fits = reserved(b) <= cap
                     need = max(live(b), val(b) if val else 0)
                     return S.Trial(
@@ -76,8 +80,10 @@ def measure(search_names: list[str], tolerances: list[float]) -> dict[str, Any]:
 
                 result = search(run, upper=20000, limit_bytes=cap, tolerance=tolerance)
                 near = [t for t in result.trials if (t.allocated_bytes or cap) > 0.8 * cap]
-                trials, most, near_most = trials + len(result.trials), max(most, len(result.trials)), max(
-                    near_most, len(near)
+                trials, most, near_most = (
+                    trials + len(result.trials),
+                    max(most, len(result.trials)),
+                    max(near_most, len(near)),
                 )
                 found = result.batch_size or 0
                 worst, above = min(worst, found / truth), above + (found > truth)
@@ -105,7 +111,9 @@ def main() -> int:
     report = {"current": measure(["search_batch_size"], tolerances)}
     if args.previous:
         worker = [sys.executable, __file__, "--worker", "--previous", args.previous]
-        report["previous"] = json.loads(subprocess.run(worker, check=True, capture_output=True, text=True).stdout)
+        report["previous"] = json.loads(
+            subprocess.run(worker, check=True, capture_output=True, text=True).stdout
+        )
     for version, found in report.items():
         for name, figures in found["searches"].items():
             print(f"{version:8} {name:26} {figures}")

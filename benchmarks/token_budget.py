@@ -96,7 +96,9 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # `_harness`, `_token_models`, `tuner` next to this file
+sys.path.insert(
+    0, str(Path(__file__).resolve().parent)
+)  # `_harness`, `_token_models`, `tuner` next to this file
 import _harness as H
 import _token_models as TM
 import _tuner_models as M
@@ -118,7 +120,9 @@ HAND_PROBE_LONGEST = 2  # hand: the probe batch's budget, in costs of the longes
 TARGET_SPEEDUP = 1.3  # tokens/s of tuned over worst
 TARGET_P99 = 0.97  # tuned: reserved per-step peak over the budget, p99 at most
 TARGET_P50 = 0.80  # tuned: ... p50 at least
-CONTEXT_BYTES = GIB  # per-process CUDA context and slack, when deciding how many processes fit the card at once
+CONTEXT_BYTES = (
+    GIB  # per-process CUDA context and slack, when deciding how many processes fit the card at once
+)
 MIN_START_SECONDS = 20.0  # do not start a subprocess with less time left than this
 
 
@@ -180,7 +184,9 @@ def measure_by_hand(
         step_bytes=used,
         bytes_per_token=per_token,
         formula_max_tokens=max_tokens,
-        max_tokens=max(max_tokens, min_tokens),  # below the longest sample's cost, no budget holds every sample
+        max_tokens=max(
+            max_tokens, min_tokens
+        ),  # below the longest sample's cost, no budget holds every sample
     )
     return out
 
@@ -241,9 +247,17 @@ def _lightning_classes() -> tuple[type, type, type, type]:
     class TokenModule(pl.LightningModule):
         """The decoder on one data set; counts the epoch's tokens, padding, per-step peaks and the finder's trials."""
 
-        def __init__(self, s: TM.Setup, attention: str, config: str, data: TM.Tokens, quadratic: float) -> None:
+        def __init__(
+            self, s: TM.Setup, attention: str, config: str, data: TM.Tokens, quadratic: float
+        ) -> None:
             super().__init__()
-            self.s, self.attention, self.config, self.data, self.quadratic = s, attention, config, data, quadratic
+            self.s, self.attention, self.config, self.data, self.quadratic = (
+                s,
+                attention,
+                config,
+                data,
+                quadratic,
+            )
             self.batch_size = 2  # finder, worst: tuned
             # hand, tuned: the sampler needs a budget that holds the longest sample; the tuner starts from that cost
             self.max_tokens = 2 * math.ceil(TM.batch_cost(1, max(data.lengths), quadratic))
@@ -287,7 +301,11 @@ def _lightning_classes() -> tuple[type, type, type, type]:
         def train_dataloader(self) -> DataLoader:
             if self.config in TOKEN_CONFIGS:
                 self.sampler = TokenBudgetSampler(
-                    self.data.lengths, max_tokens=self.max_tokens, quadratic=self.quadratic, shuffle=True, seed=0
+                    self.data.lengths,
+                    max_tokens=self.max_tokens,
+                    quadratic=self.quadratic,
+                    shuffle=True,
+                    seed=0,
                 )
                 return DataLoader(self.data, batch_sampler=self.sampler, collate_fn=TM.collate)
             return DataLoader(self.data, batch_size=self.batch_size, shuffle=True, collate_fn=TM.collate)
@@ -301,7 +319,9 @@ def _lightning_classes() -> tuple[type, type, type, type]:
 
         # -------------------------------------------------------------- steps
         def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-            if self.phase == "search" and batch_idx == 0:  # every trial of the finder runs the loop from batch 0
+            if (
+                self.phase == "search" and batch_idx == 0
+            ):  # every trial of the finder runs the loop from batch 0
                 self.trials.append({"batch_size": self.batch_size, "train_steps": 0, "oom": False})
             if self.phase != "fit":
                 return
@@ -315,7 +335,9 @@ def _lightning_classes() -> tuple[type, type, type, type]:
             TM.check_simulated_oom(self.s, self.attention, batch)
             return TM.compute_loss(self.net, batch)
 
-        def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        def optimizer_step(
+            self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None
+        ) -> None:
             try:  # the closure inside runs training_step, zero_grad and backward
                 super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
             except Exception as error:
@@ -379,7 +401,9 @@ def config_worker(args: argparse.Namespace) -> int:
     }
     try:
         device = T._setup_device(args.quick, args.budget_bytes)
-        warnings.filterwarnings("ignore", message=r".*(num_workers|does not have many workers|LightningModule\.log).*")
+        warnings.filterwarnings(
+            "ignore", message=r".*(num_workers|does not have many workers|LightningModule\.log).*"
+        )
         warnings.filterwarnings("ignore", message=r".*`isinstance\(treespec, LeafSpec\)` is deprecated.*")
         import lightning.pytorch as pl
 
@@ -395,13 +419,19 @@ def config_worker(args: argparse.Namespace) -> int:
         pl.seed_everything(0, verbose=False)
         model = module_cls(s, args.attention, args.worker, data, quadratic)
         if device.type == "cuda":
-            model.budget_fraction = min(1.0, args.budget_bytes / torch.cuda.get_device_properties(device).total_memory)
+            model.budget_fraction = min(
+                1.0, args.budget_bytes / torch.cuda.get_device_properties(device).total_memory
+            )
         result["parameters"] = M.count_parameters(model.net)
-        cpu = {} if device.type == "cuda" else {"max_val": T.CPU_MAX_VAL}  # on a CPU the tuner searches when asked
+        cpu = (
+            {} if device.type == "cuda" else {"max_val": T.CPU_MAX_VAL}
+        )  # on a CPU the tuner searches when asked
         if args.worker == "finder":
             callback = finder_cls(mode="binsearch", steps_per_trial=3)
         elif args.worker == "worst":
-            callback = tuner_cls(budget=args.budget_bytes, length_fn="input_ids", shape_margin=args.shape_margin, **cpu)
+            callback = tuner_cls(
+                budget=args.budget_bytes, length_fn="input_ids", shape_margin=args.shape_margin, **cpu
+            )
         elif args.worker == "tuned":
             callback = tuner_cls(
                 budget=args.budget_bytes, batch_arg_name="max_tokens", shape_margin=args.shape_margin, **cpu
@@ -484,7 +514,9 @@ def _collect(
         result["num_trial_ooms"] = tuner.num_ooms if tuner is not None else None
         result["tuner_reason"] = None if tuner is None else tuner.reason
         result["tuner_note"] = None if tuner is None else tuner.note
-        result["shape_margin"] = getattr(callback, "_margin", None)  # the budget's fraction the trials left free
+        result["shape_margin"] = getattr(
+            callback, "_margin", None
+        )  # the budget's fraction the trials left free
         result["trials"] = [
             {
                 "value": t.batch_size,
@@ -550,7 +582,9 @@ def warmup_worker(args: argparse.Namespace) -> int:
         data = TM.Tokens(TM.make_lengths("zipf", s), s.vocab)
         net = TM.build_model(s, "sdpa").to(device)
         optimizer = M.make_optimizer(net)
-        batch = {k: v.to(device) for k, v in TM.collate([data[i] for i in range(4)]).items() if k != "lengths"}
+        batch = {
+            k: v.to(device) for k, v in TM.collate([data[i] for i in range(4)]).items() if k != "lengths"
+        }
         with T._autocast(device):
             loss = TM.compute_loss(net, batch)
         loss.backward()
@@ -573,7 +607,9 @@ class Runner:
         self.budget_bytes = budget_bytes
         self.deadline = H.T0 + args.time_limit
         self.env = H.worker_env()
-        if args.quick:  # CPU workers side by side: share the cores, no oversubscription (OpenMP threads spin)
+        if (
+            args.quick
+        ):  # CPU workers side by side: share the cores, no oversubscription (OpenMP threads spin)
             self.env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // parallel))
         if args.expandable:  # before CUDA starts in each worker
             self.env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
@@ -586,8 +622,22 @@ class Runner:
 
     def argv(self, worker: str, dataset: str = "zipf", attention: str = "sdpa") -> list[str]:
         argv = [sys.executable, str(Path(__file__).resolve()), "--worker", worker, "--dataset", dataset]
-        argv += ["--attention", attention, "--budget-bytes", str(self.budget_bytes), "--samples", str(self.s.samples)]
-        argv += ["--max-len", str(self.s.max_len), "--zipf-a", str(self.s.zipf_a), "--quadratic", self.args.quadratic]
+        argv += [
+            "--attention",
+            attention,
+            "--budget-bytes",
+            str(self.budget_bytes),
+            "--samples",
+            str(self.s.samples),
+        ]
+        argv += [
+            "--max-len",
+            str(self.s.max_len),
+            "--zipf-a",
+            str(self.s.zipf_a),
+            "--quadratic",
+            self.args.quadratic,
+        ]
         if self.args.shape_margin is not None:
             argv += ["--shape-margin", str(self.args.shape_margin)]
         return [*argv, "--quick"] if self.args.quick else argv
@@ -611,7 +661,11 @@ def run_config(runner: Runner, dataset: str, attention: str, config: str) -> dic
     proc = runner.run(runner.argv(config, dataset, attention), name)
     result = proc.result()
     if result is None:
-        result = {"config": config, "status": "timeout" if proc.timed_out else "crashed", "error": proc.failure()}
+        result = {
+            "config": config,
+            "status": "timeout" if proc.timed_out else "crashed",
+            "error": proc.failure(),
+        }
     result["wall_seconds"] = round(proc.seconds, 2)
     H.log(f"{dataset}/{attention}: {config}: {_summary(result)} [process {proc.seconds:.1f} s]")
     return result
@@ -693,7 +747,11 @@ def checks(rows: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
 
     def ooms(r: dict[str, Any]) -> str:
-        return str(r.get("status")) if r.get("status") != "ok" else ("1" if (r.get("epoch") or {}).get("oom") else "0")
+        return (
+            str(r.get("status"))
+            if r.get("status") != "ok"
+            else ("1" if (r.get("epoch") or {}).get("oom") else "0")
+        )
 
     clean = ran and not t_epoch.get("error") and not w_epoch.get("error")
     out.append(
@@ -788,7 +846,9 @@ def orchestrate(args: argparse.Namespace) -> int:
         props = torch.cuda.get_device_properties(0)
         device = {"name": props.name, "total_bytes": int(props.total_memory)}
         if budget_bytes > props.total_memory:
-            sys.exit(f"--budget-gib {args.budget_gib} is more than the device's {props.total_memory / GIB:.1f} GiB")
+            sys.exit(
+                f"--budget-gib {args.budget_gib} is more than the device's {props.total_memory / GIB:.1f} GiB"
+            )
         parallel = max(1, min(requested, int(props.total_memory // (budget_bytes + CONTEXT_BYTES))))
     else:
         sys.exit("No CUDA device: the full benchmark needs one. Use --quick for a CPU smoke run.")
@@ -801,7 +861,9 @@ def orchestrate(args: argparse.Namespace) -> int:
     print("# Variable-length data under a memory budget: token budgets against fixed batch sizes\n")
     print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     total = f"{device['total_bytes'] / GIB:.1f} GiB" if device["total_bytes"] else "no memory cap"
-    print(f"device: {device['name']} ({total}); budget {args.budget_gib} GiB per process; {parallel} at once")
+    print(
+        f"device: {device['name']} ({total}); budget {args.budget_gib} GiB per process; {parallel} at once"
+    )
     print(f"model: {TM.describe(s)}, {parameters / 1e6:.1f}M parameters; one epoch per configuration")
     print("sampler quadratic: " + ", ".join(f"{a} {q:.3g}" for a, q in quadratics.items()))
     if args.quick:
@@ -810,7 +872,9 @@ def orchestrate(args: argparse.Namespace) -> int:
             " numbers are not meaningful"
         )
     if parallel > 1 and not args.quick:
-        print(f"note: {parallel} processes share the GPU's compute: tokens/s are not comparable between them")
+        print(
+            f"note: {parallel} processes share the GPU's compute: tokens/s are not comparable between them"
+        )
     print(flush=True)
 
     stats = {name: TM.length_stats(TM.make_lengths(name, s), s.max_len) for name in datasets}
@@ -836,15 +900,20 @@ def orchestrate(args: argparse.Namespace) -> int:
     out = Path(args.json or f"benchmarks/results/token-budget{'-quick' if args.quick else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     runner = Runner(args, s, budget_bytes, parallel)
-    if not args.quick:  # the first process on a machine loads the CUDA libraries from disk: no configuration's cost
+    if (
+        not args.quick
+    ):  # the first process on a machine loads the CUDA libraries from disk: no configuration's cost
         warm = runner.run(runner.argv("warmup"), "warm_up")
         report["warm_up_seconds"] = round(warm.seconds, 2)
-        H.log(f"warm-up: one plain step in a process of its own, {warm.seconds:.1f} s ({_summary_warm(warm)})")
+        H.log(
+            f"warm-up: one plain step in a process of its own, {warm.seconds:.1f} s ({_summary_warm(warm)})"
+        )
     groups: dict[tuple[str, str], dict[str, Any]] = {}
     for attention in attentions:
         for dataset in datasets:
             description = (
-                _describe_data(dataset, stats[dataset], s.max_len) + f"; quadratic {quadratics[attention]:.3g}"
+                _describe_data(dataset, stats[dataset], s.max_len)
+                + f"; quadratic {quadratics[attention]:.3g}"
             )
             description += (
                 f"; simulated OOM above {s.simulated_limit} token units"
@@ -868,7 +937,9 @@ def orchestrate(args: argparse.Namespace) -> int:
                 group["configs"] = {c: group["configs"][c] for c in configs}
                 group["checks"] = checks(group["configs"])
                 print(_table(group, configs) + "\n\n" + _checks_text(group["checks"]) + "\n", flush=True)
-            out.write_text(json.dumps(report, indent=2))  # after every configuration: a cut-off run keeps its results
+            out.write_text(
+                json.dumps(report, indent=2)
+            )  # after every configuration: a cut-off run keeps its results
     H.log(f"done in {time.perf_counter() - H.T0:.1f} s; JSON in {out}")
     return 0
 
@@ -882,23 +953,33 @@ def _summary_warm(warm: H.Worker) -> str:
 
 def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--datasets", default="zipf,skewed", help="data sets, comma-separated (zipf, skewed)")
-    parser.add_argument("--attention", default="sdpa,eager", help="attentions, comma-separated (sdpa, eager)")
+    parser.add_argument(
+        "--datasets", default="zipf,skewed", help="data sets, comma-separated (zipf, skewed)"
+    )
+    parser.add_argument(
+        "--attention", default="sdpa,eager", help="attentions, comma-separated (sdpa, eager)"
+    )
     parser.add_argument("--configs", default=",".join(CONFIGS), help="configurations, comma-separated")
     parser.add_argument(
-        "--samples", type=int, help=f"samples per data set (default {TM.DEFAULT_SAMPLES}; --quick {TM.QUICK_SAMPLES})"
+        "--samples",
+        type=int,
+        help=f"samples per data set (default {TM.DEFAULT_SAMPLES}; --quick {TM.QUICK_SAMPLES})",
     )
     parser.add_argument("--max-len", type=int, help="longest sample (default 2048; --quick 256)")
     parser.add_argument("--zipf-a", type=float, default=1.3, help="the zipf data set's exponent")
     parser.add_argument(
-        "--quadratic", default="auto", help="the sampler's quadratic coefficient: auto (0 with sdpa) or a number"
+        "--quadratic",
+        default="auto",
+        help="the sampler's quadratic coefficient: auto (0 with sdpa) or a number",
     )
     parser.add_argument("--budget-gib", type=float, default=24.0, help="memory budget per process in GiB")
     parser.add_argument(
         "--parallel", type=int, help="configurations run at once (default 1; --quick 4); >1 skews tokens/s"
     )
     parser.add_argument(
-        "--expandable", action="store_true", help="every worker with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+        "--expandable",
+        action="store_true",
+        help="every worker with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
     )
     parser.add_argument(
         "--shape-margin",
@@ -906,7 +987,9 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="BatchSizeTuner(shape_margin=...) for worst and tuned (default: the tuner's own, 0.2 or 0.02)",
     )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a subprocess is killed")
-    parser.add_argument("--time-limit", type=float, default=1500.0, help="no subprocess starts after this (seconds)")
+    parser.add_argument(
+        "--time-limit", type=float, default=1500.0, help="no subprocess starts after this (seconds)"
+    )
     parser.add_argument(
         "--json", help="write every number here (default: benchmarks/results/token-budget.json, -quick.json)"
     )

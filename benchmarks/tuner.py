@@ -115,7 +115,15 @@ import _harness as H
 import _tuner_models as M
 
 GIB = H.GIB
-FINDERS = ("binsearch", "power", "ours", "predict", "previous-search", "previous-predict", "default")  # table order
+FINDERS = (
+    "binsearch",
+    "power",
+    "ours",
+    "predict",
+    "previous-search",
+    "previous-predict",
+    "default",
+)  # table order
 DEFAULT_FINDERS = ("default", "binsearch", "power")
 # The BatchSizeTuner finders: the package they import ("current": the repository's; "previous": --previous DIR's) and
 # the `method` they pass (None: not passed, the package's default). "ours" and "predict" keep the meaning they have in
@@ -127,7 +135,13 @@ TUNER_FINDERS: dict[str, tuple[str, str | None]] = {
     "previous-predict": ("previous", "predict"),
     "previous-search": ("previous", "search"),
 }
-GUIDES = ("default", "predict", "ours", "previous-predict", "previous-search")  # the first one run guides the true max
+GUIDES = (
+    "default",
+    "predict",
+    "ours",
+    "previous-predict",
+    "previous-search",
+)  # the first one run guides the true max
 FINDER_LABELS = {
     "binsearch": "Lightning `BatchSizeFinder(mode='binsearch')`",
     "power": "Lightning `BatchSizeFinder(mode='power')`",
@@ -232,7 +246,12 @@ def _fixed_size_callback(batch_size: int) -> Any:
 
 def _is_editable_hook(hook: Any) -> bool:
     """Whether an import hook comes from an editable install (setuptools' ``__editable__`` finders and path hooks)."""
-    names = (repr(hook), type(hook).__module__, getattr(hook, "__module__", None), getattr(hook, "__qualname__", None))
+    names = (
+        repr(hook),
+        type(hook).__module__,
+        getattr(hook, "__module__", None),
+        getattr(hook, "__qualname__", None),
+    )
     return any("editable" in str(name).lower() for name in names if name)
 
 
@@ -246,10 +265,14 @@ def _use_previous_package(directory: str) -> Path:
     """
     root = Path(directory).resolve()
     if not (root / "lightning_gpumem" / "__init__.py").is_file():
-        raise RuntimeError(f"--previous {directory}: {root / 'lightning_gpumem' / '__init__.py'} does not exist")
+        raise RuntimeError(
+            f"--previous {directory}: {root / 'lightning_gpumem' / '__init__.py'} does not exist"
+        )
     if "lightning_gpumem" in sys.modules:
         already = getattr(sys.modules["lightning_gpumem"], "__file__", None)
-        raise RuntimeError(f"--previous: lightning_gpumem was imported before it could be redirected (from {already})")
+        raise RuntimeError(
+            f"--previous: lightning_gpumem was imported before it could be redirected (from {already})"
+        )
     sys.meta_path[:] = [hook for hook in sys.meta_path if not _is_editable_hook(hook)]
     sys.path_hooks[:] = [hook for hook in sys.path_hooks if not _is_editable_hook(hook)]
     drop = {H.REPO_ROOT.resolve(), Path.cwd().resolve(), root}
@@ -269,7 +292,9 @@ def _use_previous_package(directory: str) -> Path:
 
     imported = Path(lightning_gpumem.__file__ or "").resolve()
     if root not in imported.parents:
-        raise RuntimeError(f"--previous {directory}: lightning_gpumem was imported from {imported}, not from {root}")
+        raise RuntimeError(
+            f"--previous {directory}: lightning_gpumem was imported from {imported}, not from {root}"
+        )
     return imported
 
 
@@ -321,12 +346,20 @@ def _lightning_classes(tuner: bool = True) -> tuple[type, type, Any]:
                 self._trial()["oom"] = True
 
         def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-            if self.phase == "search" and batch_idx == 0:  # every trial of both finders runs the loop from batch 0
+            if (
+                self.phase == "search" and batch_idx == 0
+            ):  # every trial of both finders runs the loop from batch 0
                 self._open_trial()
 
         def _open_trial(self) -> None:
             self.trials.append(
-                {"batch_size": self.batch_size, "seen": None, "train_steps": 0, "val_batches": 0, "oom": False}
+                {
+                    "batch_size": self.batch_size,
+                    "seen": None,
+                    "train_steps": 0,
+                    "val_batches": 0,
+                    "oom": False,
+                }
             )
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -336,7 +369,9 @@ def _lightning_classes(tuner: bool = True) -> tuple[type, type, Any]:
             self.log("train_loss", loss)
             return loss
 
-        def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        def optimizer_step(
+            self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None
+        ) -> None:
             try:  # the closure inside runs training_step, zero_grad and backward
                 super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
             except Exception as error:
@@ -365,7 +400,11 @@ def _lightning_classes(tuner: bool = True) -> tuple[type, type, Any]:
 
         def train_dataloader(self) -> DataLoader:
             return DataLoader(
-                self.dataset, batch_size=self.batch_size, shuffle=True, drop_last=True, num_workers=self.w.num_workers
+                self.dataset,
+                batch_size=self.batch_size,
+                shuffle=True,
+                drop_last=True,
+                num_workers=self.w.num_workers,
             )
 
         def val_dataloader(self) -> DataLoader:
@@ -387,19 +426,28 @@ def _lightning_classes(tuner: bool = True) -> tuple[type, type, Any]:
     return BenchModule, TimedBatchSizeFinder, TimedBatchSizeTuner
 
 
-CPU_MAX_VAL = 2**31  # --quick: a bound above any dataset, so the tuner searches on a CPU (the simulated OOMs bound it)
+CPU_MAX_VAL = (
+    2**31
+)  # --quick: a bound above any dataset, so the tuner searches on a CPU (the simulated OOMs bound it)
 
 
 def finder_worker(args: argparse.Namespace) -> int:
     """One finder in a fresh process: search in ``on_fit_start``, then the following fit at the size found."""
-    result: dict[str, Any] = {"finder": args.finder_worker, "model": args.model, "status": "error", "error": None}
+    result: dict[str, Any] = {
+        "finder": args.finder_worker,
+        "model": args.model,
+        "status": "error",
+        "error": None,
+    }
     result.update(fit_steps=args.fit_steps, fit_val_batches=args.fit_val_batches)
     package, method = TUNER_FINDERS.get(args.finder_worker, ("current", None))
     try:
         if package == "previous":  # before anything imports lightning_gpumem
             _use_previous_package(args.previous)
         device = _setup_device(args.quick, args.budget_bytes)
-        warnings.filterwarnings("ignore", message=r".*(num_workers|does not have many workers|LightningModule\.log).*")
+        warnings.filterwarnings(
+            "ignore", message=r".*(num_workers|does not have many workers|LightningModule\.log).*"
+        )
         import lightning.pytorch as pl
 
         module_cls, finder_cls, tuner_cls = _lightning_classes(tuner=args.finder_worker in TUNER_FINDERS)
@@ -407,10 +455,14 @@ def finder_worker(args: argparse.Namespace) -> int:
         pl.seed_everything(0, verbose=False)
         model = module_cls(w)
         if device.type == "cuda":
-            model.budget_fraction = min(1.0, args.budget_bytes / torch.cuda.get_device_properties(device).total_memory)
+            model.budget_fraction = min(
+                1.0, args.budget_bytes / torch.cuda.get_device_properties(device).total_memory
+            )
         result["parameters"] = M.count_parameters(model.net)
         if args.finder_worker in TUNER_FINDERS:
-            options: dict[str, Any] = {} if method is None else {"method": method}  # None: the package's default
+            options: dict[str, Any] = (
+                {} if method is None else {"method": method}
+            )  # None: the package's default
             if device.type != "cuda":
                 options["max_val"] = CPU_MAX_VAL  # on a CPU it searches only when asked
             callback = tuner_cls(budget=args.budget_bytes, headroom=float(args.headroom), **options)
@@ -636,7 +688,9 @@ def find_true_max(
         rounds += 1
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(sizes)) as pool:
             futures = {
-                size: pool.submit(runner.run, runner.argv(model, *_probe_args(runner, size)), f"{model}_probe_{size}")
+                size: pool.submit(
+                    runner.run, runner.argv(model, *_probe_args(runner, size)), f"{model}_probe_{size}"
+                )
                 for size in sizes
             }
             for size, future in futures.items():
@@ -644,7 +698,13 @@ def find_true_max(
                 probe = _as_probe(proc.result(), size) if runner.args.true_max == "fit" else proc.result()
                 if probe is None or probe.get("error"):
                     why = proc.failure() if probe is None else probe["error"]
-                    probe = {"batch_size": size, "ok": False, "oom": False, "error": why, "timed_out": proc.timed_out}
+                    probe = {
+                        "batch_size": size,
+                        "ok": False,
+                        "oom": False,
+                        "error": why,
+                        "timed_out": proc.timed_out,
+                    }
                 probe["wall_seconds"] = round(proc.seconds, 2)
                 probes[size] = probe
         H.log(f"{model}: true max round {rounds}: " + ", ".join(_probe_summary(probes[s]) for s in sizes))
@@ -708,7 +768,11 @@ def run_finder(runner: Runner, model: str, finder: str, headroom: float | None =
     proc = runner.run(runner.argv(model, "--finder-worker", finder, headroom=headroom), name)
     result = proc.result()
     if result is None:
-        result = {"finder": finder, "status": "timeout" if proc.timed_out else "crashed", "error": proc.failure()}
+        result = {
+            "finder": finder,
+            "status": "timeout" if proc.timed_out else "crashed",
+            "error": proc.failure(),
+        }
     result["wall_seconds"] = round(proc.seconds, 2)
     if headroom is not None:
         result["headroom"] = headroom
@@ -810,7 +874,9 @@ def _package_stamp(directory: Path | None) -> dict[str, Any] | None:
     digest = hashlib.sha256()
     for path in sorted(directory.rglob("*.py")):
         digest.update(str(path.relative_to(directory)).encode() + b"\0" + path.read_bytes() + b"\0")
-    found = re.search(r"""^__version__\s*=\s*["']([^"']+)["']""", (directory / "__init__.py").read_text(), re.MULTILINE)
+    found = re.search(
+        r"""^__version__\s*=\s*["']([^"']+)["']""", (directory / "__init__.py").read_text(), re.MULTILINE
+    )
     return {"dir": str(directory), "version": found and found.group(1), "sha256": digest.hexdigest()}
 
 
@@ -864,7 +930,9 @@ def orchestrate(args: argparse.Namespace) -> int:
         props = torch.cuda.get_device_properties(0)
         device = {"name": props.name, "total_bytes": int(props.total_memory)}
         if budget_bytes > props.total_memory:
-            sys.exit(f"--budget-gib {args.budget_gib} is more than the device's {props.total_memory / GIB:.1f} GiB")
+            sys.exit(
+                f"--budget-gib {args.budget_gib} is more than the device's {props.total_memory / GIB:.1f} GiB"
+            )
         parallel = max(1, min(args.parallel, int(props.total_memory // (budget_bytes + CONTEXT_BYTES))))
     else:
         sys.exit("No CUDA device: the full benchmark needs one. Use --quick for a CPU smoke run.")
@@ -877,15 +945,23 @@ def orchestrate(args: argparse.Namespace) -> int:
             print(
                 f"{which} lightning_gpumem: {stamp['dir']} (version {stamp['version']}, sha256 {stamp['sha256'][:12]})"
             )
-    if packages["previous"] and packages["current"] and packages["previous"]["sha256"] == packages["current"]["sha256"]:
+    if (
+        packages["previous"]
+        and packages["current"]
+        and packages["previous"]["sha256"] == packages["current"]["sha256"]
+    ):
         print("note: the previous package's files are identical to the current one's")
     total = f"{device['total_bytes'] / GIB:.1f} GiB" if device["total_bytes"] else "no memory cap"
-    print(f"device: {device['name']} ({total}); budget {args.budget_gib} GiB per process; {parallel} probes at once")
+    print(
+        f"device: {device['name']} ({total}); budget {args.budget_gib} GiB per process; {parallel} probes at once"
+    )
     fit_text = f"{args.fit_steps} steps + {args.fit_val_batches} validation batches"
     if args.true_max == "fit":
         print(f"true max and following fit: the same Lightning fit, {fit_text}, in a fresh process per size")
     else:
-        print(f"true max: {args.steps} plain PyTorch training steps + 1 validation step; following fit: {fit_text}")
+        print(
+            f"true max: {args.steps} plain PyTorch training steps + 1 validation step; following fit: {fit_text}"
+        )
     if args.quick:
         print("quick mode: CPU, tiny models, simulated OOM thresholds, numbers are not meaningful")
     print(flush=True)
@@ -898,10 +974,14 @@ def orchestrate(args: argparse.Namespace) -> int:
         "device": device,
         "workloads": {},
     }
-    if not args.quick:  # the first process on a machine loads the CUDA libraries from disk: not a finder's cost
+    if (
+        not args.quick
+    ):  # the first process on a machine loads the CUDA libraries from disk: not a finder's cost
         warm = runner.run(runner.argv(models[0], "--probe-worker", "--batch-size", "1"), "warm_up")
         report["warm_up_seconds"] = round(warm.seconds, 2)
-        H.log(f"warm-up: one plain step of {models[0]} at batch size 1 in a process of its own, {warm.seconds:.1f} s")
+        H.log(
+            f"warm-up: one plain step of {models[0]} at batch size 1 in a process of its own, {warm.seconds:.1f} s"
+        )
     for model in models:
         w = M.workload(model, args.quick)
         H.log(f"{model}: {M.describe(w)}")
@@ -912,9 +992,13 @@ def orchestrate(args: argparse.Namespace) -> int:
         tuners = [f for f in finders if f in TUNER_FINDERS and f != guide]
         for name in [guide, *tuners] if guide else []:
             result = entry["finders"][name] = run_finder(runner, model, name, args.headrooms[0])
-            if result.get("status") == "ok" and len(result.get("module_trials", [])) != result.get("num_trials"):
+            if result.get("status") == "ok" and len(result.get("module_trials", [])) != result.get(
+                "num_trials"
+            ):
                 seen = len(result["module_trials"])
-                H.log(f"{model}: {name}: note: the module saw {seen} trials, the tuner reports {result['num_trials']}")
+                H.log(
+                    f"{model}: {name}: note: the module saw {seen} trials, the tuner reports {result['num_trials']}"
+                )
         guiding = entry["finders"].get(guide, {}) if guide else {}
         guess = guiding.get("batch_size") if guiding.get("status") == "ok" else None
         hints = [
@@ -955,7 +1039,9 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="workloads, comma-separated (gpt, gpt-longval, gpt124, gpt-ckpt, encoder, resnet, vit, hf-gpt2)",
     )
     parser.add_argument(
-        "--expandable", action="store_true", help="every worker with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+        "--expandable",
+        action="store_true",
+        help="every worker with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
     )
     parser.add_argument("--budget-gib", type=float, default=24.0, help="memory budget per process in GiB")
     parser.add_argument("--parallel", type=int, default=5, help="true-max candidates run at once")
@@ -983,12 +1069,17 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
         " the guiding tuner (the first of default, predict, ours, previous-predict, previous-search asked for) again",
     )
     parser.add_argument("--steps", type=int, default=3, help="training steps of a plain true-max candidate")
-    parser.add_argument("--fit-steps", type=int, default=50, help="training steps of the fit after each search")
+    parser.add_argument(
+        "--fit-steps", type=int, default=50, help="training steps of the fit after each search"
+    )
     parser.add_argument("--fit-val-batches", type=int, default=5, help="validation batches of that fit")
     parser.add_argument("--timeout", type=float, default=150.0, help="seconds before a subprocess is killed")
-    parser.add_argument("--time-limit", type=float, default=500.0, help="no subprocess starts after this (seconds)")
     parser.add_argument(
-        "--json", help="write every number to this file (default: benchmarks/results/tuner.json, tuner-quick.json)"
+        "--time-limit", type=float, default=500.0, help="no subprocess starts after this (seconds)"
+    )
+    parser.add_argument(
+        "--json",
+        help="write every number to this file (default: benchmarks/results/tuner.json, tuner-quick.json)",
     )
     parser.add_argument("--log-dir", help="write each subprocess's output to a file here")
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: tiny models, simulated OOMs")

@@ -30,11 +30,20 @@ class SimulatedGPU:
 
     def __init__(self, total: int, limit: int | None = None) -> None:
         self.device = torch.device("cpu")  # where the tensors really are
-        self.why = "no GPU here" if not torch.cuda.is_available() else "--simulate"  # for the examples' output
-        self.total, self.limit = total, limit or total  # `limit`: a cap below the card, as `MemoryBudget` sets
+        self.why = (
+            "no GPU here" if not torch.cuda.is_available() else "--simulate"
+        )  # for the examples' output
+        self.total, self.limit = (
+            total,
+            limit or total,
+        )  # `limit`: a cap below the card, as `MemoryBudget` sets
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = self.ooms = 0
-        self.blocks: dict[int, tuple[int, list[dict[str, Any]]]] = {}  # handle: (bytes, stack) of live allocations
-        self.history: deque[dict[str, Any]] = deque(maxlen=10_000)  # allocations, frees, OOMs: the last 10,000
+        self.blocks: dict[
+            int, tuple[int, list[dict[str, Any]]]
+        ] = {}  # handle: (bytes, stack) of live allocations
+        self.history: deque[dict[str, Any]] = deque(
+            maxlen=10_000
+        )  # allocations, frees, OOMs: the last 10,000
         self._handles = itertools.count()
 
     def install(self) -> SimulatedGPU:
@@ -74,7 +83,10 @@ class SimulatedGPU:
 
     def snapshot(self) -> dict[str, Any]:
         """This allocator's state in the layout of ``torch.cuda.memory._snapshot()``: one segment, its blocks."""
-        blocks = [{"size": size, "state": "active_allocated", "frames": stack} for size, stack in self.blocks.values()]
+        blocks = [
+            {"size": size, "state": "active_allocated", "frames": stack}
+            for size, stack in self.blocks.values()
+        ]
         if self.reserved > self.allocated:
             blocks.append({"size": self.reserved - self.allocated, "state": "inactive", "frames": []})
         segment = {"total_size": self.reserved, "allocated_size": self.allocated, "blocks": blocks}

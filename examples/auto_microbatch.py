@@ -41,7 +41,9 @@ class TinyLM(L.LightningModule):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, WIDTH)
         # No dropout: a split batch then takes the unsplit step exactly (dropout draws other numbers for a split batch).
-        layer = nn.TransformerEncoderLayer(WIDTH, nhead=4, dim_feedforward=4 * WIDTH, dropout=0.0, batch_first=True)
+        layer = nn.TransformerEncoderLayer(
+            WIDTH, nhead=4, dim_feedforward=4 * WIDTH, dropout=0.0, batch_first=True
+        )
         self.encoder = nn.TransformerEncoder(layer, num_layers=2)
         self.head = nn.Linear(WIDTH, VOCAB)
         self.simulate_above = simulate_above
@@ -52,7 +54,9 @@ class TinyLM(L.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         if self.simulate_above is not None and batch.numel() > self.simulate_above:
-            raise torch.OutOfMemoryError(f"CUDA out of memory (simulated: {batch.numel()} tokens in one batch)")
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory (simulated: {batch.numel()} tokens in one batch)"
+            )
         logits = self(batch[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
         self.log("loss", loss, prog_bar=True)
@@ -94,7 +98,9 @@ def budget_between_normal_and_long(autocast: torch.dtype | None = None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--without", action="store_true", help="run without AutoMicrobatch (the run dies)")
-    parser.add_argument("--simulate", action="store_true", help="simulate the OOM (the default without a GPU)")
+    parser.add_argument(
+        "--simulate", action="store_true", help="simulate the OOM (the default without a GPU)"
+    )
     args = parser.parse_args()
     gpu = torch.cuda.is_available() and not args.simulate
     callbacks: list[L.Callback] = [MemoryMonitor(log_every_n_steps=8)]

@@ -39,7 +39,9 @@ class SpikyModel(L.LightningModule):
 
     def __init__(self, val_spike_bytes: int, leak: bool, simulated: SimulatedGPU | None = None) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1))
+        self.net = nn.Sequential(
+            nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1)
+        )
         self.val_spike_bytes, self.leak, self.simulated = val_spike_bytes, leak, simulated
         self.kept: list[list[torch.Tensor]] = []
         if simulated is not None:  # weights, gradients and AdamW's two moments stay allocated
@@ -52,7 +54,9 @@ class SpikyModel(L.LightningModule):
             outputs.append(layer(outputs[-1]))
         loss = nn.functional.mse_loss(outputs[-1].squeeze(-1), y)
         if self.leak:
-            self.kept.append(outputs[1:])  # the bug `--leak` shows: every layer's output of every step kept (4 MiB)
+            self.kept.append(
+                outputs[1:]
+            )  # the bug `--leak` shows: every layer's output of every step kept (4 MiB)
         if self.simulated is not None:  # those outputs on the simulated GPU: freed after the step, or kept
             handle = self.simulated.allocate(sum(output.nbytes for output in outputs[1:]))
             if not self.leak:
@@ -62,7 +66,9 @@ class SpikyModel(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         if self.simulated is not None:
-            self.simulated.spike(self.val_spike_bytes)  # freed to the simulated cache, which keeps it reserved
+            self.simulated.spike(
+                self.val_spike_bytes
+            )  # freed to the simulated cache, which keeps it reserved
         elif self.device.type != "cpu":
             spike = torch.empty(self.val_spike_bytes, dtype=torch.uint8, device=self.device)
             spike.fill_(0)  # a one-off large buffer (think: a validation pass with larger shapes)
@@ -81,7 +87,9 @@ def make_data(n: int, seed: int) -> TensorDataset:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--leak", action="store_true", help="keep every loss with its graph (a memory leak)")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--logdir", default="lightning_logs")
@@ -118,7 +126,9 @@ def main() -> None:
         f" in {release.release_seconds * 1e3:.1f} ms; metrics in {trainer.logger.log_dir}"  # type: ignore[union-attr]
     )
     if simulated:
-        print(f"(simulated: {simulated.why}; the memory given back and any leak are the simulated GPU's, not measured)")
+        print(
+            f"(simulated: {simulated.why}; the memory given back and any leak are the simulated GPU's, not measured)"
+        )
 
 
 if __name__ == "__main__":

@@ -62,7 +62,12 @@ class DeepMLP(L.LightningModule):
     """
 
     def __init__(
-        self, batch_size: int = 2, width: int = 2048, depth: int = 8, samples: int = 65_536, val_spike_gib: float = 1.0
+        self,
+        batch_size: int = 2,
+        width: int = 2048,
+        depth: int = 8,
+        samples: int = 65_536,
+        val_spike_gib: float = 1.0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()  # BatchSizeTuner writes the size found to hparams.batch_size
@@ -71,7 +76,9 @@ class DeepMLP(L.LightningModule):
             layers += [nn.Linear(width, width), nn.GELU()]
         self.net = nn.Sequential(*layers, nn.Linear(width, 10))
         generator = torch.Generator().manual_seed(0)
-        self.data = Tensors(torch.randn(samples, 1024, generator=generator), torch.randint(0, 10, (samples,)))
+        self.data = Tensors(
+            torch.randn(samples, 1024, generator=generator), torch.randint(0, 10, (samples,))
+        )
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -100,12 +107,18 @@ class DeepMLP(L.LightningModule):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budget", default="4GiB", help="the process's cap: '24GiB', '16GB', bytes, or a fraction")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--budget", default="4GiB", help="the process's cap: '24GiB', '16GB', bytes, or a fraction"
+    )
     parser.add_argument("--tune-for", default="2.5GiB", help="the budget the batch size is tuned for")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--logdir", default="lightning_logs")
-    parser.add_argument("--png", default=None, help="where to draw the timeline (default: in the run's directory)")
+    parser.add_argument(
+        "--png", default=None, help="where to draw the timeline (default: in the run's directory)"
+    )
     args = parser.parse_args()
     logging.getLogger("lightning.pytorch").setLevel(logging.INFO)
     gpu = torch.cuda.is_available()

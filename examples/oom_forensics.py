@@ -34,7 +34,9 @@ class Model(L.LightningModule):
 
     def __init__(self, oom_at: int | None, simulated: SimulatedGPU | None = None) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 2048), nn.GELU(), nn.Linear(2048, 10))
+        self.net = nn.Sequential(
+            nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 2048), nn.GELU(), nn.Linear(2048, 10)
+        )
         self.oom_at, self.simulated = oom_at, simulated
         self.step_blocks: list[int] = []  # this step's batch and layer outputs on the simulated GPU
         if simulated is not None:
@@ -69,7 +71,10 @@ class Model(L.LightningModule):
 
 def write_simulated_report(simulated: SimulatedGPU, trainer: L.Trainer) -> Path:
     """The page and the report OOMSnapshot writes on a GPU, here from the simulated GPU's record of its allocations."""
-    from lightning_gpumem._core.snapshot_report import format_report, render_html  # OOMSnapshot's own (private) writer
+    from lightning_gpumem._core.snapshot_report import (  # OOMSnapshot's own (private) writer
+        format_report,
+        render_html,
+    )
 
     title = f"simulated oom on rank 0 at step {trainer.global_step}"
     path = Path(trainer.log_dir) / f"simulated_oom_rank0_step{trainer.global_step}.html"
@@ -79,7 +84,9 @@ def write_simulated_report(simulated: SimulatedGPU, trainer: L.Trainer) -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--oom", action="store_true", help="allocate 3 GiB at step 5 under a 2 GiB budget")
     parser.add_argument("--logdir", default="lightning_logs")
     parser.add_argument("--simulate", action="store_true", help="simulate the GPU (the default without one)")
@@ -93,7 +100,9 @@ def main() -> None:
             " table, params, grads and saved are the CPU step's tensors; activations and peaks are the simulated GPU's."
         )
     L.seed_everything(0)
-    train = DataLoader(TensorDataset(torch.randn(4096, 512), torch.randint(0, 10, (4096,))), 256, shuffle=True)
+    train = DataLoader(
+        TensorDataset(torch.randn(4096, 512), torch.randint(0, 10, (4096,))), 256, shuffle=True
+    )
     snapshot = OOMSnapshot(at_steps=[3])
     trainer = L.Trainer(
         accelerator="cpu" if simulated else "auto",
@@ -113,7 +122,9 @@ def main() -> None:
     written += [*snapshot.paths, *sorted(Path(trainer.log_dir).glob("layer_memory_step*.csv"))]
     print("\nfiles written:", *written, sep="\n  ")
     if simulated is not None:
-        print(f"(simulated: {simulated.why}; OOMSnapshot needs CUDA's allocator history and wrote no snapshot itself)")
+        print(
+            f"(simulated: {simulated.why}; OOMSnapshot needs CUDA's allocator history and wrote no snapshot itself)"
+        )
 
 
 if __name__ == "__main__":

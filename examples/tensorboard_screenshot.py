@@ -129,7 +129,9 @@ def main():
     )
     ap.add_argument("--smoothing", type=float, default=None)
     ap.add_argument("--timeout", type=float, default=90)
-    ap.add_argument("--charts", type=int, default=0, help="with --expand: show the first N charts only (0: all)")
+    ap.add_argument(
+        "--charts", type=int, default=0, help="with --expand: show the first N charts only (0: all)"
+    )
     a = ap.parse_args()
 
     url = a.base_url.rstrip("/") + "/#custom_scalars"
@@ -151,7 +153,13 @@ def main():
 
     log = open(os.path.join(profile, "chromium.log"), "wb")  # noqa: SIM115  # Chromium's output while it runs
     proc = subprocess.Popen(
-        [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", f"--window-size={a.width},{a.height}", "about:blank"],
+        [
+            CHROMIUM,
+            *FLAGS,
+            f"--user-data-dir={profile}",
+            f"--window-size={a.width},{a.height}",
+            "about:blank",
+        ],
         stdin=subprocess.DEVNULL,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -193,7 +201,9 @@ def main():
                     st = json.loads(ev(JS_STATUS) or "{}")
                 except Exception:
                     st = {}
-                ok = st.get("cards", 0) > 0 and all(n > 0 for n in st["lines"]) and st.get("spinners", 0) == 0
+                ok = (
+                    st.get("cards", 0) > 0 and all(n > 0 for n in st["lines"]) and st.get("spinners", 0) == 0
+                )
                 stable = stable + 1 if ok and st == last else 0
                 last = st
                 if stable >= 2:  # same good state 3 polls in a row

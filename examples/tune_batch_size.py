@@ -46,9 +46,13 @@ class Sequences(Dataset):
 class TokenMLP(L.LightningModule):
     """An MLP over every position of a sequence, mean-pooled; ``simulated``: it moves that GPU's memory instead."""
 
-    def __init__(self, batch_size: int = 2, width: int = 2048, simulated: SimulatedGPU | None = None) -> None:
+    def __init__(
+        self, batch_size: int = 2, width: int = 2048, simulated: SimulatedGPU | None = None
+    ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore="simulated")  # BatchSizeTuner writes the size found to hparams.batch_size
+        self.save_hyperparameters(
+            ignore="simulated"
+        )  # BatchSizeTuner writes the size found to hparams.batch_size
         self.net = nn.Sequential(
             nn.Linear(FEATURES, width), nn.GELU(), nn.Linear(width, width), nn.GELU(), nn.Linear(width, 2)
         )
@@ -81,14 +85,22 @@ class TokenMLP(L.LightningModule):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budget", default="4GiB", help="memory budget: '24GiB', '16GB', bytes, or a fraction")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--budget", default="4GiB", help="memory budget: '24GiB', '16GB', bytes, or a fraction"
+    )
     parser.add_argument("--max-val", type=int, default=4096)
     parser.add_argument("--logdir", default="lightning_logs")
     parser.add_argument("--simulate", action="store_true", help="simulate the GPU (the default without one)")
     args = parser.parse_args()
     logging.getLogger("lightning.pytorch").setLevel(logging.INFO)
-    budget = float(args.budget) if args.budget.replace(".", "", 1).isdigit() and "." in args.budget else args.budget
+    budget = (
+        float(args.budget)
+        if args.budget.replace(".", "", 1).isdigit() and "." in args.budget
+        else args.budget
+    )
 
     simulated = None
     if args.simulate or not torch.cuda.is_available():
@@ -109,14 +121,18 @@ def main() -> None:
         callbacks=[tuner, MemoryMonitor(log_every_n_steps=10)],
         enable_checkpointing=False,
     )
-    model = TokenMLP(width=128 if simulated else 2048, simulated=simulated)  # a narrow model: CPU steps stay fast
+    model = TokenMLP(
+        width=128 if simulated else 2048, simulated=simulated
+    )  # a narrow model: CPU steps stay fast
     trainer.fit(model)
     print(f"\nbatch size used: {model.hparams.batch_size}")
     for trial in tuner.trials:
         peak = "-" if trial.peak_bytes is None else f"{trial.peak_bytes / GIB:.2f} GiB"
         print(f"  trial batch_size={trial.batch_size:>5}  {'ok ' if trial.fits else 'OOM'}  peak {peak}")
     if simulated:
-        print(f"(simulated: {simulated.why}; the peaks and OOMs above are the simulated GPU's, not measured)")
+        print(
+            f"(simulated: {simulated.why}; the peaks and OOMs above are the simulated GPU's, not measured)"
+        )
 
 
 if __name__ == "__main__":

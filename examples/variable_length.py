@@ -67,7 +67,9 @@ def pad(samples: list[dict[str, torch.Tensor]]) -> torch.Tensor:
 class TinyLM(L.LightningModule):
     """A one-layer transformer language model; ``simulated``: it moves that GPU's memory per padded token."""
 
-    def __init__(self, mode: str, batch_size: int = 2, max_tokens: int = 1024, simulated: SimulatedGPU | None = None):
+    def __init__(
+        self, mode: str, batch_size: int = 2, max_tokens: int = 1024, simulated: SimulatedGPU | None = None
+    ):
         super().__init__()
         self.save_hyperparameters(ignore="simulated")  # the tuner writes what it finds to hparams
         self.lengths = skewed_lengths(2048)
@@ -82,7 +84,9 @@ class TinyLM(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         if self.simulated is not None:
-            self.simulated.spike(batch.numel() * SIMULATED_TOKEN_BYTES)  # raises OutOfMemoryError past the cap
+            self.simulated.spike(
+                batch.numel() * SIMULATED_TOKEN_BYTES
+            )  # raises OutOfMemoryError past the cap
         inputs, targets = batch[:, :-1], batch[:, 1:]
         mask = nn.Transformer.generate_square_subsequent_mask(inputs.shape[1])
         logits = self.head(self.layer(self.embed(inputs), src_mask=mask, is_causal=True))
@@ -104,18 +108,24 @@ class TinyLM(L.LightningModule):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--mode", choices=("tokens", "batch", "first"), default="tokens")
     parser.add_argument("--budget", default="4GiB", help="memory budget: '24GiB', '16GB' or bytes")
     parser.add_argument("--simulate", action="store_true", help="simulate the GPU (the default without one)")
-    parser.add_argument("--seed", type=int, default=0, help="the shuffle's seed: the same batches on every run")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="the shuffle's seed: the same batches on every run"
+    )
     args = parser.parse_args()
     L.seed_everything(args.seed)
     logging.getLogger("lightning.pytorch").setLevel(logging.INFO)
 
     simulated = None
     if args.simulate or not torch.cuda.is_available():
-        simulated = SimulatedGPU(total=80 * GIB, limit=parse_budget(args.budget, 80 * GIB, "variable_length"))
+        simulated = SimulatedGPU(
+            total=80 * GIB, limit=parse_budget(args.budget, 80 * GIB, "variable_length")
+        )
         simulated.install()
         print(
             f"simulated: {simulated.why}; a simulated 80 GiB card capped at {simulated.limit / GIB:.1f} GiB stands"
@@ -144,9 +154,13 @@ def main() -> None:
         raise SystemExit(1) from None
     seconds = time.perf_counter() - start
     what = (
-        f"max_tokens={model.hparams.max_tokens}" if args.mode == "tokens" else f"batch_size={model.hparams.batch_size}"
+        f"max_tokens={model.hparams.max_tokens}"
+        if args.mode == "tokens"
+        else f"batch_size={model.hparams.batch_size}"
     )
-    print(f"\n{what}: one epoch, {trainer.global_step} steps, {model.tokens} tokens, no OOM ({seconds:.1f} s)")
+    print(
+        f"\n{what}: one epoch, {trainer.global_step} steps, {model.tokens} tokens, no OOM ({seconds:.1f} s)"
+    )
     print(f"tokens per step: {model.tokens / max(1, trainer.global_step):.0f}")
     if simulated:
         print(f"(simulated: {simulated.why}; the memory above is the simulated GPU's, not measured)")

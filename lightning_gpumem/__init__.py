@@ -52,8 +52,8 @@ if TYPE_CHECKING:
     from lightning_gpumem.release import EmptyCacheOnThreshold
     from lightning_gpumem.snapshot import OOMSnapshot
     from lightning_gpumem.tuning.callback import BatchSizeTuner
-    from lightning_gpumem.tuning.planner import MemoryPlanner
     from lightning_gpumem.tuning.lengths.token_budget import TokenBudgetSampler
+    from lightning_gpumem.tuning.planner import MemoryPlanner
 
 
 def __getattr__(name: str) -> Any:

@@ -49,7 +49,7 @@ class LayerRecord:
     saved_bytes: int = 0
 
 
-def format_table(
+def layer_table(
     records: list[LayerRecord], top_k: int, step: int, step_peak: int | None, other: dict[str, int]
 ) -> str:
     """The ``top_k`` layers by memory saved for backward, and totals reconciled with the step's peak.
@@ -60,7 +60,7 @@ def format_table(
 
     Example:
         >>> rows = [LayerRecord("fc1", "Linear", 4 * _MIB, 4 * _MIB, 2 * _MIB, 3 * _MIB, 5 * _MIB, 1 * _MIB)]
-        >>> table = format_table(rows, 10, step=1, step_peak=12 * _MIB, other={"optimizer state": 0})
+        >>> table = layer_table(rows, 10, step=1, step_peak=12 * _MIB, other={"optimizer state": 0})
         >>> print(table)  # doctest: +NORMALIZE_WHITESPACE
         Layer memory at step 1 (MiB; top 1 of 1 layers by memory saved for backward)
         layer  type    params  grads  activations  saved  fwd peak  bwd peak
@@ -450,7 +450,7 @@ class LayerMemoryProfiler(Callback):
             "optimizer state": _optimizer_state_bytes(trainer),
             "saved outside layers": recorder.saved_outside,
         }
-        self.table = format_table(self.records, self.top_k, recorder.step, self.step_peak_bytes, other)
+        self.table = layer_table(self.records, self.top_k, recorder.step, self.step_peak_bytes, other)
         if not trainer.is_global_zero:
             return
         rank_zero_info(self.table)

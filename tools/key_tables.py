@@ -1,8 +1,8 @@
 """Write the key tables of the docs from ``lightning_gpumem.keys``: ``python tools/key_tables.py [--check]``.
 
-A table sits between ``<!-- keys: <Writer> -->`` and ``<!-- /keys -->`` in a page under ``docs/``; its rows are the
-keys that ``<Writer>`` (a callback's class name) logs. ``--check`` writes nothing and exits 1 when a table differs
-(``tests/package/test_keys.py`` runs the same check).
+A table sits between ``<!-- keys: <Writer> -->`` and ``<!-- /keys -->`` in a page under ``docs/``; its rows
+are the keys that ``<Writer>`` (a callback's class name) logs. ``--check`` writes nothing and exits 1 when a
+table differs (``tests/package/test_keys.py`` runs the same check).
 """
 
 from __future__ import annotations

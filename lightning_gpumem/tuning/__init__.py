@@ -1,10 +1,10 @@
 """Batch-size tuning and memory planning, driven by real trials run through Lightning.
 
 ``search/`` is pure (one model of memory against the batch size, the plan, the search, the headroom);
-``trials/`` runs trials on the user's Trainer and undoes them (one bench for both callbacks); ``lengths/`` holds
-what variable-length data needs (the length scan, longest-first drawing, ``TokenBudgetSampler``). ``callback.py``
-(BatchSizeTuner) and ``planner.py`` (MemoryPlanner) are the callbacks; ``bounds.py`` and ``record.py`` the tuner's
-bounds and report.
+``trials/`` runs trials on the user's Trainer and undoes them (one bench for both callbacks); ``lengths/``
+holds what variable-length data needs (the length scan, longest-first drawing, ``TokenBudgetSampler``).
+``callback.py`` (BatchSizeTuner) and ``planner.py`` (MemoryPlanner) are the callbacks; ``bounds.py`` and
+``record.py`` the tuner's bounds and report.
 
 The names are imported on first use (PEP 562), so ``lightning_gpumem.tuning.search`` loads neither torch nor
 Lightning.

@@ -1,9 +1,9 @@
 """MemoryPlanner: "will it fit?" answered before step 1, from a few real training steps at small batch sizes.
 
-Why real steps and not a trace: what decides a fit is the allocator (its blocks, its fragmentation), the optimizer
-step's temporaries and the kernels' workspaces, which only a real step shows; small batch sizes cost milliseconds.
-The probes run through the tuner's trial machinery (``TrialSession``: train mode, forward, backward, optimizer step,
-the validation step apart, nothing left behind) and the plan is the pure :class:`~lightning_gpumem.tuning.search.plan.Plan`.
+Why real steps and not a trace: what decides a fit is the allocator (its blocks, its fragmentation), the
+optimizer step's temporaries and the kernels' workspaces, which only a real step shows; small batch sizes
+cost milliseconds. The probes run on the trial bench the tuner uses (``trials/bench.py``: nothing left
+behind) and the plan is the pure :class:`~lightning_gpumem.tuning.search.plan.Plan` of the one memory model.
 """
 
 from __future__ import annotations
@@ -12,91 +12,85 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_gpumem import keys
-from lightning_gpumem._core.checks import (
-    require_flags,
-    require_fraction,
-    require_int,
-    require_length_fn,
-    require_trainer,
-)
-from lightning_gpumem._core.units import GIB, check_budget, format_gib, parse_budget
-from lightning_gpumem._hw.allocator import expandable_segments
+from lightning_gpumem._core.checks import require_trainer
 from lightning_gpumem._hw.probe import Probe, make_probe
 from lightning_gpumem._pl.compat import Callback
-from lightning_gpumem._pl.logging import log_table, log_to_loggers
 from lightning_gpumem._pl.peers import budget_bytes
-from lightning_gpumem.tuning.lengths.longest import LongestFirst, margin_for, margin_tip
+from lightning_gpumem.tuning import bounds
+from lightning_gpumem.tuning.arguments import check_planner
+from lightning_gpumem.tuning.lengths.longest import LongestFirst, margin_for
 from lightning_gpumem.tuning.lengths.scan import LengthFn
+from lightning_gpumem.tuning.plan_report import report_plan
 from lightning_gpumem.tuning.search.model import Point, accepted
-from lightning_gpumem.tuning.search.plan import Plan, Prediction, plan_table
+from lightning_gpumem.tuning.search.plan import Plan, Prediction
 from lightning_gpumem.tuning.search.probes import back_off_sizes, probe_until_line
 from lightning_gpumem.tuning.trials import loaders
 from lightning_gpumem.tuning.trials import session as _session
 from lightning_gpumem.tuning.trials.bench import TrialBench
 from lightning_gpumem.tuning.trials.measure import BatchCheck, plan_builder
 
-CARDS_GIB = (16, 24, 40, 48, 80)
-"""Common card sizes the plan answers for by default, besides the device (those up to the device's size)."""
 VALIDATION_TRIES = 3  # a prediction that does not run backs off at most this often under one budget
 
 
 @keys.document
 class MemoryPlanner(Callback):
-    r"""Plan the fit's memory before step 1: the peak at the run's batch size, with a band; the largest size per card.
+    r"""Plan the fit's memory before step 1: the run's peak with a band, and the largest size per card.
 
-    At fit start it runs *probes*: ``steps_per_trial`` real optimizer steps and one validation batch at small batch
-    sizes (``init_val``, doubling) until peak memory of live tensors is a line in the batch size (the last increment
-    at least 10% of the peak and its per-sample slope within 3% of the one before; at most half the device's memory).
-    From them it predicts, for the run's batch size, the reserved peak with a band, and for each budget the largest
-    batch size that fits (the budget less the memory outside PyTorch, which NVML measures). With ``validate=True``
-    the largest size of each budget runs in a trial under that budget (the allocator capped with
-    ``torch.cuda.set_per_process_memory_fraction``) and is marked *validated*; one that runs out of memory backs off
-    (6%, then 12% less live memory than the prediction) until one runs. Trials leave nothing behind: they run in
-    ``BatchSizeTuner``'s trial session, and the fit then equals the fit without the planner
-    (``tests/tuning/test_planner.py``).
+    At fit start it runs *probes*: ``steps_per_trial`` real optimizer steps and one validation batch at small
+    batch sizes (``init_val``, doubling) until peak memory of live tensors is a line in the batch size (the
+    last increment at least 10% of the peak and its per-sample slope within 3% of the one before; at most
+    half the device's memory). From them it predicts, for the run's batch size, the reserved peak with a
+    band, and for each budget the largest batch size that fits (the budget less the memory outside PyTorch,
+    which NVML measures). With ``validate=True`` the largest size of each budget runs in a trial under that
+    budget (the allocator capped with ``torch.cuda.set_per_process_memory_fraction``) and is marked
+    *validated*; one that runs out of memory backs off (6%, then 12% less live memory than the prediction)
+    until one runs. Trials leave nothing behind: they run in ``BatchSizeTuner``'s trial session, and the fit
+    then equals the fit without the planner (``tests/tuning/test_planner.py``).
 
-    The plan is printed on rank zero, sent to every logger as a table (TensorBoard text, a W&B table, an MLflow
-    artifact, else ``gpumem_memory_plan.csv``), logged as the scalars below and kept in :attr:`plan` and
-    :attr:`predictions`. Where the run's batch size does not fit a budget, it says by how much and what would make it
-    fit. With ``stop=True`` the fit ends after planning, before the sanity check and step 1: a dry run, to ask on any
-    card whether a run fits a smaller one.
+    The plan is printed on rank zero, sent to every logger as a table (TensorBoard text, a W&B table, an
+    MLflow artifact, else ``gpumem_memory_plan.csv``), logged as the scalars below and kept in :attr:`plan`
+    and :attr:`predictions`. Where the run's batch size does not fit a budget, it says by how much and what
+    would make it fit. With ``stop=True`` the fit ends after planning, before the sanity check and step 1: a
+    dry run, to ask on any card whether a run fits a smaller one.
 
-    Where the probes are not on a line (batches whose shapes vary, data-dependent padding, routing), the plan says
-    so and predicts nothing; on a device without an allocator to measure (CPU) the planner warns and plans nothing
-    (``stop=True`` still ends the fit). A ``TokenBudgetSampler``'s budget is not a batch size: it is refused at fit
-    start (``BatchSizeTuner`` tunes it).
-    For variable-length data, ``length_fn`` makes every probe and trial draw the longest samples first (as
-    ``BatchSizeTuner(length_fn=...)`` does, see ``docs/variable_length.md``): the plan is then the plan of the
-    heaviest batches the data can make, and each budget's allocator limit leaves ``shape_margin`` free for the
-    fragmentation of an epoch of varying shapes.
+    Where the probes are not on a line (batches whose shapes vary, data-dependent padding, routing), the plan
+    says so and predicts nothing; on a device without an allocator to measure (CPU) the planner warns and
+    plans nothing (``stop=True`` still ends the fit). A ``TokenBudgetSampler``'s budget is not a batch size:
+    it is refused at fit start (``BatchSizeTuner`` tunes it). For variable-length data, ``length_fn`` makes
+    every probe and trial draw the longest samples first (as ``BatchSizeTuner(length_fn=...)`` does, see
+    ``docs/variable_length.md``): the plan is then the plan of the heaviest batches the data can make, and
+    each budget's allocator limit leaves ``shape_margin`` free for the fragmentation of an epoch of varying
+    shapes.
 
     **Logged metrics** (from :mod:`lightning_gpumem.keys`):
 
     {logged_metrics}
 
     Args:
-        budgets: the cards or budgets to answer for: sizes in bytes (``int``), strings such as ``"24GiB"``, or
-            fractions of the device in (0, 1]; ``None`` for the device (or a
-            :class:`~lightning_gpumem.MemoryBudget`'s budget) and the common card sizes up to it (16, 24, 40, 48,
-            80 GiB).
+        budgets: the cards or budgets to answer for: sizes in bytes (``int``), strings such as ``"24GiB"``,
+            or fractions of the device in (0, 1]; ``None`` for the device (or a
+            :class:`~lightning_gpumem.MemoryBudget`'s budget) and the common card sizes up to it (16, 24, 40,
+            48, 80 GiB).
         validate: run each budget's largest size in a trial under that budget.
         stop: end the fit after planning (a dry run).
         init_val: the first probe's batch size.
         steps_per_trial: optimizer steps per probe (the first step also creates the optimizer state).
         include_validation: also run one validation batch per probe where the fit validates.
-        batch_arg_name: attribute holding the batch size, looked up like Lightning's ``BatchSizeFinder`` does.
-        length_fn: how a training or validation sample's size is measured, for data whose batches change shape: a
-            function of a sample (``dataset[i]``) returning its length, or the key (or attribute) of a length field.
-            The probes then run the longest samples first, collated by the loader's own ``collate_fn``.
-        shape_margin: with ``length_fn``, the fraction of each budget's allocator limit the plan leaves free for
-            fragmentation, in [0, 1) (``None``: 0.2, or 0.06 with ``expandable_segments:True``, as the tuner).
+        batch_arg_name: attribute holding the batch size, looked up like Lightning's ``BatchSizeFinder``
+            does.
+        length_fn: how a training or validation sample's size is measured, for data whose batches change
+            shape: a function of a sample (``dataset[i]``) returning its length, or the key (or attribute) of
+            a length field. The probes then run the longest samples first, collated by the loader's own
+            ``collate_fn``.
+        shape_margin: with ``length_fn``, the fraction of each budget's allocator limit the plan leaves free
+            for fragmentation, in [0, 1) (``None``: 0.2, or 0.06 with ``expandable_segments:True``, as the
+            tuner).
 
     Raises:
         ValueError: on an invalid argument, or (at fit start) dataloaders passed to ``trainer.fit``.
@@ -125,23 +119,17 @@ class MemoryPlanner(Callback):
         length_fn: LengthFn | None = None,
         shape_margin: float | None = None,
     ) -> None:
-        if budgets is not None:
-            if isinstance(budgets, (str, bytes)) or not isinstance(budgets, Sequence) or not budgets:
-                raise ValueError(
-                    f"`MemoryPlanner(budgets={budgets!r})` is not valid. Expected None or a non-empty list of budgets"
-                    ' (bytes, a fraction of the device, or a string such as "24GiB").'
-                )
-            for budget in budgets:
-                check_budget(
-                    budget, "MemoryPlanner", "budgets"
-                )  # type and format now; the size against the device at fit
-        require_flags("MemoryPlanner", validate=validate, stop=stop, include_validation=include_validation)
-        require_int("MemoryPlanner", "init_val", init_val, 1)
-        require_int("MemoryPlanner", "steps_per_trial", steps_per_trial, 1)
-        if not isinstance(batch_arg_name, str) or not batch_arg_name:
-            raise ValueError(f"`MemoryPlanner(batch_arg_name={batch_arg_name!r})` is not valid. Expected a name.")
-        require_length_fn("MemoryPlanner", length_fn)
-        require_fraction("MemoryPlanner", "shape_margin", shape_margin, none_ok=True)
+        check_planner(
+            budgets=budgets,
+            init_val=init_val,
+            steps_per_trial=steps_per_trial,
+            batch_arg_name=batch_arg_name,
+            length_fn=length_fn,
+            shape_margin=shape_margin,
+            validate=validate,
+            stop=stop,
+            include_validation=include_validation,
+        )
         self.budgets = list(budgets) if budgets is not None else None
         self.validate = validate
         self.stop = stop
@@ -155,7 +143,8 @@ class MemoryPlanner(Callback):
         self.plan: Plan | None = None
         """The last plan (``None`` before one, or where nothing could be measured)."""
         self.predictions: list[Prediction] = []
-        """One :class:`~lightning_gpumem.tuning.search.plan.Prediction` per budget, for the run's batch size."""
+        """One :class:`~lightning_gpumem.tuning.search.plan.Prediction` per budget, for the run's batch
+        size."""
         self.seconds: float | None = None
         """Wall time of the last planning, probes and validation trials included."""
         self.probe_seconds: float | None = None
@@ -166,7 +155,7 @@ class MemoryPlanner(Callback):
         require_trainer("MemoryPlanner", trainer)
         _session.require_settable_batch(trainer, self.batch_arg_name, "MemoryPlanner")
         built = loaders.train_loaders(trainer)  # the user's hook, called once for both
-        self._refuse_token_budget(trainer, built)
+        bounds.refuse_token_budget(trainer, built, self.batch_arg_name)
         self._plan(trainer, loaders.samples_per_rank(built, trainer.world_size))
         del built
         if self.stop:  # a dry run on every device, planned or not
@@ -177,19 +166,21 @@ class MemoryPlanner(Callback):
     def _plan(self, trainer: pl.Trainer, length: int | None) -> None:
         """Probe, plan and validate; ``length``: the samples a rank draws an epoch (``None``: not known)."""
         if trainer.fast_dev_run or trainer.limit_train_batches == 0:  # type: ignore[attr-defined]
-            rank_zero_warn("MemoryPlanner: skipped: the fit runs no training step to plan (fast_dev_run, limit 0).")
+            rank_zero_warn(
+                "MemoryPlanner: skipped: the fit runs no training step to plan (fast_dev_run, limit 0)."
+            )
             return
         probe = make_probe(trainer.strategy.root_device, self)
         total = probe.total_bytes()
         if not probe.has_allocator or total is None:
             rank_zero_warn(
-                f"MemoryPlanner: `{probe.device}` has no memory allocator to measure, so there is nothing to plan;"
-                " run it on the GPU the plan is for (or a larger one)."
+                f"MemoryPlanner: `{probe.device}` has no memory allocator to measure, so there is nothing to"
+                " plan; run it on the GPU the plan is for (or a larger one)."
             )
             return
         start = time.perf_counter()
         size = _session.get_batch_size(trainer, self.batch_arg_name)
-        budgets = self._budgets(trainer, total)
+        budgets = bounds.planner_budgets(self.budgets, trainer, total)
         upper = max(1, length) if length is not None else 2**20
         longest = LongestFirst("MemoryPlanner", self.length_fn) if self.length_fn is not None else None
         bench = TrialBench(
@@ -231,47 +222,30 @@ class MemoryPlanner(Callback):
             if budget in validated:
                 prediction = replace(prediction, largest=validated[budget], validated=True)
             self.predictions.append(prediction)
-        self._report(trainer, plan, size)
-
-    # ------------------------------------------------------------------ helpers
-    def _refuse_token_budget(self, trainer: pl.Trainer, built: Any) -> None:
-        """A ``TokenBudgetSampler``'s ``max_tokens`` is not a batch size: probing it would write sizes into it."""
-        sampler = loaders.token_sampler(built)
-        if sampler is None:
-            return
-        named = sampler.max_tokens == _session.get_batch_size(trainer, self.batch_arg_name)
-        what = f"`{self.batch_arg_name}` is its `max_tokens`" if named else "its batches are made by tokens"
-        raise ValueError(
-            f"`MemoryPlanner(batch_arg_name={self.batch_arg_name!r})`: the training loader batches with a"
-            f" TokenBudgetSampler and {what}, which the planner cannot plan (it plans a number of samples per batch)."
-            f" Use `BatchSizeTuner(batch_arg_name={self.batch_arg_name!r})` to tune the token budget"
-            " (docs/variable_length.md)."
+        report_plan(
+            trainer, plan, size, self.predictions, self.batch_arg_name, self.shape_margin, self.seconds
         )
 
-    def _budgets(self, trainer: pl.Trainer, total: int) -> list[int]:
-        if self.budgets is None:
-            own = budget_bytes(trainer) or total
-            cards = [gib * GIB for gib in CARDS_GIB if gib * GIB < own]
-            return sorted({own, *cards}, reverse=True)
-        parsed = [parse_budget(b, total, "MemoryPlanner", "budgets") for b in self.budgets]
-        return sorted(dict.fromkeys(int(b) for b in parsed), reverse=True)
-
+    # ------------------------------------------------------------------ helpers
     def _probe(
         self, bench: TrialBench, trainer: pl.Trainer, probe: Probe, total: int, upper: int
     ) -> tuple[Plan | None, int | None]:
         """Probe from ``init_val``, doubling, until the line settles; the plan (``None`` with a warning).
 
-        Also the samples the data holds where a probe's batches found fewer than its size (an iterable dataset, a
-        sampler without a length): the largest batch there is, probed too (``None``: not met).
+        Also the samples the data holds where a probe's batches found fewer than its size (an iterable
+        dataset, a sampler without a length): the largest batch there is, probed too (``None``: not met).
         """
-        limit = min(probe.usable_bytes() or total, budget_bytes(trainer) or total)  # a MemoryBudget caps the probes
+        # a MemoryBudget caps the probes
+        limit = min(probe.usable_bytes() or total, budget_bytes(trainer) or total)
         probed = probe_until_line(bench.run, init_val=self.init_val, upper=upper, limit=limit)
         points, verdict, size = probed.points, probed.verdict, probed.size
         data_bound = None
         if probed.stop == "data":  # a probe's batches held fewer samples than its size: the data ends there
-            data_bound = probed.samples or (points[-1].size if points else None)  # 0: no batch at all (drop_last)
+            # 0: no batch at all (drop_last)
+            data_bound = probed.samples or (points[-1].size if points else None)
             if data_bound is not None and (not points or data_bound > points[-1].size):
-                trial = bench.run(data_bound)  # the whole of the data in one batch: every size that can run is probed
+                # the whole of the data in one batch: every size that can run is probed
+                trial = bench.run(data_bound)
                 point = trial.point
                 if accepted(trial, limit) and point is not None and point.need is not None:
                     points = [*points, point]
@@ -279,7 +253,8 @@ class MemoryPlanner(Callback):
         if probed.stop in ("rejected", "unmeasured"):
             what = "ran out of memory" if probed.stop == "rejected" else "measured no peak"
             rank_zero_warn(
-                f"MemoryPlanner: the probe at {self.batch_arg_name}={size} {what}; no plan. Lower `init_val`."
+                f"MemoryPlanner: the probe at {self.batch_arg_name}={size} {what}; no plan. Lower"
+                " `init_val`."
             )
             return None, data_bound
         if len(points) < 2:
@@ -287,17 +262,19 @@ class MemoryPlanner(Callback):
                 f"MemoryPlanner: one probe ({self.batch_arg_name}={size}) left no room for another; no plan."
             )
             return None, data_bound
-        if verdict is None:  # probing reached the samples an epoch draws: every size that can run lies between
-            verdict = "settled"  # probes, where the plan interpolates what they measured; nothing to extrapolate
+        # probing reached the samples an epoch draws: every size that can run lies between
+        if verdict is None:
+            # probes, where the plan interpolates what they measured; nothing to extrapolate
+            verdict = "settled"
         assert bench.runner is not None
         plan = plan_builder(trainer, probe, bench.runner, self)(points, verdict)
         plan.margin = margin_for(self.shape_margin, self.length_fn is not None)
         if verdict == "not_affine":
             tip = "" if self.length_fn is not None else " Where samples vary in length, pass `length_fn`."
             rank_zero_warn(
-                "MemoryPlanner: the probes' peaks are not on a line in the batch size (batches of varying shapes?"
-                " data-dependent padding?), so the plan cannot predict larger sizes. Use `BatchSizeTuner`, which"
-                f" searches where it cannot predict.{tip}"
+                "MemoryPlanner: the probes' peaks are not on a line in the batch size (batches of varying"
+                " shapes? data-dependent padding?), so the plan cannot predict larger sizes. Use"
+                f" `BatchSizeTuner`, which searches where it cannot predict.{tip}"
             )
         return plan, data_bound
 
@@ -306,9 +283,9 @@ class MemoryPlanner(Callback):
     ) -> tuple[dict[int, int], list[Point], int]:
         """Run each budget's largest size under that budget.
 
-        Returns the size that ran per budget, what those trials measured, and the largest batch the data can make
-        (``upper``, or fewer where a trial's batches found the data ending short of its size: that size is not one
-        that ran, and the data's largest batch is tried in its place).
+        Returns the size that ran per budget, what those trials measured, and the largest batch the data can
+        make (``upper``, or fewer where a trial's batches found the data ending short of its size: that size
+        is not one that ran, and the data's largest batch is tried in its place).
         """
         if not self.validate or plan.verdict != "settled":
             return {}, [], upper
@@ -321,11 +298,14 @@ class MemoryPlanner(Callback):
                 continue
             size = min(size, upper)
             with bench.capped(limit):
-                tries = itertools.islice(itertools.chain([size], back_off_sizes(plan, size, 0)), VALIDATION_TRIES)
+                tries = itertools.islice(
+                    itertools.chain([size], back_off_sizes(plan, size, 0)), VALIDATION_TRIES
+                )
                 for size in tries:  # the prediction, then 6%, 12%... less live memory than it
                     trial = bench.run(min(size, upper))
                     if trial.short:  # the data ended short of it
-                        # its largest batch; where a drop_last loader made none, the largest probe (which ran)
+                        # its largest batch; where a drop_last loader made none, the largest probe (which
+                        # ran)
                         upper = trial.samples or max(p.size for p in plan.probes)
                         trial = bench.run(upper)
                     if accepted(trial, limit):
@@ -334,68 +314,3 @@ class MemoryPlanner(Callback):
                         measured += [point] if point is not None and trial.retries in (None, 0) else []
                         break
         return ran, measured, upper
-
-    def _report(self, trainer: pl.Trainer, plan: Plan, size: int) -> None:
-        name = self.batch_arg_name
-        table = plan_table(plan, size, self.predictions, name)
-        lines = [table]
-        for p in self.predictions:
-            if p.fits:
-                continue
-            lines.append(
-                f"Does not fit {format_gib(p.budget)}: {name}={size} needs {format_gib(int(p.peak + p.band))}"
-                f" reserved, the allocator has {format_gib(p.limit)}. {self._advice(trainer, plan, p)}"
-            )
-        if plan.margin > 0:
-            lines.append(
-                f"The batches vary in shape (`length_fn`), so each allocator limit leaves {plan.margin:.0%} of it free"
-                f" for the allocator's fragmentation (`shape_margin`){margin_tip(self.shape_margin)}."
-            )
-        seconds = f" ({self.seconds:.1f} s)" if self.seconds is not None else ""
-        rank_zero_info(f"MemoryPlanner{seconds}:\n" + "\n".join(lines))
-        if not trainer.is_global_zero:
-            return
-        device = self.predictions[0]
-        scalars = {
-            keys.PLAN_PEAK.format(): device.peak / GIB,
-            keys.PLAN_BAND.format(): device.band / GIB,
-            keys.PLAN_PER_SAMPLE.format(): float(plan.per_sample) / 2**20,
-            keys.PLAN_FIXED.format(): float(plan.lines[0].intercept) / GIB,
-        }
-        if plan.outside is not None:
-            scalars[keys.PLAN_OUTSIDE.format()] = plan.outside / GIB
-        if device.largest is not None:
-            scalars[keys.PLAN_LARGEST.format()] = float(device.largest)
-        log_to_loggers(trainer, scalars, step=trainer.global_step)
-        columns = ["budget GiB", "limit GiB", "peak GiB", "band GiB", "fits", f"largest {name}", "validated"]
-        rows = [
-            [
-                f"{p.budget / GIB:.1f}",
-                f"{p.limit / GIB:.2f}",
-                f"{p.peak / GIB:.2f}",
-                f"{p.band / GIB:.2f}",
-                "yes" if p.fits else "no",
-                "unbounded" if p.largest is None else p.largest,
-                "yes" if p.validated else "no",
-            ]
-            for p in self.predictions
-        ]
-        log_table(trainer, keys.MEMORY_PLAN.format(), columns, rows, trainer.global_step, table, "MemoryPlanner")
-
-    def _advice(self, trainer: pl.Trainer, plan: Plan, prediction: Prediction) -> str:
-        tips = []
-        if prediction.largest is not None and prediction.largest >= 1:
-            tips.append(f"{self.batch_arg_name}={prediction.largest} fits")
-        else:
-            tips.append("even the smallest batch does not fit: the fixed memory alone is over it")
-        precision = str(getattr(trainer, "precision", ""))
-        if precision.startswith("32") or precision.startswith("64"):
-            tips.append("precision='bf16-mixed' roughly halves the activations")
-        tips.append("activation checkpointing trades compute for activation memory")
-        if plan.growth > 1.05 and not expandable_segments():
-            tips.append(
-                f"reserved memory grew {float(plan.growth):.2f}x as fast as live tensors: PYTORCH_CUDA_ALLOC_CONF="
-                "expandable_segments:True (set before CUDA starts: in the shell, or before the first CUDA call)"
-                " may lower it"
-            )
-        return "To make it fit: " + "; ".join(tips) + "."

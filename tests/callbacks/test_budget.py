@@ -30,7 +30,9 @@ def test_budget_caps_from_setup_to_teardown_and_restores_the_previous_cap(tmp_pa
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     budget = FakeBudget(probe, "20GiB")
-    csv_epoch_trainer(tmp_path, [budget, Spy(probe)], limit_train_batches=3, limit_val_batches=0).fit(BoringModel())
+    csv_epoch_trainer(tmp_path, [budget, Spy(probe)], limit_train_batches=3, limit_val_batches=0).fit(
+        BoringModel()
+    )
     assert seen == [pytest.approx(0.25)] * 3
     assert budget.budget_bytes == 20 * GIB
     assert probe.fraction == 0.75  # restored at teardown
@@ -40,7 +42,9 @@ def test_budget_caps_from_setup_to_teardown_and_restores_the_previous_cap(tmp_pa
 def test_budget_above_the_device_warns_and_caps_at_the_device(tmp_path):
     probe = CudaFakeProbe(base=GIB, total=16 * GIB)
     budget = FakeBudget(probe, "24GiB")
-    with pytest.warns(UserWarning, match=r"MemoryBudget\(budget='24GiB'\) is 24.0 GiB, more than the device's 16.0"):
+    with pytest.warns(
+        UserWarning, match=r"MemoryBudget\(budget='24GiB'\) is 24.0 GiB, more than the device's 16.0"
+    ):
         csv_epoch_trainer(tmp_path, [budget], limit_train_batches=1, limit_val_batches=0).fit(BoringModel())
     assert budget.budget_bytes == 16 * GIB
 

@@ -51,7 +51,9 @@ def test_a_validation_spike_of_several_gib_is_given_back_to_the_device():
         for held, freed in zip(before.nvml, after.nvml, strict=True):
             assert held - freed >= 4 * GIB - 64 * MIB
     ms = release.release_seconds * 1e3
-    print(f"\nreleased {release.released_bytes / GIB:.2f} GiB in {ms:.1f} ms; NVML {before.nvml} -> {after.nvml}")
+    print(
+        f"\nreleased {release.released_bytes / GIB:.2f} GiB in {ms:.1f} ms; NVML {before.nvml} -> {after.nvml}"
+    )
 
 
 def test_memory_budget_caps_the_process_until_teardown():

@@ -34,7 +34,9 @@ def _saved_tensors_hooks_active() -> bool:
     y = x * x  # kept alive: (older torch) the graph's saved tensors are freed with its output
     saved = y.grad_fn._raw_saved_self  # the documented SavedTensor of a grad_fn
     try:
-        saved.register_hooks(lambda t: t, lambda t: t)  # one pair per saved tensor: refused if default hooks set one
+        saved.register_hooks(
+            lambda t: t, lambda t: t
+        )  # one pair per saved tensor: refused if default hooks set one
     except RuntimeError as error:
         if "already been set" not in str(error):
             raise
@@ -60,7 +62,10 @@ def test_each_layer_gets_its_activations_params_grads_and_peaks(tmp_path):
     assert by_name["keep1"].param_bytes == 0
     table = profiler.table
     assert table is not None
-    assert table.splitlines()[0] == "Layer memory at step 1 (MiB; top 3 of 4 layers by memory saved for backward)"
+    assert (
+        table.splitlines()[0]
+        == "Layer memory at step 1 (MiB; top 3 of 4 layers by memory saved for backward)"
+    )
     assert "saved for backward" in table
     assert "measured peak" in table
     csv_files = list(tmp_path.rglob("layer_memory_step1.csv"))
@@ -75,7 +80,9 @@ class SavedNet(LightningModule):
     def __init__(self, watch_hooks: bool = False) -> None:
         super().__init__()
         self.fc1, self.act, self.fc2 = nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 16)
-        self.watch_hooks = watch_hooks  # look for a saved-tensors context at the profiled step (a tensor it saves)
+        self.watch_hooks = (
+            watch_hooks  # look for a saved-tensors context at the profiled step (a tensor it saves)
+        )
         self.hooks_active: dict[str, bool] = {}
 
     def training_step(self, batch, batch_idx):
@@ -103,7 +110,9 @@ def test_memory_saved_for_backward_is_counted_once_per_storage_for_the_layer_tha
     assert saved["fc1"] == 32 * 8 * 4  # its input (the batch); the weight is a parameter, not counted
     assert saved["act"] == 32 * 64 * 4  # its output
     assert saved["fc2"] == 0  # its input is ReLU's output, counted there
-    assert "saved outside layers 0.0" in profiler.table  # pow's input (32x16 floats): 2 KiB, shown as 0.0 MiB
+    assert (
+        "saved outside layers 0.0" in profiler.table
+    )  # pow's input (32x16 floats): 2 KiB, shown as 0.0 MiB
     model = SavedNet(watch_hooks=True)
     _fit(tmp_path, FakeProfiler(FakeProbe(base=100 * MIB), at_step=1), model)
     assert model.hooks_active == {"forward": True, "backward": False}  # the hooks were left before backward
@@ -217,7 +226,9 @@ def test_the_saved_tensors_hooks_are_left_exactly_once_on_every_way_out_of_the_s
     profiler = FakeProfiler(fake, at_step=1)
     model = FailingNet(fake, how)
     callbacks = [InterruptAfterTheStep(), profiler] if how == "interrupted after the step" else [profiler]
-    trainer = _trainer(tmp_path, callbacks, max_steps=3, max_epochs=1 if how == "skipped in the last epoch" else 2)
+    trainer = _trainer(
+        tmp_path, callbacks, max_steps=3, max_epochs=1 if how == "skipped in the last epoch" else 2
+    )
 
     def fit() -> None:
         if how == "raises":
@@ -243,7 +254,9 @@ def test_the_saved_tensors_hooks_are_left_exactly_once_on_every_way_out_of_the_s
         assert [r.activation_bytes for r in profiler.records] == [0, 3 * MIB, 0, 1 * MIB]  # the forward ran
         backward_ran = how not in ("backward skipped", "raises", "interrupted in the step")
         params = [r.param_bytes for r in profiler.records if r.param_bytes]
-        assert [r.grad_bytes for r in profiler.records if r.param_bytes] == (params if backward_ran else [0, 0])
+        assert [r.grad_bytes for r in profiler.records if r.param_bytes] == (
+            params if backward_ran else [0, 0]
+        )
     else:
         assert (profiler.records, profiler.step_peak_bytes) == ([], None)  # nothing was measured
 
@@ -332,7 +345,9 @@ class TableLogger(Logger):
 def test_the_table_is_logged_under_its_key_from_the_schema(tmp_path):
     fake = FakeProbe(base=100 * MIB)
     logger = TableLogger()
-    _trainer(tmp_path, [FakeProfiler(fake, at_step=1, dirpath=tmp_path)], max_steps=3, logger=logger).fit(Net(fake))
+    _trainer(tmp_path, [FakeProfiler(fake, at_step=1, dirpath=tmp_path)], max_steps=3, logger=logger).fit(
+        Net(fake)
+    )
     assert logger.tables == [(keys.LAYER_MEMORY.format(), 2)]  # at the step's end: `global_step` counts it
     assert keys.LAYER_MEMORY.format() == "gpumem/layer_memory"
 

@@ -42,7 +42,9 @@ def test_linear_stack_activations_match_the_analytic_sizes(tmp_path):
     quiet_trainer(accelerator="gpu", devices=1, max_steps=3, callbacks=[profiler]).fit(Stack())
     by_name = {r.name: r for r in profiler.records}
     for index, out in ((0, 4096), (1, 4096), (2, 4096), (3, 4096), (4, 1024)):
-        expected = BATCH * out * 4  # each layer's output, float32: what it leaves alive for the next one's backward
+        expected = (
+            BATCH * out * 4
+        )  # each layer's output, float32: what it leaves alive for the next one's backward
         assert by_name[f"net.{index}"].activation_bytes == pytest.approx(expected, rel=0.05), index
     for index, (inp, out) in enumerate(itertools.pairwise(WIDTHS)):
         record = by_name[f"net.{2 * index}"]

@@ -18,7 +18,9 @@ def test_policy_waits_for_usage_below_the_mark_or_min_steps():
     policy = ReleasePolicy(mark_bytes=100, min_steps_between=50)
     assert policy.should_release(101, 0)
     policy.released(0)
-    assert not any(policy.should_release(150, step) for step in range(1, 50))  # steady state above: no every-step
+    assert not any(
+        policy.should_release(150, step) for step in range(1, 50)
+    )  # steady state above: no every-step
     assert policy.should_release(150, 50)
     policy.released(50)
     assert not policy.should_release(100, 51)  # at the mark is not above it; re-arms
@@ -58,7 +60,10 @@ def test_two_instances_with_different_settings_coexist_and_each_keeps_its_own_st
     assert every_batch.state_key != after_validation.state_key
     every_batch.releases, after_validation.releases = 1, 2
     trainer = make_trainer(
-        max_steps=1, limit_val_batches=0, callbacks=[every_batch, after_validation], enable_checkpointing=True
+        max_steps=1,
+        limit_val_batches=0,
+        callbacks=[every_batch, after_validation],
+        enable_checkpointing=True,
     )
     with pytest.warns(UserWarning, match="has no allocator cache"):
         trainer.fit(BoringModel())
@@ -83,7 +88,9 @@ def test_a_validation_spike_is_released_once_and_logged(tmp_path):
     assert release.released_bytes == 2 * 6 * GIB
     assert probe.reserved == GIB
     rows = read_csv_metrics(tmp_path)
-    logged = [(int(r["step"]), float(r["gpumem/cache_releases"])) for r in rows if r.get("gpumem/cache_releases")]
+    logged = [
+        (int(r["step"]), float(r["gpumem/cache_releases"])) for r in rows if r.get("gpumem/cache_releases")
+    ]
     # Training batch 9 logs 0; the validation that follows it releases and logs 1 at once, at the same step (the
     # step Lightning logs that validation's metrics at); the end of training logs the second.
     assert logged[9:11] == [(9, 0.0), (9, 1.0)]

@@ -46,7 +46,9 @@ class NoOOM(OverBudget):
 
 def test_a_forced_oom_leaves_a_pickle_an_html_page_and_the_original_error(tmp_path):
     snapshot = OOMSnapshot(dirpath=tmp_path)
-    trainer = quiet_trainer(accelerator="gpu", devices=1, max_steps=5, callbacks=[MemoryBudget("2GiB"), snapshot])
+    trainer = quiet_trainer(
+        accelerator="gpu", devices=1, max_steps=5, callbacks=[MemoryBudget("2GiB"), snapshot]
+    )
     with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 3\.00 GiB"):
         trainer.fit(OverBudget())
     pickles = sorted(tmp_path.glob("oom_rank0_step2.pickle"))
@@ -79,7 +81,10 @@ def test_every_live_allocation_listed_points_at_code_outside_the_libraries_or_sa
     from lightning_gpumem._core.snapshot_report import _is_library, format_report
 
     trainer = quiet_trainer(
-        accelerator="gpu", devices=1, max_steps=5, callbacks=[MemoryBudget("2GiB"), OOMSnapshot(dirpath=tmp_path)]
+        accelerator="gpu",
+        devices=1,
+        max_steps=5,
+        callbacks=[MemoryBudget("2GiB"), OOMSnapshot(dirpath=tmp_path)],
     )
     with pytest.raises(torch.OutOfMemoryError):
         trainer.fit(OverBudget())
@@ -92,7 +97,9 @@ def test_every_live_allocation_listed_points_at_code_outside_the_libraries_or_sa
         if where.endswith(("(no frame of your code)", "(no stack recorded)")):
             continue
         assert not _is_library(where.rsplit(" in ", 1)[0]), report
-    assert "test_snapshot_gpu.py" in report.split("largest live allocations", 1)[0]  # the failed one: this file
+    assert (
+        "test_snapshot_gpu.py" in report.split("largest live allocations", 1)[0]
+    )  # the failed one: this file
     print(f"\n{report}")
 
 

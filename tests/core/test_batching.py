@@ -58,9 +58,13 @@ def _budget(lengths: list[int], cost: str, quadratic: float, times: float) -> fl
 
 
 def _cases():
-    for (name, lengths), (cost, quadratic, times, max_samples) in itertools.product(LENGTHS.items(), SETTINGS):
+    for (name, lengths), (cost, quadratic, times, max_samples) in itertools.product(
+        LENGTHS.items(), SETTINGS
+    ):
         kwargs = dict(cost=cost, quadratic=quadratic, max_samples=max_samples)
-        yield pytest.param(lengths, _budget(lengths, cost, quadratic, times), kwargs, id=f"{name}-{cost}-{times}")
+        yield pytest.param(
+            lengths, _budget(lengths, cost, quadratic, times), kwargs, id=f"{name}-{cost}-{times}"
+        )
 
 
 @pytest.mark.parametrize(("lengths", "max_cost", "kwargs"), list(_cases()))
@@ -93,7 +97,9 @@ def test_the_plan_depends_on_seed_and_epoch_only():
     lengths = zipf_lengths(400, 3)
     plan = plan_batches(lengths, 600, seed=2, epoch=4)
     assert plan == plan_batches(list(lengths), 600, seed=2, epoch=4)  # the same on every rank
-    assert plan == plan_batches(tuple(lengths), 600, seed=1, epoch=5)  # the generator is seeded by seed + epoch
+    assert plan == plan_batches(
+        tuple(lengths), 600, seed=1, epoch=5
+    )  # the generator is seeded by seed + epoch
     assert plan != plan_batches(lengths, 600, seed=2, epoch=5)
     assert plan != plan_batches(lengths, 600, seed=3, epoch=4)
     orders = {tuple(map(tuple, plan_batches(lengths, 600, epoch=epoch))) for epoch in range(5)}
@@ -129,7 +135,9 @@ def test_ddp_ranks_get_as_many_batches_disjoint_but_for_the_repeats(replicas, na
     counts = Counter(i for share in shares for batch in share for i in batch)
     assert set(counts) == set(range(len(lengths)))  # the union covers every sample
     repeated = {i for batch in plan[len(alone) :] for i in batch}
-    assert {i for i, n in counts.items() if n > 1} <= repeated  # disjoint, but for the repeated first batches
+    assert {
+        i for i, n in counts.items() if n > 1
+    } <= repeated  # disjoint, but for the repeated first batches
     assert sum(counts.values()) == len(lengths) + sum(len(b) for b in plan[len(alone) :])
 
 
@@ -160,7 +168,10 @@ def test_a_sample_that_alone_exceeds_the_budget_is_named():
         plan_batches(lengths, 10)
     with pytest.raises(ValueError, match=r"sample 1 of length 9 alone costs 49.5"):
         plan_batches(lengths[:3], 40, quadratic=0.5)  # 9 + 0.5 * 81
-    assert plan_batches(lengths[:3], 49.5, quadratic=0.5, shuffle=False) == [[0, 2], [1]]  # 2 x 4 + 0.5 x 2 x 16
+    assert plan_batches(lengths[:3], 49.5, quadratic=0.5, shuffle=False) == [
+        [0, 2],
+        [1],
+    ]  # 2 x 4 + 0.5 x 2 x 16
 
 
 def test_the_quadratic_term_weighs_long_samples():
@@ -169,14 +180,18 @@ def test_the_quadratic_term_weighs_long_samples():
     assert batch_cost([]) == 0.0
     lengths = [10] * 20 + [100] * 5
     linear = plan_batches(lengths, 400, shuffle=False)
-    quadratic = plan_batches(lengths, 400, shuffle=False, quadratic=0.02)  # a 100-token sample alone costs 300
+    quadratic = plan_batches(
+        lengths, 400, shuffle=False, quadratic=0.02
+    )  # a 100-token sample alone costs 300
     assert [len(b) for b in linear] == [20, 4, 1]
     assert [len(b) for b in quadratic] == [20, 1, 1, 1, 1, 1]  # 20 x (10 + 2) = 240; 2 x (100 + 200) > 400
 
 
 def _check_heaviest(batches, lengths, cost="padded", quadratic=0.0):
     ordered = heaviest_first(batches, lengths, cost=cost, quadratic=quadratic)
-    assert sorted(map(tuple, ordered)) == sorted(map(tuple, batches))  # the same batches, none twice, none lost
+    assert sorted(map(tuple, ordered)) == sorted(
+        map(tuple, batches)
+    )  # the same batches, none twice, none lost
     costs = [batch_cost([lengths[i] for i in b], cost=cost, quadratic=quadratic) for b in ordered]
     longest = [max(lengths[i] for i in b) for b in ordered]
     sizes = [len(b) for b in ordered]
@@ -197,7 +212,11 @@ def test_heaviest_first_runs_the_costliest_the_longest_and_the_fullest_batch_fir
     batches = [[11], [5, 6, 7, 8, 9, 10], [4], [0, 1, 2, 3]]  # costs 5, 6, 30, 40
     assert heaviest_first(batches, lengths) == [[0, 1, 2, 3], [4], [5, 6, 7, 8, 9, 10], [11]]
     # The costliest batch holds a sample as long as any: the next is the fullest, not another batch of that length.
-    assert heaviest_first([[2], [0, 1], [3, 4, 5, 6, 7]], [8, 8, 8, 1, 1, 1, 1, 1]) == [[0, 1], [3, 4, 5, 6, 7], [2]]
+    assert heaviest_first([[2], [0, 1], [3, 4, 5, 6, 7]], [8, 8, 8, 1, 1, 1, 1, 1]) == [
+        [0, 1],
+        [3, 4, 5, 6, 7],
+        [2],
+    ]
     # By tokens the fullest batch is also the costliest: no batch twice.
     assert heaviest_first(batches, lengths, cost="tokens") == [[0, 1, 2, 3], [4], [5, 6, 7, 8, 9, 10], [11]]
     for seed in range(20):
@@ -219,7 +238,9 @@ def test_padding_fraction_counts_padded_positions():
     unsorted = list(range(200))
     rng.shuffle(unsorted)
     starts = itertools.accumulate([0] + [len(b) for b in batches])
-    at_random = [unsorted[i : i + len(b)] for i, b in zip(starts, batches)]  # the same sizes, samples at random
+    at_random = [
+        unsorted[i : i + len(b)] for i, b in zip(starts, batches)
+    ]  # the same sizes, samples at random
     assert padding_fraction(batches, lengths) < padding_fraction(at_random, lengths) / 3  # sorting pays
 
 
@@ -253,8 +274,16 @@ def test_padding_fraction_counts_padded_positions():
         ({"lengths": [1, 2**64], "max_cost": 2**65}, ValueError, r"lengths\[1\] is 18446744073709551616"),
         ({"quadratic": 10**400}, ValueError, "quadratic=1000"),  # was taken, then OverflowError
         ({"quadratic": 1e308}, ValueError, r"quadratic=1e\+308\).*alone costs more than a float holds"),
-        ({"cost": np.array(["padded", "tokens"])}, ValueError, r"cost=array\(\['padded', 'tokens'\]"),  # ambiguous
-        ({"num_replicas": 2**21}, ValueError, r"num_replicas=2097152\).*from 1 to 1048576"),  # was 2**21 batches
+        (
+            {"cost": np.array(["padded", "tokens"])},
+            ValueError,
+            r"cost=array\(\['padded', 'tokens'\]",
+        ),  # ambiguous
+        (
+            {"num_replicas": 2**21},
+            ValueError,
+            r"num_replicas=2097152\).*from 1 to 1048576",
+        ),  # was 2**21 batches
     ],
 )
 def test_a_bad_argument_is_named_with_its_value(kwargs, error, name):
@@ -276,5 +305,7 @@ def test_batch_cost_names_lengths_beyond_a_float_and_the_largest_taken_are_plann
     with pytest.raises(ValueError, match=r"`batch_cost\(quadratic=1000"):
         batch_cost([3], quadratic=10**400)  # type: ignore[arg-type]
     assert batch_cost([2**53], quadratic=1e300) == float("inf")  # a float's own overflow: its infinity
-    assert plan_batches([3, 2**53], max_cost=10**400) == [[0, 1]]  # the longest length, a budget beyond floats
+    assert plan_batches([3, 2**53], max_cost=10**400) == [
+        [0, 1]
+    ]  # the longest length, a budget beyond floats
     assert len(plan_batches([1, 2, 3], max_cost=3, num_replicas=2**20)) == 2**20

@@ -89,7 +89,9 @@ def test_a_leak_that_starts_after_a_long_healthy_run_is_flagged_within_about_a_h
     assert 20_000 < step <= 20_150
 
 
-@pytest.mark.parametrize(("start", "rate_mib"), [(1000, 0.1), (1000, 0.5), (3000, 0.2), (5000, 1.0), (20, 4.0)])
+@pytest.mark.parametrize(
+    ("start", "rate_mib"), [(1000, 0.1), (1000, 0.5), (3000, 0.2), (5000, 1.0), (20, 4.0)]
+)
 def test_a_verdict_comes_on_a_later_sample_than_the_suspicion(start, rate_mib):
     """The census of live tensors is taken at the suspicion: a verdict on the same sample would compare it to itself."""
     detector = LeakDetector(warmup_steps=0, every=2, threshold_bytes=32 * MIB)

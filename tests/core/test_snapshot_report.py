@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_gpumem._core.snapshot_report import failed_allocation, format_report, live_allocations, render_html
+from lightning_gpumem._core.snapshot_report import (
+    failed_allocation,
+    format_report,
+    live_allocations,
+    render_html,
+)
 from lightning_gpumem._core.units import MIB
 from tests.helpers.fakes import SNAPSHOT, USER, frame
 
@@ -50,7 +55,11 @@ def test_every_library_frame_is_skipped_for_the_users_line(library):
                 "total_size": 8 * MIB,
                 "allocated_size": 8 * MIB,
                 "blocks": [
-                    {"size": 8 * MIB, "state": "active_allocated", "frames": [frame(library, 134, "forward"), USER]}
+                    {
+                        "size": 8 * MIB,
+                        "state": "active_allocated",
+                        "frames": [frame(library, 134, "forward"), USER],
+                    }
                 ],
             }
         ]
@@ -62,8 +71,13 @@ def test_without_a_frame_of_the_users_code_the_outermost_library_frame_is_named_
     inner = frame("/venv/lib/python3.11/site-packages/torch/nn/functional.py", 2000, "linear")
     outer = frame("/venv/lib/python3.11/site-packages/lightning/pytorch/loops/fit_loop.py", 200, "run")
     block = {"size": 4 * MIB, "state": "active_allocated", "frames": [inner, outer]}
-    report = format_report({"segments": [{"total_size": 4 * MIB, "allocated_size": 4 * MIB, "blocks": [block]}]})
-    assert "4.0 MiB  /venv/lib/python3.11/site-packages/lightning/pytorch/loops/fit_loop.py:200 in run" in report
+    report = format_report(
+        {"segments": [{"total_size": 4 * MIB, "allocated_size": 4 * MIB, "blocks": [block]}]}
+    )
+    assert (
+        "4.0 MiB  /venv/lib/python3.11/site-packages/lightning/pytorch/loops/fit_loop.py:200 in run"
+        in report
+    )
     assert "(no frame of your code)" in report
 
 

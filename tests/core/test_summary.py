@@ -57,11 +57,15 @@ def test_an_fp32_run_near_its_budget_is_told_about_bf16_with_the_numbers():
 
 def test_profiled_layers_are_named_as_checkpointing_candidates_only_when_memory_is_tight():
     layers = [("net.3", 2 * GIB), ("net.1", GIB), ("net.5", GIB // 2), ("net.7", GIB // 4)]
-    tight = RunMemory("gpu", total_bytes=24 * GIB, stage_peaks={"train": (20 * GIB, 22 * GIB)}, top_layers=layers)
+    tight = RunMemory(
+        "gpu", total_bytes=24 * GIB, stage_peaks={"train": (20 * GIB, 22 * GIB)}, top_layers=layers
+    )
     line = next(line for line in advice(tight) if "LayerMemoryProfiler" in line)
     assert "net.3 (2.00 GiB), net.1 (1.00 GiB), net.5 (0.50 GiB)" in line
     assert "net.7" not in line
-    roomy = RunMemory("gpu", total_bytes=24 * GIB, stage_peaks={"train": (5 * GIB, 6 * GIB)}, top_layers=layers)
+    roomy = RunMemory(
+        "gpu", total_bytes=24 * GIB, stage_peaks={"train": (5 * GIB, 6 * GIB)}, top_layers=layers
+    )
     assert not any("LayerMemoryProfiler" in line for line in advice(roomy))
 
 
@@ -86,7 +90,9 @@ def test_large_headroom_points_at_the_tuner_unless_it_already_chose():
 def test_the_tuners_planned_ooms_and_retries_are_not_the_runs():
     from lightning_gpumem._core.summary import RunMemory, advice
 
-    run = RunMemory("GPU", total_bytes=80 * GIB, alloc_retries=19, num_ooms=7, planned_retries=19, planned_ooms=7)
+    run = RunMemory(
+        "GPU", total_bytes=80 * GIB, alloc_retries=19, num_ooms=7, planned_retries=19, planned_ooms=7
+    )
     assert not [line for line in advice(run) if "retries" in line or "out-of-memory" in line]
     run.alloc_retries, run.num_ooms = 21, 8  # two retries and one OOM after the trials
     lines = advice(run)

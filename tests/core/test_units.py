@@ -78,7 +78,9 @@ def test_the_largest_budget_is_2_to_the_64_bytes():
 
 def test_a_fraction_under_1_mib_of_the_device_is_refused_when_resolved():
     check_budget(1e-10, "MemoryBudget")  # 1.8 GB of a 2**64-byte device: only the device can tell
-    with pytest.raises(ValueError, match=r"`MemoryBudget\(budget=1e-10\)` is 8 bytes of the device's 80.0 GiB"):
+    with pytest.raises(
+        ValueError, match=r"`MemoryBudget\(budget=1e-10\)` is 8 bytes of the device's 80.0 GiB"
+    ):
         parse_budget(1e-10, 80 * GIB, "MemoryBudget")
     assert parse_budget(2**-16, 64 * GIB, "X") == 2**20  # exactly 1 MiB
     with pytest.raises(ValueError, match="Expected at least 1 MiB"):

@@ -24,7 +24,11 @@ def run_script(script: Path, *args: str, timeout: float = 300) -> tuple[Path, st
     out = Path(tempfile.mkdtemp(prefix="gpumem-ddp-"))
     atexit.register(shutil.rmtree, out, ignore_errors=True)
     proc = subprocess.run(
-        [sys.executable, str(script), str(out), *args], capture_output=True, text=True, timeout=timeout, check=False
+        [sys.executable, str(script), str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
     errors = [line for line in proc.stderr.splitlines() if "Error" in line or "Exception" in line]
     assert proc.returncode == 0, "\n".join([*errors[-1:], proc.stdout[-3000:], proc.stderr[-3000:]])

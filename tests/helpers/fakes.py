@@ -26,7 +26,9 @@ class FakeProbe:
 
     device_name = "FakeGPU"
 
-    def __init__(self, base: int = GIB, total: int = 24 * GIB, retries: int = 0, inactive_split: int = 0) -> None:
+    def __init__(
+        self, base: int = GIB, total: int = 24 * GIB, retries: int = 0, inactive_split: int = 0
+    ) -> None:
         self.device = torch.device("cpu")
         self.has_allocator = True
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = base
@@ -226,7 +228,11 @@ SNAPSHOT = {  # a synthetic `torch.cuda.memory._snapshot()`: two segments, a his
             "blocks": [
                 {"size": 32 * MIB, "state": "active_allocated", "frames": [NOISE, USER]},
                 {"size": 16 * MIB, "state": "inactive", "frames": []},
-                {"size": 16 * MIB, "state": "active_allocated", "frames": [frame("/home/me/data.py", 7, "load")]},
+                {
+                    "size": 16 * MIB,
+                    "state": "active_allocated",
+                    "frames": [frame("/home/me/data.py", 7, "load")],
+                },
             ],
         },
         {

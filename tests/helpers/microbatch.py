@@ -95,12 +95,17 @@ class Net(LightningModule):
 
 def watched_step(optimizer_class, device="cpu", frozen_first=False, **kwargs):
     """Whether UpdateWatch calls a step of ``optimizer_class`` changed (first step: state created in it)."""
-    params = [torch.nn.Parameter(torch.randn(4, 3, device=device)), torch.nn.Parameter(torch.randn(3, device=device))]
+    params = [
+        torch.nn.Parameter(torch.randn(4, 3, device=device)),
+        torch.nn.Parameter(torch.randn(3, device=device)),
+    ]
     optimizer = optimizer_class(params, lr=0.1, **kwargs)
     watch = UpdateWatch()
     results = []
     for _ in range(2):
-        for param in params[1:] if frozen_first else params:  # a parameter without a gradient is skipped by the step
+        for param in (
+            params[1:] if frozen_first else params
+        ):  # a parameter without a gradient is skipped by the step
             param.grad = torch.ones_like(param)
         watch.start()
         watch.note(optimizer)  # as `on_before_optimizer_step` does

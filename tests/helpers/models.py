@@ -22,10 +22,15 @@ class OOMSteps:
     BoringModel)`` with ``pytorch_lightning``'s `BoringModel` is the same model under the older namespace.
     """
 
-    def __init__(self, batch_size: int = 2, train_limit: int = 10**9, val_limit: int = 10**9, n: int = 640) -> None:
+    def __init__(
+        self, batch_size: int = 2, train_limit: int = 10**9, val_limit: int = 10**9, n: int = 640
+    ) -> None:
         super().__init__()
         self.batch_size, self.train_limit, self.val_limit = batch_size, train_limit, val_limit
-        self.train_data, self.val_data = RandomDataset(32, n), RandomDataset(32, 64)  # drawn once, not per reload
+        self.train_data, self.val_data = (
+            RandomDataset(32, n),
+            RandomDataset(32, 64),
+        )  # drawn once, not per reload
 
     def training_step(self, batch, batch_idx):
         if batch.shape[0] > self.train_limit:
@@ -122,7 +127,9 @@ class CudaMLP(LightningModule):
 
     def __init__(self, val_spike: int = 0, keep: str = "", batch_size: int = 64) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1))
+        self.net = nn.Sequential(
+            nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1)
+        )
         self.val_spike, self.keep, self.batch_size = val_spike, keep, batch_size
         self.kept: list[torch.Tensor] = []
 

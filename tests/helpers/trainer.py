@@ -29,7 +29,11 @@ QUIET: dict[str, Any] = {
 
 
 def quiet_trainer(
-    root: str | os.PathLike[str] | None = None, /, *, trainer_class: Callable[..., Any] = Trainer, **overrides: Any
+    root: str | os.PathLike[str] | None = None,
+    /,
+    *,
+    trainer_class: Callable[..., Any] = Trainer,
+    **overrides: Any,
 ) -> Any:
     """``trainer_class(**QUIET, default_root_dir=root, **overrides)``: each override replaces the quiet setting.
 

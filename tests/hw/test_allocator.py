@@ -21,9 +21,14 @@ def test_each_trial_and_the_fit_start_without_cache_or_cublas_workspaces(monkeyp
         def release_cache(self) -> None:
             calls.append("empty_cache")
 
-    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append("workspaces"), raising=False)
+    monkeypatch.setattr(
+        torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append("workspaces"), raising=False
+    )
     allocator.start_clean(Probe())
-    assert calls == ["workspaces", "empty_cache"]  # the workspaces first, so that their segments can be released
+    assert calls == [
+        "workspaces",
+        "empty_cache",
+    ]  # the workspaces first, so that their segments can be released
     calls.clear()
     Probe.device = torch.device("cpu")
     allocator.start_clean(Probe())

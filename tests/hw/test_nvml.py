@@ -65,7 +65,9 @@ def test_nvml_missing_gives_none_and_one_warning(monkeypatch):
 
 
 def test_nvml_init_failure_gives_none_and_one_warning(monkeypatch):
-    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml(init_error=RuntimeError("NVML_ERROR_NO_PERMISSION")))
+    monkeypatch.setitem(
+        sys.modules, "pynvml", _fake_pynvml(init_error=RuntimeError("NVML_ERROR_NO_PERMISSION"))
+    )
     with pytest.warns(UserWarning, match="NVML could not start.*NO_PERMISSION"):
         assert NvmlDevice.open("abc") is None
 

@@ -72,7 +72,9 @@ def test_host_reading_failure_warns_once_and_turns_host_fields_off(monkeypatch):
 
 def test_the_device_may_be_given_as_torch_device_takes_it():
     assert MemoryProbe("cpu").device == MemoryProbe(torch.device("cpu")).device == torch.device("cpu")
-    with pytest.raises(TypeError, match=r"`MemoryProbe\(device=None\)` is not valid. Expected a torch.device"):
+    with pytest.raises(
+        TypeError, match=r"`MemoryProbe\(device=None\)` is not valid. Expected a torch.device"
+    ):
         MemoryProbe(None)  # was: AttributeError: 'NoneType' object has no attribute 'type'
     with pytest.raises(ValueError, match=r"`MemoryProbe\(device='gpu'\)` is not valid"):
         MemoryProbe("gpu")
@@ -82,7 +84,9 @@ def test_the_device_may_be_given_as_torch_device_takes_it():
 @pytest.mark.parametrize("device", [torch.device("cuda"), "cuda:0", 0])
 def test_a_cuda_device_without_cuda_is_refused_by_name(device):
     with pytest.raises(ValueError, match=r"`MemoryProbe\(device=.*\)` is not valid: "):
-        MemoryProbe(device)  # was: AssertionError: Torch not compiled with CUDA enabled (AttributeError for 0)
+        MemoryProbe(
+            device
+        )  # was: AssertionError: Torch not compiled with CUDA enabled (AttributeError for 0)
 
 
 def test_a_probe_reads_memory_under_fabric():

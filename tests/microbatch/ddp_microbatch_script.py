@@ -53,7 +53,12 @@ class Splits(Callback):
 
 def fit(root: Path, model: Net, callbacks, accumulate: int) -> Trainer:
     trainer = quiet_trainer(
-        root, devices=2, strategy="ddp", max_steps=STEPS // 2, accumulate_grad_batches=accumulate, callbacks=callbacks
+        root,
+        devices=2,
+        strategy="ddp",
+        max_steps=STEPS // 2,
+        accumulate_grad_batches=accumulate,
+        callbacks=callbacks,
     )
     trainer.fit(model)
     return trainer

@@ -17,7 +17,9 @@ from tests.helpers.trainer import quiet_trainer
 
 def _fit(tmp_path, model, callbacks=(), ckpt_path=None, **kwargs):
     seed_everything(0)
-    options = dict(max_steps=STEPS, logger=CSVLogger(tmp_path), callbacks=list(callbacks), log_every_n_steps=1)
+    options = dict(
+        max_steps=STEPS, logger=CSVLogger(tmp_path), callbacks=list(callbacks), log_every_n_steps=1
+    )
     trainer = quiet_trainer(**{**options, **kwargs})
     trainer.fit(model, ckpt_path=ckpt_path)
     return trainer
@@ -49,7 +51,9 @@ def test_a_recovered_run_equals_one_that_never_ran_out_of_memory(tmp_path, where
     assert 4 in model.sizes
     torch.testing.assert_close(_weights(model), _weights(reference), atol=1e-5, rtol=0)
     rows = read_csv_metrics(tmp_path / "split")
-    assert column(rows, "train_loss_step") == pytest.approx(column(reference_rows, "train_loss_step"), abs=1e-6)
+    assert column(rows, "train_loss_step") == pytest.approx(
+        column(reference_rows, "train_loss_step"), abs=1e-6
+    )
     assert column(rows, "samples_step") == column(reference_rows, "samples_step")  # one batch of 16 a step
     assert column(rows, "epoch_loss") == pytest.approx(column(reference_rows, "epoch_loss"), abs=1e-6)
     assert column(rows, "epoch_loss")  # (logged at the epoch's end)
@@ -83,10 +87,18 @@ def test_with_gradient_accumulation_any_batch_of_a_window_is_recovered(tmp_path,
     seed_everything(0)
     model = Net(batch_size=8, limit=5, pressure=pressure)
     with pytest.warns(UserWarning, match="AutoMicrobatch"):
-        _fit(tmp_path / "split", model, [AutoMicrobatch(grow_after=2)], accumulate_grad_batches=2, max_steps=10)
+        _fit(
+            tmp_path / "split",
+            model,
+            [AutoMicrobatch(grow_after=2)],
+            accumulate_grad_batches=2,
+            max_steps=10,
+        )
     torch.testing.assert_close(_weights(model), _weights(reference), atol=1e-5, rtol=0)
     rows = read_csv_metrics(tmp_path / "split")
-    assert column(rows, "train_loss_step") == pytest.approx(column(reference_rows, "train_loss_step"), abs=1e-6)
+    assert column(rows, "train_loss_step") == pytest.approx(
+        column(reference_rows, "train_loss_step"), abs=1e-6
+    )
 
 
 @pytest.mark.filterwarnings("ignore:AutoMicrobatch. step .* ran as .* batches run so from now on")
@@ -188,15 +200,24 @@ def test_bf16_and_gradient_clipping_still_match(tmp_path):
     seed_everything(0)
     model = Net(limit=5, pressure=range(2, 6))
     with pytest.warns(UserWarning, match="AutoMicrobatch"):
-        _fit(tmp_path / "split", model, [AutoMicrobatch(grow_after=2)], precision="bf16-mixed", gradient_clip_val=0.5)
-    torch.testing.assert_close(_weights(model), _weights(reference), atol=2e-2, rtol=0)  # bf16 sums differ a little
+        _fit(
+            tmp_path / "split",
+            model,
+            [AutoMicrobatch(grow_after=2)],
+            precision="bf16-mixed",
+            gradient_clip_val=0.5,
+        )
+    torch.testing.assert_close(
+        _weights(model), _weights(reference), atol=2e-2, rtol=0
+    )  # bf16 sums differ a little
 
 
 @pytest.mark.filterwarnings("ignore:AutoMicrobatch. out of memory in the forward or backward")  # the retries
 def test_an_oom_that_a_split_cannot_fix_propagates_with_a_clear_message(tmp_path):
     model = Net(limit=0, pressure=range(STEPS))
     with pytest.raises(
-        torch.OutOfMemoryError, match=r"even with the batch of 16 split into 4 micro-batch\(es\) \(max_microbatches\)"
+        torch.OutOfMemoryError,
+        match=r"even with the batch of 16 split into 4 micro-batch\(es\) \(max_microbatches\)",
     ):
         _fit(tmp_path, model, [AutoMicrobatch(max_microbatches=4)])
 
@@ -282,7 +303,11 @@ def test_a_checkpoint_keeps_the_split(tmp_path):
     trainer.save_checkpoint(tmp_path / "split.ckpt")
     resumed = AutoMicrobatch(grow_after=100)
     _fit(tmp_path / "resumed", Net(), [resumed], max_steps=5, ckpt_path=tmp_path / "split.ckpt")
-    assert (resumed.microbatches, resumed.oom_recoveries) == (callback.microbatches, callback.oom_recoveries) == (4, 2)
+    assert (
+        (resumed.microbatches, resumed.oom_recoveries)
+        == (callback.microbatches, callback.oom_recoveries)
+        == (4, 2)
+    )
 
 
 def test_the_tuners_planned_ooms_stay_the_tuners_and_the_monitor_reports_recoveries(tmp_path):
@@ -291,7 +316,9 @@ def test_the_tuners_planned_ooms_stay_the_tuners_and_the_monitor_reports_recover
 
     class Tunable(Net):
         def training_step(self, batch, batch_idx):
-            if len(batch[0]) > 8 and not self.trainer.fit_loop.epoch_loop.automatic_optimization.__dict__.get("run"):
+            if len(
+                batch[0]
+            ) > 8 and not self.trainer.fit_loop.epoch_loop.automatic_optimization.__dict__.get("run"):
                 raise oom_error()  # the tuner's trials (before AutoMicrobatch takes over): above 8 does not fit
             return super().training_step(batch, batch_idx)
 
@@ -338,7 +365,10 @@ def test_oom_snapshot_marks_the_snapshot_of_a_recovered_oom(tmp_path):
         "oom_recovered_rank0_step3.html",
         "oom_recovered_rank0_step3.pickle",
     ]
-    assert [p.name for p in snapshot.paths] == ["oom_recovered_rank0_step3.pickle", "oom_recovered_rank0_step3.html"]
+    assert [p.name for p in snapshot.paths] == [
+        "oom_recovered_rank0_step3.pickle",
+        "oom_recovered_rank0_step3.html",
+    ]
     snapshot.gpumem_oom_recovered()  # nothing new was written: nothing more is renamed
     assert len(list(tmp_path.iterdir())) == 2
 
@@ -406,7 +436,9 @@ def test_the_monitors_running_peak_keeps_what_the_split_steps_reset(tmp_path):
 
     class Spiky(FakeMemoryNet):
         def training_step(self, batch, batch_idx):
-            if batch_idx == 4 and len(batch[0]) < 16:  # an unlogged batch: 0.5 GiB more than the others, once
+            if (
+                batch_idx == 4 and len(batch[0]) < 16
+            ):  # an unlogged batch: 0.5 GiB more than the others, once
                 self.fake.spike(len(batch[0]) * self.per_sample + GIB // 2)
             return super().training_step(batch, batch_idx)
 
@@ -417,7 +449,9 @@ def test_the_monitors_running_peak_keeps_what_the_split_steps_reset(tmp_path):
     model = Spiky(probe, per_sample=GIB // 4, budget=4 * GIB)
     with pytest.warns(UserWarning, match="AutoMicrobatch"):
         _fit(tmp_path, model, [monitor, callback, Budget(4 * GIB)])
-    assert monitor.peaks["train"][0] == GIB + 2 * GIB + GIB // 2  # batch 4's micro-batch of 8, plus its 0.5 GiB
+    assert (
+        monitor.peaks["train"][0] == GIB + 2 * GIB + GIB // 2
+    )  # batch 4's micro-batch of 8, plus its 0.5 GiB
 
 
 def test_a_validation_step_that_calls_training_step_is_left_alone_even_when_split(tmp_path):
@@ -508,7 +542,12 @@ def test_a_micro_batch_that_returns_none_skips_the_whole_batch_as_unsplit(tmp_pa
 def test_a_second_fit_starts_unsplit_and_nothing_is_kept_after_a_fit(tmp_path):
     callback = AutoMicrobatch(grow_after=100)
     with pytest.warns(UserWarning, match="AutoMicrobatch"):
-        _fit(tmp_path / "first", Net(batch_size=8, limit=5, pressure={1}), [callback], accumulate_grad_batches=4)
+        _fit(
+            tmp_path / "first",
+            Net(batch_size=8, limit=5, pressure={1}),
+            [callback],
+            accumulate_grad_batches=4,
+        )
     assert callback.microbatches == 2
     assert (callback._window, callback._attempt.calls, callback._probe) == ([], [], None)
     model = Net(batch_size=8)

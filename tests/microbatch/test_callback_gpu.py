@@ -21,7 +21,9 @@ pytestmark = pytest.mark.gpu
 def _fit(callbacks, precision="32-true", steps=STEPS):
     seed_everything(0)
     model = TinyLM()
-    trainer = quiet_trainer(accelerator="gpu", devices=1, max_steps=steps, precision=precision, callbacks=callbacks)
+    trainer = quiet_trainer(
+        accelerator="gpu", devices=1, max_steps=steps, precision=precision, callbacks=callbacks
+    )
     trainer.fit(model)
     torch.cuda.empty_cache()
     return trainer, model
@@ -52,20 +54,28 @@ class Gradients(Callback):
 
 
 def _relative_error(got, expected):
-    return max(((g - e).norm() / e.norm().clamp_min(1e-12)).item() for g, e in zip(got, expected, strict=True))
+    return max(
+        ((g - e).norm() / e.norm().clamp_min(1e-12)).item() for g, e in zip(got, expected, strict=True)
+    )
 
 
-@pytest.mark.parametrize(("precision", "tolerance"), [("32-true", 1e-4), ("16-mixed", 2e-2), ("bf16-mixed", 2e-2)])
+@pytest.mark.parametrize(
+    ("precision", "tolerance"), [("32-true", 1e-4), ("16-mixed", 2e-2), ("bf16-mixed", 2e-2)]
+)
 def test_a_recovered_step_takes_the_gradients_of_the_step_that_had_room(precision, tolerance):
     """The split step's gradients equal the unsplit step's (up to the order of the sums), and the run goes on alike."""
-    budget = budget_between_normal_and_long({"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(precision))
+    budget = budget_between_normal_and_long(
+        {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(precision)
+    )
     seed_everything(0)
     start = TinyLM()  # the weights both fits start from (`_fit` seeds the same way)
     reference_grads = Gradients(LONG_BATCH)
     _, reference = _fit([reference_grads], precision=precision, steps=LONG_BATCH + 4)
     split_grads, callback = Gradients(LONG_BATCH), AutoMicrobatch()
     with pytest.warns(UserWarning, match=f"at step {LONG_BATCH} with the batch of 16"):
-        _, model = _fit([MemoryBudget(budget), callback, split_grads], precision=precision, steps=LONG_BATCH + 4)
+        _, model = _fit(
+            [MemoryBudget(budget), callback, split_grads], precision=precision, steps=LONG_BATCH + 4
+        )
     assert callback.oom_recoveries >= 1
     grads_error = _relative_error(split_grads.grads, reference_grads.grads)
     # After the step: the weights' distance from the reference, against how far training moved them.
@@ -83,7 +93,9 @@ def test_a_recovered_oom_leaves_a_snapshot_marked_recovered(tmp_path):
 
     budget = budget_between_normal_and_long()
     with pytest.warns(UserWarning, match="AutoMicrobatch"):
-        trainer, _ = _fit([MemoryBudget(budget), OOMSnapshot(dirpath=tmp_path), AutoMicrobatch()], steps=LONG_BATCH + 2)
+        trainer, _ = _fit(
+            [MemoryBudget(budget), OOMSnapshot(dirpath=tmp_path), AutoMicrobatch()], steps=LONG_BATCH + 2
+        )
     assert trainer.global_step == LONG_BATCH + 2
     assert sorted(tmp_path.glob(f"oom_recovered_rank0_step{LONG_BATCH}.*")), sorted(tmp_path.iterdir())
 

@@ -11,7 +11,9 @@ import torch
 
 from tests.helpers.ddp import run_script
 
-pytestmark = pytest.mark.ddp  # the cases run in one `ddp_microbatch_script.py` rank pair, the hang case in another
+pytestmark = (
+    pytest.mark.ddp
+)  # the cases run in one `ddp_microbatch_script.py` rank pair, the hang case in another
 SCRIPT = Path(__file__).with_name("ddp_microbatch_script.py")
 CASES = ("forward:1", "backward:1", "backward:2")
 
@@ -28,7 +30,9 @@ def test_an_oom_on_one_rank_splits_on_both_and_matches_a_run_without_one(case):
     assert ranks[0]["recoveries"] == ranks[1]["recoveries"] >= 2
     for rank in ranks:
         assert rank["global_step"] == 15
-        torch.testing.assert_close(rank["weights"], ranks[0]["weights"], atol=0, rtol=0)  # ranks agree exactly
+        torch.testing.assert_close(
+            rank["weights"], ranks[0]["weights"], atol=0, rtol=0
+        )  # ranks agree exactly
         torch.testing.assert_close(rank["weights"], rank["reference"], atol=1e-5, rtol=0)
     assert "re-running it as" in output
 

@@ -29,7 +29,9 @@ def main(log_dir: str) -> None:
     probe = FakeProbe(base=0)
     fake_monitor = FakeMonitor(probe, log_every_n_steps=2)
     real_monitor = MemoryMonitor(log_every_n_steps=2)  # real CPU probe: host memory per rank
-    release = FakeRelease(probe, threshold=1.5 / 24)  # mark 1.5 GiB of the fake's 24: rank 1 (2 GiB) releases
+    release = FakeRelease(
+        probe, threshold=1.5 / 24
+    )  # mark 1.5 GiB of the fake's 24: rank 1 (2 GiB) releases
     trainer = quiet_trainer(
         devices=2,
         strategy="ddp",

@@ -22,7 +22,9 @@ def _trainer(tmp_path, monitor, **overrides) -> Trainer:
 
 @pytest.mark.parametrize("value", [0, -3, 1.5, True, "10"])
 def test_log_every_n_steps_is_validated(value):
-    with pytest.raises(ValueError, match=r"MemoryMonitor\(log_every_n_steps=.*Expected an integer >= 1, or None"):
+    with pytest.raises(
+        ValueError, match=r"MemoryMonitor\(log_every_n_steps=.*Expected an integer >= 1, or None"
+    ):
         MemoryMonitor(log_every_n_steps=value)
 
 
@@ -116,7 +118,9 @@ def test_nvml_and_host_are_read_at_most_every_interval(tmp_path, interval, expec
     monitor = FakeMonitor(probe, nvml_host_interval_s=interval)
     _trainer(tmp_path, monitor, limit_val_batches=0).fit(SpikeModel(probe))
     rows = read_csv_metrics(tmp_path)
-    assert sorted(column(rows, "gpumem/train_peak_allocated_gib")) == list(range(8))  # the allocator: every step
+    assert sorted(column(rows, "gpumem/train_peak_allocated_gib")) == list(
+        range(8)
+    )  # the allocator: every step
     assert sorted(column(rows, "gpumem/nvml_used_gib")) == expected_nvml_steps
     assert sorted(column(rows, "gpumem/host_rss_gib")) == expected_nvml_steps
 
@@ -129,7 +133,9 @@ def test_nvml_host_interval_is_validated(value):
 
 def test_nvml_and_host_can_be_switched_off(tmp_path):
     probe = FakeProbe()
-    _trainer(tmp_path, FakeMonitor(probe, nvml=False, host=False), limit_val_batches=0).fit(SpikeModel(probe))
+    _trainer(tmp_path, FakeMonitor(probe, nvml=False, host=False), limit_val_batches=0).fit(
+        SpikeModel(probe)
+    )
     keys = {k for row in read_csv_metrics(tmp_path) for k, v in row.items() if v}
     assert "gpumem/train_peak_allocated_gib" in keys
     assert not {k for k in keys if "nvml" in k or "host" in k or "util" in k}

@@ -65,7 +65,12 @@ def test_validation_peak_covers_the_loop(tmp_path):
 def test_nvml_and_device_wide_metrics_are_consistent(tmp_path):
     monitor = MemoryMonitor(verbose=True, nvml_host_interval_s=0)
     trainer = _fit(
-        tmp_path, SpikeModule(), monitor, limit_train_batches=3, limit_val_batches=0, enable_progress_bar=True
+        tmp_path,
+        SpikeModule(),
+        monitor,
+        limit_train_batches=3,
+        limit_val_batches=0,
+        enable_progress_bar=True,
     )
     sample = monitor.last_sample
     total = torch.cuda.get_device_properties(0).total_memory

@@ -29,7 +29,11 @@ class LeakyModel(SpikeModel):
 
 def _fit(tmp_path, monitor, model, steps):
     quiet_trainer(
-        max_steps=steps, limit_val_batches=0, logger=CSVLogger(tmp_path), callbacks=[monitor], log_every_n_steps=10
+        max_steps=steps,
+        limit_val_batches=0,
+        logger=CSVLogger(tmp_path),
+        callbacks=[monitor],
+        log_every_n_steps=10,
     ).fit(model)
 
 
@@ -53,7 +57,12 @@ def test_monitor_stays_quiet_on_a_healthy_run(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         warnings.filterwarnings("ignore", message=".*(num_workers|does not have many workers).*")
-        _fit(tmp_path, monitor, SpikeModel(probe, train_spikes={s: (s % 7) * 50 * MIB for s in range(300)}), 300)
+        _fit(
+            tmp_path,
+            monitor,
+            SpikeModel(probe, train_spikes={s: (s % 7) * 50 * MIB for s in range(300)}),
+            300,
+        )
     assert monitor.leak is None
 
 
@@ -122,7 +131,9 @@ def test_no_leak_rate_is_logged_while_memory_settles_after_the_warm_up(tmp_path)
         _fit(tmp_path, monitor, SettlingModel(probe), steps=400)
     assert monitor.leak is None
     rates = column(read_csv_metrics(tmp_path), "gpumem/leak_mib_per_step")
-    early_phase_end = 10 + (EARLY_SAMPLES - 1) * 2  # the detector's 32nd sample, after 10 warm-up steps: step 72
+    early_phase_end = (
+        10 + (EARLY_SAMPLES - 1) * 2
+    )  # the detector's 32nd sample, after 10 warm-up steps: step 72
     assert not {step: rate for step, rate in rates.items() if step < early_phase_end}
     assert sorted(rates) == list(range(79, 400, 10))  # then at every logging step
     assert [round(rates[step], 2) for step in (79, 199, 379)] == [0.23, 0.0, 0.0]
@@ -158,7 +169,11 @@ def test_with_every_step_logged_no_rate_comes_before_the_history_spans_the_early
     probe = FakeProbe(base=GIB, total=24 * GIB)
     monitor = FakeMonitor(probe)
     quiet_trainer(
-        max_steps=200, limit_val_batches=0, logger=CSVLogger(tmp_path), callbacks=[monitor], log_every_n_steps=1
+        max_steps=200,
+        limit_val_batches=0,
+        logger=CSVLogger(tmp_path),
+        callbacks=[monitor],
+        log_every_n_steps=1,
     ).fit(SettlingModel(probe))
     rates = column(read_csv_metrics(tmp_path), "gpumem/leak_mib_per_step")
     assert min(rates) >= 10 + (EARLY_SAMPLES - 1) * 2  # the warm-up, then 62 steps of history

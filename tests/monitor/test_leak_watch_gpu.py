@@ -16,7 +16,12 @@ def test_a_loss_kept_with_its_graph_is_flagged_within_50_steps():
     monitor = MemoryMonitor(summary=False)
     with pytest.warns(UserWarning, match=r"allocated memory keeps growing") as record:
         quiet_trainer(
-            accelerator="gpu", devices=1, max_steps=60, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[monitor]
+            accelerator="gpu",
+            devices=1,
+            max_steps=60,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            callbacks=[monitor],
         ).fit(CudaMLP(keep="graph", batch_size=512))
     assert monitor.leak is not None
     assert monitor.leak.last_step <= 50
@@ -30,6 +35,11 @@ def test_the_same_module_with_detach_is_not_flagged_over_300_steps():
     free_cuda_memory()
     monitor = MemoryMonitor(summary=False)
     quiet_trainer(
-        accelerator="gpu", devices=1, max_steps=300, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[monitor]
+        accelerator="gpu",
+        devices=1,
+        max_steps=300,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[monitor],
     ).fit(CudaMLP(keep="detached", batch_size=512))
     assert monitor.leak is None

@@ -38,7 +38,25 @@ from tests.helpers.trainer import quiet_trainer
 NAN, INF = math.nan, math.inf
 FLAGS = ["yes", 1, 0, None, 1.0]
 COUNTS = [-1, 1.5, True, "3", NAN, INF, None]  # (None only where None is not a documented value)
-BUDGETS = ["", "0B", "0.5B", "24 parsecs", "GiB", "-1GiB", "nanGiB", "infGiB", 0, 1, -5, 0.0, 1.5, NAN, INF, True, [1]]
+BUDGETS = [
+    "",
+    "0B",
+    "0.5B",
+    "24 parsecs",
+    "GiB",
+    "-1GiB",
+    "nanGiB",
+    "infGiB",
+    0,
+    1,
+    -5,
+    0.0,
+    1.5,
+    NAN,
+    INF,
+    True,
+    [1],
+]
 PATHS = [123, 4.5, True, "", ["a"]]
 
 CASES: list[tuple[type, str, object]] = []
@@ -94,10 +112,14 @@ _add(LayerMemoryProfiler, "top_k", [0, *COUNTS])
 _add(LayerMemoryProfiler, "dirpath", PATHS)
 
 _add(AutoMicrobatch, "grow_after", [0, *COUNTS])
-_add(AutoMicrobatch, "max_microbatches", [0, 1, *(c for c in COUNTS if c is not None)])  # None: the batch's length
+_add(
+    AutoMicrobatch, "max_microbatches", [0, 1, *(c for c in COUNTS if c is not None)]
+)  # None: the batch's length
 
 
-@pytest.mark.parametrize(("cls", "name", "value"), CASES, ids=lambda x: x.__name__ if isinstance(x, type) else repr(x))
+@pytest.mark.parametrize(
+    ("cls", "name", "value"), CASES, ids=lambda x: x.__name__ if isinstance(x, type) else repr(x)
+)
 def test_a_bad_argument_is_refused_naming_the_class_and_the_argument(cls, name, value):
     args, kwargs = ((value,), {}) if cls is MemoryBudget else ((), {name: value})
     with pytest.raises((ValueError, TypeError)) as error:
@@ -175,7 +197,12 @@ HOSTILE = [
     (MemoryBudget, {"budget": "17EiB"}, ValueError, "budget="),  # no such unit
     (MemoryBudget, {"budget": "16777217TiB"}, ValueError, "budget="),  # 2**64 bytes and a TiB
     (MemoryBudget, {"budget": 1e-300}, ValueError, "budget="),  # under 1 MiB of any device
-    (MemoryBudget, {"budget": 1e-10}, None, ""),  # 8 bytes of 80 GiB, 1.8 GB of 2**64 bytes: refused at setup
+    (
+        MemoryBudget,
+        {"budget": 1e-10},
+        None,
+        "",
+    ),  # 8 bytes of 80 GiB, 1.8 GB of 2**64 bytes: refused at setup
     (MemoryBudget, {"budget": (1,)}, TypeError, "budget="),
     (MemoryBudget, {"budget": np.array([2**30])}, TypeError, "budget="),
     (BatchSizeTuner, {"budget": HUGE_SIZE}, ValueError, "budget="),
@@ -242,13 +269,23 @@ HOSTILE = [
     (TokenBudgetSampler, {"lengths": [3, 5], "max_tokens": 10**400}, None, ""),  # no batch costs that much
     (TokenBudgetSampler, {"lengths": [3, 5], "max_tokens": 1e303}, ValueError, "max_tokens="),
     (TokenBudgetSampler, {"lengths": [3, 5], "max_tokens": True}, ValueError, "max_tokens="),
-    (TokenBudgetSampler, {"lengths": [3, 5], "max_tokens": 4}, ValueError, "max_tokens="),  # below the longest
+    (
+        TokenBudgetSampler,
+        {"lengths": [3, 5], "max_tokens": 4},
+        ValueError,
+        "max_tokens=",
+    ),  # below the longest
     (TokenBudgetSampler, {"lengths": [3, 2.5], "max_tokens": 10}, TypeError, "lengths="),
     (TokenBudgetSampler, {"lengths": [3, -1], "max_tokens": 10}, ValueError, "lengths="),
     (TokenBudgetSampler, {"lengths": np.array([3, 5]), "max_tokens": 10}, None, ""),
     (TokenBudgetSampler, {"lengths": Foreign(3, 5), "max_tokens": 10}, None, ""),
     (TokenBudgetSampler, {"lengths": [3, 5], "max_tokens": 10, "quadratic": NAN}, ValueError, "quadratic="),
-    (TokenBudgetSampler, {"lengths": [3, 5], "max_tokens": 10, "rank": 2, "num_replicas": 2}, ValueError, "rank="),
+    (
+        TokenBudgetSampler,
+        {"lengths": [3, 5], "max_tokens": 10, "rank": 2, "num_replicas": 2},
+        ValueError,
+        "rank=",
+    ),
     (MemoryProbe, {"device": "cpu"}, None, ""),
     (MemoryProbe, {"device": None}, TypeError, "device=None"),
     (MemoryProbe, {"device": True}, TypeError, "device=True"),
@@ -292,7 +329,10 @@ _PLANNER = [
     ),
     ("init_val", 2**70, None),  # the search's start: the dataset bounds it
     ("steps_per_trial", 10**400, None),  # as many as the user asks for
-    *(("batch_arg_name", value, ValueError) for value in ("", b"batch_size", NAN, 2**70, True, {}, ["batch_size"])),
+    *(
+        ("batch_arg_name", value, ValueError)
+        for value in ("", b"batch_size", NAN, 2**70, True, {}, ["batch_size"])
+    ),
     *(
         ("shape_margin", value, ValueError)
         for value in (NAN, INF, -1, 1e400, 2**70, 10**400, True, np.bool_(True), "0.2", b"", {}, [0.2])
@@ -302,7 +342,10 @@ _PLANNER = [
     ("shape_margin", torch.tensor(0.1), None),
 ]
 _LENGTH_FNS = [
-    *((value, TypeError) for value in (5, 2**70, NAN, True, np.int64(1), "", b"input_ids", ["input_ids"], {"n": 1})),
+    *(
+        (value, TypeError)
+        for value in (5, 2**70, NAN, True, np.int64(1), "", b"input_ids", ["input_ids"], {"n": 1})
+    ),
     (None, None),
     (lambda sample: len(sample), None),
     ("input_ids", None),
@@ -339,7 +382,11 @@ _SAMPLER = [
     ("sampler", {"rank": 0}, TypeError),
     ("sampler", NAN, TypeError),
     ("sampler", None, None),
-    ("cost", np.array(["padded", "tokens"]), ValueError),  # was numpy's "truth value of an array is ambiguous"
+    (
+        "cost",
+        np.array(["padded", "tokens"]),
+        ValueError,
+    ),  # was numpy's "truth value of an array is ambiguous"
     ("cost", "", ValueError),
     ("cost", b"padded", ValueError),
     ("cost", None, ValueError),
@@ -387,7 +434,9 @@ HOSTILE += [
     for cls in (BatchSizeTuner, MemoryPlanner)
     for value, error in _LENGTH_FNS
 ]
-HOSTILE += [(TokenBudgetSampler, {**TOKENS, name: value}, error, f"{name}=") for name, value, error in _SAMPLER]
+HOSTILE += [
+    (TokenBudgetSampler, {**TOKENS, name: value}, error, f"{name}=") for name, value, error in _SAMPLER
+]
 HOSTILE.append((BatchSizeTuner, {"method": np.array(["predict", "bisect"])}, ValueError, "method="))
 
 if not torch.cuda.is_available():
@@ -397,7 +446,9 @@ if not torch.cuda.is_available():
         (MemoryProbe, {"device": "cuda:0"}, ValueError, "device='cuda:0'"),
     ]
 else:
-    HOSTILE.append((MemoryProbe, {"device": f"cuda:{torch.cuda.device_count()}"}, ValueError, "device='cuda:"))
+    HOSTILE.append(
+        (MemoryProbe, {"device": f"cuda:{torch.cuda.device_count()}"}, ValueError, "device='cuda:")
+    )
 
 
 @pytest.mark.parametrize("cls", [MemoryPlanner, TokenBudgetSampler])
@@ -407,7 +458,9 @@ def test_the_table_tries_every_argument_of_the_planner_and_the_sampler(cls):
 
 
 def test_the_table_covers_every_exported_class():
-    exported = {getattr(lightning_gpumem, name) for name in lightning_gpumem.__all__} - {lightning_gpumem.__version__}
+    exported = {getattr(lightning_gpumem, name) for name in lightning_gpumem.__all__} - {
+        lightning_gpumem.__version__
+    }
     covered = {case.values[0] if hasattr(case, "values") else case[0] for case in HOSTILE}
     assert exported - covered == {MemorySample}  # a record the probe fills: it takes what it is given
 
@@ -437,7 +490,11 @@ def test_hooks_from_a_hydra_config_are_taken_as_plain_names():
 def test_foreign_sequences_of_hooks_give_the_state_key_of_a_list():
     # a checkpoint written with `hooks=[...]` must load into a callback configured with any other sequence
     key = EmptyCacheOnThreshold(hooks=[HOOK, "validation_end"]).state_key
-    for hooks in (Foreign(HOOK, "validation_end"), np.array([HOOK, "validation_end"]), ("validation_end", HOOK)):
+    for hooks in (
+        Foreign(HOOK, "validation_end"),
+        np.array([HOOK, "validation_end"]),
+        ("validation_end", HOOK),
+    ):
         assert EmptyCacheOnThreshold(hooks=hooks).state_key == key
 
 
@@ -446,15 +503,22 @@ def test_a_budget_fraction_under_1_mib_of_the_device_is_refused_at_setup():
     probe.device = torch.device("cuda")  # MemoryBudget caps CUDA devices only; only the type is read
     budget = MemoryBudget(1e-10)  # 8 bytes of 80 GiB
     budget.fake = probe  # read through the tests' probe factory
-    with pytest.raises(ValueError, match=r"`MemoryBudget\(budget=1e-10\)` is 8 bytes of the device's 80.0 GiB"):
-        budget.setup(quiet_trainer(enable_progress_bar=True, enable_model_summary=True), BoringModel(), "fit")
+    with pytest.raises(
+        ValueError, match=r"`MemoryBudget\(budget=1e-10\)` is 8 bytes of the device's 80.0 GiB"
+    ):
+        budget.setup(
+            quiet_trainer(enable_progress_bar=True, enable_model_summary=True), BoringModel(), "fit"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------- Fabric
 @pytest.mark.parametrize(
     ("make", "hooks"),
     [
-        (MemoryMonitor, ["setup", "on_train_start", "on_train_batch_end", "on_validation_end", "on_fit_end"]),
+        (
+            MemoryMonitor,
+            ["setup", "on_train_start", "on_train_batch_end", "on_validation_end", "on_fit_end"],
+        ),
         (EmptyCacheOnThreshold, ["setup", "on_train_batch_end", "on_validation_end"]),
         (lambda: MemoryBudget("1GiB"), ["setup"]),
     ],
@@ -465,8 +529,12 @@ def test_under_fabric_the_callbacks_say_they_need_a_trainer(make, hooks):
     callback = make()
     fabric = Fabric(accelerator="cpu", devices=1, callbacks=[callback])
     arguments = {"setup": (None, "fit"), "on_train_batch_end": (None, None, None, 0)}
-    for hook in hooks:  # was: AttributeError: 'Fabric' object has no attribute 'accumulate_grad_batches' (and others)
-        with pytest.raises(TypeError, match=rf"{type(callback).__name__} needs a Lightning `Trainer`; it got `Fabric`"):
+    for hook in (
+        hooks
+    ):  # was: AttributeError: 'Fabric' object has no attribute 'accumulate_grad_batches' (and others)
+        with pytest.raises(
+            TypeError, match=rf"{type(callback).__name__} needs a Lightning `Trainer`; it got `Fabric`"
+        ):
             fabric.call(hook, fabric, *arguments.get(hook, (None,)))
 
 
@@ -474,7 +542,10 @@ def test_require_trainer_takes_the_trainers_of_both_lightning_namespaces():
     require_trainer("X", quiet_trainer(enable_progress_bar=True, enable_model_summary=True))
     pytorch_lightning = pytest.importorskip("pytorch_lightning")
     require_trainer(
-        "X", quiet_trainer(enable_progress_bar=True, enable_model_summary=True, trainer_class=pytorch_lightning.Trainer)
+        "X",
+        quiet_trainer(
+            enable_progress_bar=True, enable_model_summary=True, trainer_class=pytorch_lightning.Trainer
+        ),
     )
     with pytest.raises(TypeError, match="X needs a Lightning `Trainer`; it got `SimpleNamespace`"):
         require_trainer("X", types.SimpleNamespace(strategy=None))

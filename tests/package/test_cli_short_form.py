@@ -63,7 +63,9 @@ def _run(order: str, tmp_path) -> list[str]:
     assert result.returncode == 0, result.stderr[-3000:]
     if "short refused" in result.stdout:
         assert 'Parser key "trainer.callbacks"' in result.stderr, result.stderr[-3000:]
-        assert "MemoryMonitor" in result.stderr.split('Parser key "trainer.callbacks"')[1], result.stderr[-3000:]
+        assert "MemoryMonitor" in result.stderr.split('Parser key "trainer.callbacks"')[1], result.stderr[
+            -3000:
+        ]
     return [line for line in result.stdout.splitlines() if line.startswith(("short", "full"))]
 
 

@@ -43,9 +43,15 @@ def test_no_history_voice(page):
 # It says what each callback is for, shows one call and links to the page under docs/ that is its reference; the
 # reference itself (signatures, argument tables, key tables, long explanations) lives in docs/ only.
 README = ROOT / "README.md"
-SIGNATURE_LINE = re.compile(r"^\s+\w+: [^=]+ = .+,")  # `    headroom: float = 0.05,  # ...` of a signature block
+SIGNATURE_LINE = re.compile(
+    r"^\s+\w+: [^=]+ = .+,"
+)  # `    headroom: float = 0.05,  # ...` of a signature block
 REFERENCE_HEADERS = {"key", "unit", "meaning", "argument", "parameter", "default", "type"}
-LONGEST = {"paragraph": 6, "code": 10, "table": 10}  # lines: an introduction, one example, one table of results
+LONGEST = {
+    "paragraph": 6,
+    "code": 10,
+    "table": 10,
+}  # lines: an introduction, one example, one table of results
 
 
 def _blocks(text: str) -> list[tuple[str, list[str]]]:
@@ -67,7 +73,11 @@ def _blocks(text: str) -> list[tuple[str, list[str]]]:
         else:
             kind = "table" if line.startswith("|") else "paragraph"
             end = i
-            while end + 1 < len(lines) and lines[end + 1].strip() and not lines[end + 1].startswith(("```", "#")):
+            while (
+                end + 1 < len(lines)
+                and lines[end + 1].strip()
+                and not lines[end + 1].startswith(("```", "#"))
+            ):
                 if lines[end + 1].startswith("|") != (kind == "table"):
                     break  # a table right under a line of text (or text right under a table)
                 end += 1
@@ -95,7 +105,9 @@ def _missing_links(text: str) -> list[str]:
         if intro is None:
             problems.append(f"{cls.__name__} is not introduced")
             continue
-        pages = [ROOT / target for target in LINK.findall(intro) if target.startswith("docs/") and ".md" in target]
+        pages = [
+            ROOT / target for target in LINK.findall(intro) if target.startswith("docs/") and ".md" in target
+        ]
         titles = [page.read_text(encoding="utf-8").splitlines()[0] for page in pages if page.exists()]
         if not any(cls.__name__ in title for title in titles):
             problems.append(f"{cls.__name__}'s introduction links no reference page of docs/ named for it")
@@ -112,7 +124,9 @@ def _reference_material(text: str) -> list[str]:
             first_cells = [row.strip("|").split("|")[0].strip(" `") for row in lines[2:]]
             if header & REFERENCE_HEADERS:
                 problems.append(f"a reference table: {lines[0]}")
-            problems += [f"a row of logged keys: {cell}" for cell in first_cells if cell.startswith("gpumem/")]
+            problems += [
+                f"a row of logged keys: {cell}" for cell in first_cells if cell.startswith("gpumem/")
+            ]
             problems += [f"a row per argument: {cell}" for cell in first_cells if cell in arguments]
         elif kind == "code":
             problems += [f"a signature: {line.strip()}" for line in lines if SIGNATURE_LINE.match(line)]
@@ -151,7 +165,10 @@ def test_the_landing_page_checks_catch_what_they_are_for():
     assert _missing_links(readme.replace("**`AutoMicrobatch`**", "AutoMicrobatch")) == [
         "AutoMicrobatch is not introduced"
     ]
-    signature, keys = monitor.split("```")[1], monitor[monitor.index("<!-- keys:") : monitor.index("<!-- /keys -->")]
+    signature, keys = (
+        monitor.split("```")[1],
+        monitor[monitor.index("<!-- keys:") : monitor.index("<!-- /keys -->")],
+    )
     pasted = f"{readme}\n```{signature}```\n\n{keys}"
     found = _reference_material(pasted)
     assert any(p.startswith("a signature: log_every_n_steps") for p in found), found
@@ -159,7 +176,9 @@ def test_the_landing_page_checks_catch_what_they_are_for():
     assert any(p.startswith("a row of logged keys: gpumem/") for p in found), found
     arguments = f"{readme}\n| argument | default |\n| --- | --- |\n| `headroom` | 0.05 |\n"
     assert "a row per argument: headroom" in _reference_material(arguments)
-    explained = readme.replace("**`AutoMicrobatch`**: ", "**`AutoMicrobatch`**: " + "more words on a line,\n" * 6)
+    explained = readme.replace(
+        "**`AutoMicrobatch`**: ", "**`AutoMicrobatch`**: " + "more words on a line,\n" * 6
+    )
     assert [p for p in _long_blocks(explained) if "AutoMicrobatch" in p], _long_blocks(explained)
 
 
@@ -200,9 +219,13 @@ def _variants(options: str) -> list[str]:
 def _examples_table(readme: str) -> set[str]:
     """The paths of examples/ named in the first cell of the README's examples table (under `## Examples`)."""
     blocks = _blocks(readme)
-    start = next(i for i, (kind, lines) in enumerate(blocks) if kind == "heading" and lines[0] == "## Examples")
+    start = next(
+        i for i, (kind, lines) in enumerate(blocks) if kind == "heading" and lines[0] == "## Examples"
+    )
     table = next(lines for kind, lines in blocks[start:] if kind == "table")
-    return {path for row in table[2:] for path in re.findall(r"examples/[\w./-]+", row.strip("|").split("|")[0])}
+    return {
+        path for row in table[2:] for path in re.findall(r"examples/[\w./-]+", row.strip("|").split("|")[0])
+    }
 
 
 def _example_problems(readme: str, ci: str, files: list[str]) -> list[str]:
@@ -218,7 +241,9 @@ def _example_problems(readme: str, ci: str, files: list[str]) -> list[str]:
         if not any(ran == path for ran, _ in ci_runs):
             problems.append(f"{path}: not run by .ci/run")
         for variant in _variants(options):
-            if not any(ran == path and re.search(rf"{re.escape(variant)}(?![\w-])", rest) for ran, rest in ci_runs):
+            if not any(
+                ran == path and re.search(rf"{re.escape(variant)}(?![\w-])", rest) for ran, rest in ci_runs
+            ):
                 problems.append(f"{path} {variant}: not run by .ci/run")
     for name in files:
         if f"examples/{name}" not in table and name not in EXAMPLE_SUPPORT:
@@ -245,7 +270,9 @@ def test_the_example_support_files_exist_and_the_readme_names_those_a_reader_run
 
 def test_the_example_checks_catch_what_they_are_for():
     readme, ci, files = README.read_text(encoding="utf-8"), CI.read_text(encoding="utf-8"), _example_files()
-    row = next(line for line in readme.splitlines() if line.startswith("| `python examples/variable_length.py"))
+    row = next(
+        line for line in readme.splitlines() if line.startswith("| `python examples/variable_length.py")
+    )
     assert _example_problems(readme.replace(row + "\n", ""), ci, files) == [
         "examples/variable_length.py: not in the README's examples table"
     ]
@@ -259,7 +286,9 @@ def test_the_example_checks_catch_what_they_are_for():
         "examples/quick_start.py: not run by .ci/run",
     ]
     no_leak = "\n".join(line for line in ci.splitlines() if "keep_memory_in_bounds.py --leak" not in line)
-    assert _example_problems(readme, no_leak, files) == ["examples/keep_memory_in_bounds.py --leak: not run by .ci/run"]
+    assert _example_problems(readme, no_leak, files) == [
+        "examples/keep_memory_in_bounds.py --leak: not run by .ci/run"
+    ]
     no_first = "\n".join(line for line in ci.splitlines() if "--mode first" not in line)
     assert _example_problems(readme, no_first, files) == [
         "examples/variable_length.py --mode first: not run by .ci/run"
@@ -275,7 +304,13 @@ def test_the_example_checks_catch_what_they_are_for():
 # A stage a sample shows is one of `keys.STAGES`, the names the code prints: in a sample of the fit-end summary (the
 # rows under its `stage` header), of the report (`<stage> peak` rows) and in a Markdown table's `stage` column.
 KEY = re.compile(r"(?<![\w/.-])gpumem/[\w<>{}*/.-]*")
-PLACEHOLDERS = {"<stage>": "(?:{stages})", "{stage}": "(?:{stages})", "<stat>": ".+", "{stat}": ".+", "<r>": r"\d+"}
+PLACEHOLDERS = {
+    "<stage>": "(?:{stages})",
+    "{stage}": "(?:{stages})",
+    "<stat>": ".+",
+    "{stat}": ".+",
+    "<r>": r"\d+",
+}
 SUMMARY_HEADER = re.compile(r"^\s*stage\s{2,}peak allocated\s{2,}peak reserved\s*$")
 SUMMARY_ROW = re.compile(r"^\s+(\S+)\s{2,}\S")
 REPORT_ROW = re.compile(r"^\s*(\S+) peak\s{2,}.*\ballocated\b.*\breserved\b")
@@ -304,9 +339,13 @@ def _key_problems(text: str) -> list[str]:
         if not re.search(r"[<>{}*]", shown):
             known = keys.parse(shown) is not None
         else:
-            pattern = re.escape(shown).replace(r"\*", ".*")  # (a placeholder not below stays literal: no match)
+            pattern = re.escape(shown).replace(
+                r"\*", ".*"
+            )  # (a placeholder not below stays literal: no match)
             for placeholder, replacement in PLACEHOLDERS.items():
-                pattern = pattern.replace(re.escape(placeholder), replacement.format(stages="|".join(keys.STAGES)))
+                pattern = pattern.replace(
+                    re.escape(placeholder), replacement.format(stages="|".join(keys.STAGES))
+                )
             known = any(re.fullmatch(pattern, name) for name in names)
         if not known:
             problems.append(f"{shown}: no such key in lightning_gpumem/keys.py")
@@ -339,7 +378,11 @@ def _stage_problems(text: str) -> list[str]:
             if "stage" in header:
                 column = header.index("stage")
                 shown += [row.strip().strip("|").split("|")[column].strip(" `") for row in table[2:]]
-    return [f"stage {stage!r}: the code prints one of {keys.STAGES}" for stage in shown if stage not in keys.STAGES]
+    return [
+        f"stage {stage!r}: the code prints one of {keys.STAGES}"
+        for stage in shown
+        if stage not in keys.STAGES
+    ]
 
 
 def test_the_key_and_stage_checks_catch_what_they_are_for():
@@ -360,7 +403,9 @@ def test_the_key_and_stage_checks_catch_what_they_are_for():
         "stage 'validation': the code prints one of ('train', 'val', 'test', 'predict')"
     ]
     table = "| stage | peak |\n| --- | --- |\n| `train` | 1 |\n| `fit` | 2 |\n"
-    assert _stage_problems(table) == ["stage 'fit': the code prints one of ('train', 'val', 'test', 'predict')"]
+    assert _stage_problems(table) == [
+        "stage 'fit': the code prints one of ('train', 'val', 'test', 'predict')"
+    ]
     known = (
         "`gpumem/train_peak_allocated_gib_max`, `gpumem/<stage>_reserved_gib`, `gpumem/plan_*`, the `gpumem/` keys,"
         " `gpumem/allocator/<stat>`, `gpumem/cache_releases_rank<r>`, lightning_gpumem/keys.py, gpumem/budget_gib."
@@ -384,7 +429,9 @@ STALE_SAMPLE = re.compile(
     r"|(?:logs|output) (?:was|were) written without",
     flags=re.IGNORECASE,
 )
-REPO_PATH = re.compile(r"(?<![\w/.-])(?:lightning_gpumem|examples|tests|benchmarks|tools|docs|\.ci)/[\w./*<>{}-]*")
+REPO_PATH = re.compile(
+    r"(?<![\w/.-])(?:lightning_gpumem|examples|tests|benchmarks|tools|docs|\.ci)/[\w./*<>{}-]*"
+)
 
 
 def _stale_samples(text: str) -> list[str]:
@@ -411,7 +458,10 @@ def test_the_sample_and_path_checks_catch_what_they_are_for():
     assert _stale_samples(
         "This one is `examples/quickstart.py` on the H200. The code as it is prints two lines\ndifferently: ..."
     ) == ["The code as it is prints"]
-    assert _stale_samples("(older output; the summary now prints the device total") == ["older output", "now prints"]
+    assert _stale_samples("(older output; the summary now prints the device total") == [
+        "older output",
+        "now prints",
+    ]
     assert _stale_samples("It prints two lines\ndifferently:") == ["prints two lines differently"]
     assert _stale_samples("(the H200 run; these logs were written without those two keys)") == [
         "logs were written without"

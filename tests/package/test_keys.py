@@ -42,7 +42,13 @@ def test_every_key_parses_back_with_each_stage_and_suffix(key):
 
 @pytest.mark.parametrize(
     "logged",
-    ["loss", "gpumem/nope_gib", "gpumem/validate_peak_allocated_gib", "gpumem/ooms_max", "gpumem/budget_gib_rank1"],
+    [
+        "loss",
+        "gpumem/nope_gib",
+        "gpumem/validate_peak_allocated_gib",
+        "gpumem/ooms_max",
+        "gpumem/budget_gib_rank1",
+    ],
 )
 def test_keys_that_are_not_ours_do_not_parse(logged):
     assert keys.parse(logged) is None  # a suffix counts only where the key is logged with it
@@ -57,7 +63,10 @@ def test_format_names_a_missing_or_unwanted_stage():
 
 def test_the_docs_tables_are_generated_from_the_schema():
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "key_tables.py"), "--check"], capture_output=True, text=True, check=False
+        [sys.executable, str(ROOT / "tools" / "key_tables.py"), "--check"],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert proc.returncode == 0, f"{proc.stdout}{proc.stderr} (run `python tools/key_tables.py`)"
     sys.path.insert(0, str(ROOT / "tools"))
@@ -111,7 +120,9 @@ def test_every_key_a_fit_logs_is_in_the_schema_and_read_back_by_the_report(tmp_p
     unknown = sorted(name for name in logged if keys.parse(name) is None)
     assert not unknown, f"logged but not in lightning_gpumem/keys.py: {unknown}"
     found = {keys.parse(name).key for name in logged}  # type: ignore[union-attr]
-    expected = {k for k in keys.KEYS if k.writer in ("MemoryMonitor", "EmptyCacheOnThreshold") and k.unit != "table"}
+    expected = {
+        k for k in keys.KEYS if k.writer in ("MemoryMonitor", "EmptyCacheOnThreshold") and k.unit != "table"
+    }
     assert found == expected  # verbose, a budget, a leak, releases: every key of theirs
     stages = {keys.parse(name).stage for name in logged} - {None}  # type: ignore[union-attr]
     assert stages == {"train", "val", "test"}

@@ -51,7 +51,9 @@ def _imports(path: Path) -> set[str]:
                 candidate = f"{node.module}.{alias.name}"
                 relative = Path(*candidate.split(".")[1:])
                 is_module = (PACKAGE / relative).with_suffix(".py").exists() or (PACKAGE / relative).is_dir()
-                found.add(candidate if candidate.startswith("lightning_gpumem.") and is_module else node.module)
+                found.add(
+                    candidate if candidate.startswith("lightning_gpumem.") and is_module else node.module
+                )
     return found
 
 
@@ -80,13 +82,17 @@ def test_the_floors_are_the_ones_the_test_knows():
 
 @pytest.mark.parametrize("name", [m for m in MODULES if m.startswith("_hw/")])
 def test_the_hardware_floor_knows_no_trainer(name):
-    assert not {m for m in _imports(PACKAGE / name) if m.split(".")[0] == "pytorch_lightning" or "pytorch" in m}
+    assert not {
+        m for m in _imports(PACKAGE / name) if m.split(".")[0] == "pytorch_lightning" or "pytorch" in m
+    }
 
 
 @pytest.mark.parametrize("name", PURE)
 def test_the_pure_parts_import_neither_lightning_nor_the_hardware(name):
     imported = _imports(PACKAGE / name)
-    assert not {m for m in imported if m.split(".")[0] in ("lightning", "pytorch_lightning", "torch", "psutil")}
+    assert not {
+        m for m in imported if m.split(".")[0] in ("lightning", "pytorch_lightning", "torch", "psutil")
+    }
 
 
 def test_the_pure_parts_load_neither_torch_nor_lightning_in_a_fresh_interpreter():

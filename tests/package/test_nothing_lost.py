@@ -41,7 +41,9 @@ def synthetic_snapshot(monkeypatch):
 
 def _trainer(tmp_path, callbacks, max_steps=2):
     """2 steps, no validation, in `tmp_path`, logged to a CSVLogger there, with Lightning's ModelCheckpoint."""
-    options = dict(logger=CSVLogger(tmp_path), callbacks=callbacks, limit_val_batches=0, enable_checkpointing=True)
+    options = dict(
+        logger=CSVLogger(tmp_path), callbacks=callbacks, limit_val_batches=0, enable_checkpointing=True
+    )
     return quiet_trainer(tmp_path, max_steps=max_steps, **options)
 
 
@@ -60,21 +62,27 @@ def test_no_callback_raises_from_on_exception_the_error_is_warned_and_the_users_
 
     error = ValueError("the user's own error")
     for callback in (Failing(), Child()):
-        with pytest.warns(UserWarning, match=r"on_exception failed .*No space left.* while handling ValueError"):
+        with pytest.warns(
+            UserWarning, match=r"on_exception failed .*No space left.* while handling ValueError"
+        ):
             callback.on_exception(None, None, error)
     assert error.__context__ is None
     assert error.__cause__ is None
 
 
 @pytest.mark.usefixtures("synthetic_snapshot")
-@pytest.mark.filterwarnings("ignore:.*ckpt_path:UserWarning")  # OnExceptionCheckpoint's own notes on resuming
+@pytest.mark.filterwarnings(
+    "ignore:.*ckpt_path:UserWarning"
+)  # OnExceptionCheckpoint's own notes on resuming
 def test_an_oom_snapshot_that_cannot_write_keeps_the_oom_and_the_callbacks_after_it_run(tmp_path):
     target = tmp_path / "snapshots"
     snapshot = RecordingSnapshot(dirpath=target)
     target.write_text("a file where the directory should be: every write fails")  # after construction
     checkpoint = OnExceptionCheckpoint(dirpath=tmp_path / "ckpt")
     microbatch = AutoMicrobatch()
-    model = OOMModel(batch_size=1, train_limit=0)  # every batch (of 1 sample: nothing to split) runs out of memory
+    model = OOMModel(
+        batch_size=1, train_limit=0
+    )  # every batch (of 1 sample: nothing to split) runs out of memory
     trainer = _trainer(tmp_path, [snapshot, microbatch, checkpoint])
     warns = pytest.warns(UserWarning, match="OOMSnapshot: could not write the oom snapshot")
     with warns, pytest.raises(torch.cuda.OutOfMemoryError) as raised:
@@ -82,7 +90,9 @@ def test_an_oom_snapshot_that_cannot_write_keeps_the_oom_and_the_callbacks_after
     assert raised.value.__context__ is None  # the user's error, not one raised while handling it
     assert snapshot.stopped
     assert snapshot.paths == []
-    assert (tmp_path / "ckpt" / "on_exception.ckpt").is_file()  # OnExceptionCheckpoint, moved last, still ran
+    assert (
+        tmp_path / "ckpt" / "on_exception.ckpt"
+    ).is_file()  # OnExceptionCheckpoint, moved last, still ran
     assert not {"training_step", "log", "backward"} & set(vars(model))  # AutoMicrobatch put everything back
 
 
@@ -95,7 +105,9 @@ def test_a_snapshot_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     def fail(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(snapshot_module, "render_html", fail)  # the second file fails: the first is taken back
+    monkeypatch.setattr(
+        snapshot_module, "render_html", fail
+    )  # the second file fails: the first is taken back
     with pytest.warns(UserWarning, match="No space left"):
         assert snapshot.dump("oom") is None
     assert _files(tmp_path) == []
@@ -192,7 +204,9 @@ def test_a_dirpath_that_can_never_be_a_directory_is_refused_by_name(tmp_path, ow
         (" ", "blank name"),
         ("", "blank name"),
     ]:
-        with pytest.raises(ValueError, match=rf"`{owner.__name__}\(dirpath=.*Expected a directory path; .*{why}"):
+        with pytest.raises(
+            ValueError, match=rf"`{owner.__name__}\(dirpath=.*Expected a directory path; .*{why}"
+        ):
             owner(dirpath=value)
     with pytest.raises(TypeError, match=rf"`{owner.__name__}\(dirpath=5\)`"):
         owner(dirpath=5)
@@ -210,7 +224,9 @@ def test_a_dirpath_that_cannot_be_created_is_refused_at_setup_before_training(tm
     profiler = FakeProfiler(FakeProbe(), at_step=1, dirpath=target)
     target.write_text("made a file after construction")
     model = LayerNet(profiler.fake)
-    with pytest.raises(ValueError, match=r"`LayerMemoryProfiler\(dirpath=.*later-a-file'\)` cannot be written to"):
+    with pytest.raises(
+        ValueError, match=r"`LayerMemoryProfiler\(dirpath=.*later-a-file'\)` cannot be written to"
+    ):
         _trainer(tmp_path, [profiler], max_steps=3).fit(model)
     assert model.global_step == 0
 
@@ -271,7 +287,9 @@ def _tuned_fit(tmp_path, version, ckpt_path=None, max_steps=2):
     return trainer, Path(logger.log_dir)
 
 
-@pytest.mark.filterwarnings("ignore:The dirpath has changed:UserWarning", "ignore:You're resuming:UserWarning")
+@pytest.mark.filterwarnings(
+    "ignore:The dirpath has changed:UserWarning", "ignore:You're resuming:UserWarning"
+)
 def test_a_resumed_run_records_the_size_it_trains_at_in_its_metrics_and_hparams(tmp_path):
     import yaml
 
@@ -284,7 +302,9 @@ def test_a_resumed_run_records_the_size_it_trains_at_in_its_metrics_and_hparams(
     assert resumed.callbacks[0].trials == ()  # restored, not searched
     for run, step in ((first, 0), (second, 2)):  # the resumed run's at the step it resumed from
         logged = [
-            (int(r["step"]), float(r["gpumem/batch_size"])) for r in read_csv_metrics(run) if r.get("gpumem/batch_size")
+            (int(r["step"]), float(r["gpumem/batch_size"]))
+            for r in read_csv_metrics(run)
+            if r.get("gpumem/batch_size")
         ]
         assert logged == [(step, tuned)], run.name
         assert yaml.safe_load((run / "hparams.yaml").read_text())["batch_size"] == tuned, run.name
@@ -298,7 +318,9 @@ def test_the_tuners_trials_on_cpu_log_no_allocator_counts_no_source_counted(tmp_
     assert not {"gpumem/batch_size_trial_ooms", "gpumem/batch_size_trial_retries"} & logged
 
 
-def test_each_run_of_an_mlflow_like_logger_gets_its_own_directory_and_nothing_is_overwritten(tmp_path, make_trainer):
+def test_each_run_of_an_mlflow_like_logger_gets_its_own_directory_and_nothing_is_overwritten(
+    tmp_path, make_trainer
+):
     class RunLogger(PlainLogger):  # as MLflow: a save_dir shared by every run, a version per run, no log_dir
         def __init__(self, version):
             super().__init__(save_dir=str(tmp_path / "mlruns"), name="exp")
@@ -376,7 +398,9 @@ def test_a_batch_arg_that_sets_the_dataset_length_is_refused(tmp_path):
         def train_dataloader(self):
             return torch.utils.data.DataLoader(RandomDataset(32, self.n), batch_size=self.batch_size)
 
-    trainer = _trainer(tmp_path, [BatchSizeTuner(max_val=CPU_SEARCH, batch_arg_name="n", include_validation=False)])
+    trainer = _trainer(
+        tmp_path, [BatchSizeTuner(max_val=CPU_SEARCH, batch_arg_name="n", include_validation=False)]
+    )
     with pytest.raises(ValueError, match="`n` sets the dataset's length, not the batch size"):
         trainer.fit(LengthModel())
 

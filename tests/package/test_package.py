@@ -13,7 +13,9 @@ from lightning_gpumem.cli import main
 
 
 def _run(code: str) -> str:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def test_the_cli_and_the_report_import_neither_torch_nor_lightning():
@@ -68,7 +70,9 @@ def test_the_ci_floors_job_installs_the_floors_pyproject_declares():
         assert name in pins, f"{name}>={floor} is declared but the floors job does not install it"
         pinned = [int(p) for p in pins[name].split(".")]
         wanted = [int(p) for p in floor.split(".")]
-        assert pinned[: len(wanted)] == wanted, f"{name}: declared >={floor}, the floors job installs {pins[name]}"
+        assert pinned[: len(wanted)] == wanted, (
+            f"{name}: declared >={floor}, the floors job installs {pins[name]}"
+        )
 
 
 def _project() -> dict:
@@ -114,4 +118,6 @@ def test_the_sdist_ships_what_the_readme_links_to_and_the_tests_read():
         path = target.partition("#")[0]
         if not path or target.startswith(("http://", "https://", "mailto:")):
             continue
-        assert path in shipped or path.split("/")[0] in grafted, f"README.md links to {path}, not in the sdist"
+        assert path in shipped or path.split("/")[0] in grafted, (
+            f"README.md links to {path}, not in the sdist"
+        )

@@ -44,18 +44,35 @@ def private_names(source: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             if not node.module.startswith("lightning_gpumem"):
                 found |= {alias.name for alias in node.names if _is_private(alias.name)}
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _ATTRIBUTE_CALLS:
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in _ATTRIBUTE_CALLS
+        ):
             if node.args and _own(node.args[0]):
                 continue
-            found |= {a.value for a in node.args[1:2] if isinstance(a, ast.Constant) and _is_private(str(a.value))}
+            found |= {
+                a.value for a in node.args[1:2] if isinstance(a, ast.Constant) and _is_private(str(a.value))
+            }
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _is_private(node.value):  # noqa: SIM102
             if not _is_text(node, parents) and not _names_own_attribute(node, parents):
-                found.add(node.value)  # a private name as data: a patch target, a table of attributes to save
+                found.add(
+                    node.value
+                )  # a private name as data: a patch target, a table of attributes to save
     return found
 
 
 _ATTRIBUTE_CALLS = {"getattr", "setattr", "hasattr", "delattr"}
-_TEXT_METHODS = {"startswith", "endswith", "removeprefix", "removesuffix", "split", "join", "replace", "format"}
+_TEXT_METHODS = {
+    "startswith",
+    "endswith",
+    "removeprefix",
+    "removesuffix",
+    "split",
+    "join",
+    "replace",
+    "format",
+}
 
 
 def _names_own_attribute(node: ast.Constant, parents: dict[ast.AST, ast.AST]) -> bool:
@@ -75,7 +92,11 @@ def _is_text(node: ast.Constant, parents: dict[ast.AST, ast.AST]) -> bool:
     parent = parents.get(node)
     if isinstance(parent, (ast.JoinedStr, ast.Compare, ast.BinOp)):
         return True
-    return isinstance(parent, ast.Call) and isinstance(parent.func, ast.Attribute) and parent.func.attr in _TEXT_METHODS
+    return (
+        isinstance(parent, ast.Call)
+        and isinstance(parent.func, ast.Attribute)
+        and parent.func.attr in _TEXT_METHODS
+    )
 
 
 def _used() -> dict[str, set[str]]:
@@ -105,7 +126,9 @@ USED = _used()
 @pytest.mark.parametrize("module", sorted(USED))
 def test_a_module_reaches_only_the_private_names_contributing_lists_for_it(module):
     missing = USED[module] - _listed().get(module, set())
-    assert not missing, f"{module} uses {sorted(missing)}: not listed for it under 'Private access' in CONTRIBUTING"
+    assert not missing, (
+        f"{module} uses {sorted(missing)}: not listed for it under 'Private access' in CONTRIBUTING"
+    )
 
 
 def test_contributing_lists_no_private_access_that_is_gone():
@@ -127,7 +150,10 @@ def test_every_listed_private_name_is_guarded_by_the_internals_test():
         ("self._own", set()),
         ("getattr(loop, '_results', None)", {"_results"}),
         ("getattr(self, '_own', None)", set()),
-        ("from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter", {"_MultiProcessingDataLoaderIter"}),
+        (
+            "from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter",
+            {"_MultiProcessingDataLoaderIter"},
+        ),
         ("from lightning_gpumem._core.units import GIB", set()),
         ("patch(loop, '_on_before_zero_grad', f)", {"_on_before_zero_grad"}),
         ("point._fields; obj.__class__", set()),

@@ -41,7 +41,11 @@ def test_is_accumulating_matches_lightning_optimizer_steps():
             seen.append(is_accumulating(trainer))
 
     trainer = quiet_trainer(
-        max_epochs=1, limit_train_batches=5, limit_val_batches=0, accumulate_grad_batches=2, callbacks=[Spy()]
+        max_epochs=1,
+        limit_train_batches=5,
+        limit_val_batches=0,
+        accumulate_grad_batches=2,
+        callbacks=[Spy()],
     )
     trainer.fit(BoringModel())
     assert seen == [True, False, True, False, False]  # Lightning steps on the final batch
@@ -135,7 +139,12 @@ def test_dataloader_workers_told_to_exit_are_gone_without_a_join():
     next(combined)
     iterator = combined._iterator.iterators[0]  # private: the `_ModeIterator`'s DataLoader iterators
     workers = list(iterator._workers)
-    for name in ("_workers_done_event", "_persistent_workers", "_workers_status", "_shutdown"):  # tuning/loaders.py
+    for name in (
+        "_workers_done_event",
+        "_persistent_workers",
+        "_workers_status",
+        "_shutdown",
+    ):  # tuning/loaders.py
         assert hasattr(iterator, name)
     assert all(w.is_alive() for w in workers)
     stopping = loaders._signal_workers_to_exit(combined)
@@ -215,10 +224,14 @@ def test_torch_and_torchmetrics_privates_the_package_uses_exist():
     assert isinstance(dataloader._MultiProcessingDataLoaderIter, type)  # tuning/loaders.py
     assert callable(dataloader._MultiProcessingDataLoaderIter._mark_worker_as_unavailable)
     assert callable(dataloader._MultiProcessingDataLoaderIter._shutdown_workers)
-    assert isinstance(torch.zeros(1)._version, int)  # microbatch/split.py: an in-place write since the attempt began
+    assert isinstance(
+        torch.zeros(1)._version, int
+    )  # microbatch/split.py: an in-place write since the attempt began
     assert hasattr(torch.nn.Linear(1, 1).state_dict(), "_metadata")  # tuning/model_state.py: module versions
     scaler = torch.amp.GradScaler("cpu")
-    assert isinstance(scaler._per_optimizer_states, dict)  # microbatch/callback.py: a failed attempt's unscale_
+    assert isinstance(
+        scaler._per_optimizer_states, dict
+    )  # microbatch/callback.py: a failed attempt's unscale_
 
     torchmetrics = pytest.importorskip("torchmetrics")
     metric = torchmetrics.MeanMetric()
@@ -241,7 +254,11 @@ def test_lightning_private_helpers_the_package_imports_exist():
     assert loop._data_source.is_module()
     assert loop.epoch_loop.val_loop._data_source.is_module()
     assert isinstance(loop.epoch_loop.val_loop._has_run, bool)  # tuning/saved_run.py
-    for flag in ("_restarting", "_loaded_from_state_dict", "_resuming_from_checkpoint"):  # saved_run.LOOP_FLAGS
+    for flag in (
+        "_restarting",
+        "_loaded_from_state_dict",
+        "_resuming_from_checkpoint",
+    ):  # saved_run.LOOP_FLAGS
         assert isinstance(getattr(loop, flag, False), bool)
 
 

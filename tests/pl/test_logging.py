@@ -52,7 +52,9 @@ def test_each_kind_of_logger_gets_the_table_its_own_way(tmp_path):
     assert tensorboard.experiment.calls == [("add_text", "gpumem/trials", "| md |", 7)]
     assert mlflow.experiment.calls == [("log_text", "run-1", "| md |", "gpumem_trials.md")]
     assert wandb_calls == [{"key": "gpumem/trials", "columns": COLUMNS, "data": ROWS, "step": 7}]
-    assert written == [tmp_path / "plain" / "plain" / "version_0" / "gpumem_trials.csv"]  # <save_dir>/<name>/<version>
+    assert written == [
+        tmp_path / "plain" / "plain" / "version_0" / "gpumem_trials.csv"
+    ]  # <save_dir>/<name>/<version>
     with open(written[0], newline="") as file:
         assert list(csv.reader(file)) == [COLUMNS, ["2", "ok"], ["4", "OOM"]]
 
@@ -69,9 +71,13 @@ def test_files_go_to_the_first_loggers_run_directory_as_model_checkpoint_places_
     assert run_dir(_trainer(tmp_path, [])) == tmp_path
     mlflow_like = PlainLogger(save_dir=str(tmp_path / "mlruns"))  # no log_dir: <save_dir>/<name>/<version>
     csv_logger = CSVLogger(tmp_path / "csv")
-    assert run_dir(_trainer(tmp_path, [mlflow_like, csv_logger])) == tmp_path / "mlruns" / "plain" / "version_0"
+    assert (
+        run_dir(_trainer(tmp_path, [mlflow_like, csv_logger])) == tmp_path / "mlruns" / "plain" / "version_0"
+    )
     assert run_dir(_trainer(tmp_path, [csv_logger])) == Path(csv_logger.log_dir)
-    assert run_dir(_trainer(tmp_path, [PlainLogger()])) == tmp_path / "plain" / "version_0"  # default_root_dir
+    assert (
+        run_dir(_trainer(tmp_path, [PlainLogger()])) == tmp_path / "plain" / "version_0"
+    )  # default_root_dir
     assert run_dir(_trainer(tmp_path, [PlainLogger(name=None)])) == tmp_path  # no run named: the root itself
     assert run_dir(_trainer(tmp_path, []), dirpath=tmp_path / "x") == tmp_path / "x"
 
@@ -79,7 +85,9 @@ def test_files_go_to_the_first_loggers_run_directory_as_model_checkpoint_places_
 def test_an_mlflow_first_and_a_csv_logger_later_each_get_the_table_in_their_own_run(tmp_path):
     mlflow = PlainLogger(save_dir=str(tmp_path / "mlruns"), experiment=MlflowClientLike(), run_id="run-1")
     csv_logger = CSVLogger(tmp_path / "csv")
-    written = log_table(_trainer(tmp_path, [mlflow, csv_logger]), "gpumem/trials", COLUMNS, ROWS, step=0, text="t")
+    written = log_table(
+        _trainer(tmp_path, [mlflow, csv_logger]), "gpumem/trials", COLUMNS, ROWS, step=0, text="t"
+    )
     assert mlflow.experiment.calls == [("log_text", "run-1", "t", "gpumem_trials.md")]
     assert written == [Path(csv_logger.log_dir) / "gpumem_trials.csv"]
 
@@ -94,7 +102,9 @@ def test_a_logger_or_disk_that_fails_is_named_in_a_warning_and_the_others_still_
     plain_on_a_file = PlainLogger(save_dir=str(blocked))
     good = PlainLogger(save_dir=str(tmp_path / "good"))
     trainer = _trainer(tmp_path, [PlainLogger(experiment=Broken()), plain_on_a_file, good])
-    with pytest.warns(UserWarning, match="could not write the table `gpumem/trials` to PlainLogger") as record:
+    with pytest.warns(
+        UserWarning, match="could not write the table `gpumem/trials` to PlainLogger"
+    ) as record:
         written = log_table(trainer, "gpumem/trials", COLUMNS, ROWS, step=0, text="t")
     assert len(record) == 2
     assert written == [tmp_path / "good" / "plain" / "version_0" / "gpumem_trials.csv"]
@@ -109,7 +119,9 @@ def test_a_csv_logger_run_of_the_tuner_leaves_its_trials_in_its_log_dir(tmp_path
     with open(Path(logger.log_dir) / "gpumem_batch_size_trials.csv", newline="") as file:
         rows = list(csv.reader(file))
     assert rows[0][:2] == ["batch size", "outcome"]
-    assert [(int(r[0]), r[1]) for r in rows[1:]] == [(t.batch_size, "ok" if t.fits else "OOM") for t in tuner.trials]
+    assert [(int(r[0]), r[1]) for r in rows[1:]] == [
+        (t.batch_size, "ok" if t.fits else "OOM") for t in tuner.trials
+    ]
 
 
 # ---------------------------------------------------------------------- a logger whose log_metrics fails

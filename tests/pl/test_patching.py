@@ -46,7 +46,9 @@ def test_patching_over_a_leftover_patch_wraps_the_original_not_the_leftover():
     owner = Owner()
     calls = []
     leftover = Patches()
-    leftover.install(owner, "method", lambda x: calls.append("leftover"))  # never undone: a crash before clean-up
+    leftover.install(
+        owner, "method", lambda x: calls.append("leftover")
+    )  # never undone: a crash before clean-up
     patches = Patches()
     patches.install(owner, "method", lambda x: calls.append("new") or patches.original(owner, "method")(x))
     assert owner.method(3) == 3
@@ -77,11 +79,19 @@ def test_log_arguments_are_bound_by_the_signature_of_log():
     }
     params = list(inspect.signature(module.log).parameters)
     position = params.index("sync_dist")
-    args = ("loss", 1.0, *[inspect.signature(module.log).parameters[p].default for p in params[2:position]], True)
+    args = (
+        "loss",
+        1.0,
+        *[inspect.signature(module.log).parameters[p].default for p in params[2:position]],
+        True,
+    )
     assert log_arguments(module.log, args, {})["sync_dist"] is True
     _, kwargs = with_log_argument(module.log, args, {}, "sync_dist", False)
     assert kwargs["sync_dist"] is False
-    assert with_log_argument(module.log, (), {"bogus": 1}, "sync_dist", False) == ((), {"bogus": 1, "sync_dist": False})
+    assert with_log_argument(module.log, (), {"bogus": 1}, "sync_dist", False) == (
+        (),
+        {"bogus": 1, "sync_dist": False},
+    )
 
 
 def _fit_attributes(tmp_path, callbacks):
@@ -120,7 +130,15 @@ def test_log_arguments_bind_through_lightnings_signature_even_for_an_override():
     assert log_arguments(module.log, ("loss", 1.0, True), {})["prog_bar"] is True
     args = ("loss", 1.0, False, True, None, None, "mean", False, True)  # sync_dist=True positionally
     assert with_log_argument(module.log, args, {}, "sync_dist", False)[1]["sync_dist"] is False
-    too_many = (*args, None, True, None, None, False, "extra")  # does not bind: set in its position all the same
+    too_many = (
+        *args,
+        None,
+        True,
+        None,
+        None,
+        False,
+        "extra",
+    )  # does not bind: set in its position all the same
     new_args, _ = with_log_argument(module.log, too_many, {}, "sync_dist", False)
     assert new_args[8] is False
     _, kwargs = with_log_argument(module.log, ("loss", 1.0), {"bogus": 1}, "sync_dist", False)

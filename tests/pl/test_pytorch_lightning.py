@@ -41,14 +41,21 @@ class OOMModel(OOMSteps, BoringModel):
 
 def _trainer(tmp_path, callbacks, **kwargs) -> pl.Trainer:
     """3 steps, 1 validation batch, in `tmp_path`, with the older namespace's Trainer."""
-    options = dict(max_steps=3, limit_val_batches=1, callbacks=callbacks, logger=True, trainer_class=pl.Trainer)
+    options = dict(
+        max_steps=3, limit_val_batches=1, callbacks=callbacks, logger=True, trainer_class=pl.Trainer
+    )
     return quiet_trainer(tmp_path, **{**options, **kwargs})
 
 
 def test_every_callback_is_a_callback_of_both_namespaces(tmp_path):
     import lightning.pytorch
 
-    callbacks = [MemoryMonitor(), BatchSizeTuner(max_val=CPU_SEARCH), MemoryBudget("1GiB"), EmptyCacheOnThreshold()]
+    callbacks = [
+        MemoryMonitor(),
+        BatchSizeTuner(max_val=CPU_SEARCH),
+        MemoryBudget("1GiB"),
+        EmptyCacheOnThreshold(),
+    ]
     callbacks += [OOMSnapshot(), LayerMemoryProfiler(), AutoMicrobatch()]
     for callback in callbacks:
         assert isinstance(callback, pl.Callback)
@@ -83,8 +90,12 @@ def test_two_release_callbacks_coexist(tmp_path):
             probe.spike({0: 6 * GIB, 1: 9 * GIB, 3: 9 * GIB}.get(self.global_step, 0))
             return super().training_step(batch, batch_idx)
 
-    every_batch = FakeRelease(probe, threshold=0.5)  # train_batch_end and validation_end, mark 5 GiB, 50 steps apart
-    after_epoch = FakeRelease(probe, threshold=0.9, hooks="train_epoch_end", min_steps_between=0)  # mark 9 GiB
+    every_batch = FakeRelease(
+        probe, threshold=0.5
+    )  # train_batch_end and validation_end, mark 5 GiB, 50 steps apart
+    after_epoch = FakeRelease(
+        probe, threshold=0.9, hooks="train_epoch_end", min_steps_between=0
+    )  # mark 9 GiB
     assert every_batch.state_key != after_epoch.state_key
     seen = []
 
@@ -96,7 +107,12 @@ def test_two_release_callbacks_coexist(tmp_path):
     trainer = _trainer(tmp_path, [every_batch, after_epoch, Counts()], **options)
     trainer.fit(Spiking())
     assert trainer.global_step == 4
-    assert seen == [(1, 0), (1, 0), (1, 1), (2, 1)]  # `after_epoch` waits for the epoch's end, above its mark or not
+    assert seen == [
+        (1, 0),
+        (1, 0),
+        (1, 1),
+        (2, 1),
+    ]  # `after_epoch` waits for the epoch's end, above its mark or not
     # Step 0: 7 GiB reserved, above 5: `every_batch` gives 6 back. Step 1: 10 GiB, but `every_batch` released one
     # step ago and has not seen the cache below its mark since: the end of epoch 0 is `after_epoch`'s, 9 back. Step 2
     # is seen below the mark (re-armed), so step 3's 9 GiB are `every_batch`'s again, and epoch 1 ends at 1 GiB.

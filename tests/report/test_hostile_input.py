@@ -19,7 +19,9 @@ from lightning_gpumem.report import ReportError, load_runs, render_html, summari
 from lightning_gpumem.report.summary import format_table, rows
 
 ROOT = Path(__file__).resolve().parents[2]
-CSV_TEXT = "step,gpumem/train_peak_allocated_gib,gpumem/train_reserved_gib\n0,1.0,1.5\n1,2.0,2.5\n2,1.0,2.5\n"
+CSV_TEXT = (
+    "step,gpumem/train_peak_allocated_gib,gpumem/train_reserved_gib\n0,1.0,1.5\n1,2.0,2.5\n2,1.0,2.5\n"
+)
 
 
 def _csv_run(directory: Path, text: str = CSV_TEXT) -> Path:
@@ -40,7 +42,9 @@ def _event_run(directory: Path) -> Path:
 
 
 def _run_cli(*args: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess[str]:
-    def limit_memory() -> None:  # a report that reads without bound fails here instead of exhausting the machine
+    def limit_memory() -> (
+        None
+    ):  # a report that reads without bound fails here instead of exhausting the machine
         resource.setrlimit(resource.RLIMIT_AS, (4 * 2**30, 4 * 2**30))
 
     return subprocess.run(
@@ -86,7 +90,9 @@ def test_an_existing_file_the_report_did_not_write_needs_force(tmp_path, capsys)
     assert page.read_text(encoding="utf-8") == "my notes"
     assert main(["report", str(tmp_path), "--html", str(page), "--force"]) == 0
     assert "<!-- written by gpumem report -->" in page.read_text(encoding="utf-8")
-    assert main(["report", str(tmp_path), "--html", str(page)]) == 0  # its own page: rewritten without --force
+    assert (
+        main(["report", str(tmp_path), "--html", str(page)]) == 0
+    )  # its own page: rewritten without --force
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.html", "run"]  # no temporary file left
 
 
@@ -193,7 +199,9 @@ def test_a_file_over_the_size_bound_is_read_up_to_it_and_named(tmp_path, monkeyp
     loaded = load_runs(tmp_path)
     (run,) = loaded.runs
     assert run.series["gpumem/train_reserved_gib"] == [(0, 1.5), (1, 2.5)]  # the row cut short is left out
-    assert any(line.startswith(f"{source}: larger than {bound} bytes") for line in loaded.skipped), loaded.skipped
+    assert any(line.startswith(f"{source}: larger than {bound} bytes") for line in loaded.skipped), (
+        loaded.skipped
+    )
 
 
 def test_an_unreadable_directory_is_named(tmp_path, monkeypatch):
@@ -229,7 +237,9 @@ def test_a_huge_finite_csv_cell_is_left_out_with_a_notice(tmp_path, capsys):
 
 
 def test_values_left_out_are_named_five_per_file_then_counted(tmp_path):
-    source = _csv_run(tmp_path, "step,gpumem/train_peak_allocated_gib\n" + "".join(f"{i},1e300\n" for i in range(8)))
+    source = _csv_run(
+        tmp_path, "step,gpumem/train_peak_allocated_gib\n" + "".join(f"{i},1e300\n" for i in range(8))
+    )
     _csv_run(tmp_path / "ok")
     skipped = load_runs(tmp_path).skipped
     assert [line.split(", line")[0] for line in skipped[:5]] == [str(source)] * 5
@@ -300,7 +310,9 @@ def _odd_logs(tmp_path: Path) -> Path:
     logdir = _odd_dir(tmp_path, LOGDIR_NAME)
     for name in ODD_NAMES:
         _csv_run(_odd_dir(logdir, name))
-    written = _event_run(tmp_path / "tb")  # TensorBoard's writer cannot open a path that is not UTF-8: moved there
+    written = _event_run(
+        tmp_path / "tb"
+    )  # TensorBoard's writer cannot open a path that is not UTF-8: moved there
     _odd_dir(logdir, TB_NAME).rmdir()
     os.rename(written.parent, os.path.join(os.fsencode(logdir), TB_NAME))
     return logdir
@@ -309,7 +321,9 @@ def _odd_logs(tmp_path: Path) -> Path:
 class _Page(HTMLParser):
     """The HTML page's headings and cells, as a browser reads them, and whether its elements nest and close."""
 
-    VOID = frozenset({"meta", "br", "img", "input", "link", "hr"})  # HTML void elements; SVG ones close with />
+    VOID = frozenset(
+        {"meta", "br", "img", "input", "link", "hr"}
+    )  # HTML void elements; SVG ones close with />
 
     def __init__(self) -> None:
         super().__init__(convert_charrefs=True)
@@ -353,7 +367,10 @@ def test_a_run_folder_named_with_bytes_that_are_not_utf8_is_reported(tmp_path, c
     text = page.read_bytes().decode("utf-8")  # strict: no surrogate reached the page
     assert "<bdi>run-\\xff\\xfe</bdi>" in text
     assert "<bdi>plain</bdi>" in text
-    assert f"<h1>Memory report: <bdi>{html.escape(str(tmp_path))}/{html.escape(LOGDIR_SHOWN)}</bdi></h1>" in text
+    assert (
+        f"<h1>Memory report: <bdi>{html.escape(str(tmp_path))}/{html.escape(LOGDIR_SHOWN)}</bdi></h1>"
+        in text
+    )
 
 
 def test_every_odd_run_name_is_escaped_in_the_text_and_the_html_page(tmp_path, capsys):
@@ -375,7 +392,9 @@ def test_every_odd_run_name_is_escaped_in_the_text_and_the_html_page(tmp_path, c
     parsed.close()
     assert parsed.errors == []
     assert parsed.open == []  # every element closed
-    assert sorted(parsed.texts["h2"]) == sorted(shown)  # what the reader sees: the escaped names, nothing more
+    assert sorted(parsed.texts["h2"]) == sorted(
+        shown
+    )  # what the reader sees: the escaped names, nothing more
     assert parsed.texts["h1"] == [f"Memory report: {tmp_path}/{LOGDIR_SHOWN}"]
     assert text.count("<svg") == len(shown)
     assert "&lt;b&gt;&amp;amp;&quot;q&#x27;&lt;script&gt;x" in text
@@ -390,14 +409,22 @@ def test_every_odd_run_name_is_drawn_in_the_png(tmp_path, capsys, recwarn):
     data = png.read_bytes()
     assert b"tEXtSoftware\x00gpumem report" in data[:4096]
     assert struct.unpack(">II", data[16:24]) == (1000, 400 * (len(ODD_NAMES) + 1))  # a panel for every run
-    assert not [str(w.message) for w in recwarn if "missing from" in str(w.message)]  # no glyph drawn as a box
+    assert not [
+        str(w.message) for w in recwarn if "missing from" in str(w.message)
+    ]  # no glyph drawn as a box
     from lightning_gpumem.report.plot import MAX_TITLE_CHARS, _figure, font_glyphs
 
     figure = _figure(load_runs(logdir).runs)
     titles = [ax.get_title(loc="left") for ax in figure.axes]
     glyphs = font_glyphs()
     assert all(ord(char) in glyphs for title in titles for char in title)
-    for shown in ("run-\\xff\\xfe", "\\xc3", "new\\x0aline\\x09tab\\x1b[31m\\x0d", "<b>&amp;\"q'<script>x", TB_SHOWN):
+    for shown in (
+        "run-\\xff\\xfe",
+        "\\xc3",
+        "new\\x0aline\\x09tab\\x1b[31m\\x0d",
+        "<b>&amp;\"q'<script>x",
+        TB_SHOWN,
+    ):
         assert shown in titles
     (long,) = (title for title in titles if title.startswith("L"))
     assert len(long) <= MAX_TITLE_CHARS
@@ -469,12 +496,21 @@ def test_a_closed_pipe_ends_the_report_quietly(tmp_path):
 def test_a_leak_free_runs_warm_up_estimate_is_not_shown(tmp_path):
     _csv_run(tmp_path)
     run = load_runs(tmp_path).runs[0]
-    run.series["gpumem/leak_mib_per_step"] = [(32, 0.41), (100, 0.22), (500, 0.0)]  # first samples, then flat
+    run.series["gpumem/leak_mib_per_step"] = [
+        (32, 0.41),
+        (100, 0.22),
+        (500, 0.0),
+    ]  # first samples, then flat
     table = dict(rows(summarize(run)))
     assert table["leak warnings"] == "0"
     assert summarize(run).leak_rate is None
     run.series["gpumem/leak_warnings"] = [(120, 1.0)]
-    run.series["gpumem/leak_mib_per_step"] = [(32, 9.0), (100, 4.0), (120, 3.0), (500, 3.0)]  # frozen once flagged
+    run.series["gpumem/leak_mib_per_step"] = [
+        (32, 9.0),
+        (100, 4.0),
+        (120, 3.0),
+        (500, 3.0),
+    ]  # frozen once flagged
     assert dict(rows(summarize(run)))["leak warnings"] == "1 (growth 3.00 MiB/step when flagged)"
 
 
@@ -505,7 +541,10 @@ def test_a_value_not_measured_is_a_dash(tmp_path):
 def test_event_files_of_one_second_are_read_in_the_writers_order(tmp_path):
     from torch.utils.tensorboard import SummaryWriter
 
-    for value, counter in ((1.0, 9), (2.0, 10)):  # one process's 10th writer after its 9th: "...1.10" < "...1.9"
+    for value, counter in (
+        (1.0, 9),
+        (2.0, 10),
+    ):  # one process's 10th writer after its 9th: "...1.10" < "...1.9"
         writer = SummaryWriter(tmp_path / "new")
         writer.add_scalar("gpumem/train_peak_allocated_gib", value, 0)
         writer.close()

@@ -78,13 +78,17 @@ def test_the_table_equals_the_logged_scalars_and_the_known_numbers(logs):
         summary = summarize(run)
         batch_peaks = logged("gpumem/train_peak_allocated_gib")
         assert summary.logged_batches == len(batch_peaks) == 8
-        assert summary.batch_peak_max == pytest.approx(max(batch_peaks)) == pytest.approx(3.0)  # 1 + 2 GiB spike
+        assert (
+            summary.batch_peak_max == pytest.approx(max(batch_peaks)) == pytest.approx(3.0)
+        )  # 1 + 2 GiB spike
         assert summary.batch_peak_mean == pytest.approx(sum(batch_peaks) / 8) == pytest.approx(10 / 8)
         assert summary.stage_peaks["train"][0] == pytest.approx(3.0)
         assert summary.stage_peaks["val"][0] == pytest.approx(max(logged("gpumem/val_peak_allocated_gib")))
         assert summary.stage_peaks["val"][0] == pytest.approx(2.0)  # 1 GiB base + 1 GiB validation spike
         assert summary.nvml_process_peak == pytest.approx(max(logged("gpumem/nvml_process_gib")))
-        assert summary.nvml_process_peak == pytest.approx(3 + 300 / 1024)  # reserved 3 GiB + the fake's 300 MiB
+        assert summary.nvml_process_peak == pytest.approx(
+            3 + 300 / 1024
+        )  # reserved 3 GiB + the fake's 300 MiB
         assert summary.non_torch_peak == pytest.approx(300 / 1024)
         assert summary.host_rss_peak == pytest.approx(2.0)
         assert summary.nvml_total == pytest.approx(24.0)
@@ -100,7 +104,11 @@ def test_the_table_equals_the_logged_scalars_and_the_known_numbers(logs):
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "lightning_gpumem", *args], capture_output=True, text=True, cwd=ROOT, timeout=120
+        [sys.executable, "-m", "lightning_gpumem", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
     )
 
 
@@ -198,7 +206,9 @@ def test_tensorboard_layout_puts_each_stage_in_one_chart(logs):
         "gpumem/train_reserved_gib",
         "gpumem/nvml_process_gib",
     } <= drawn(train)
-    assert {"gpumem/val_peak_allocated_gib", "gpumem/val_reserved_gib", "gpumem/nvml_process_gib"} <= drawn(val)
+    assert {"gpumem/val_peak_allocated_gib", "gpumem/val_reserved_gib", "gpumem/nvml_process_gib"} <= drawn(
+        val
+    )
     assert not any(key.startswith("gpumem/val_") for key in drawn(train))
 
 
@@ -367,7 +377,10 @@ def test_write_png_leaves_the_callers_matplotlib_backend_alone(logs, tmp_path):
         (["--png", ""], r"--png '': expected a file name"),
         (["--html", " "], r"--html ' ': expected a file name"),
         (["--html", "{d}/same.png", "--png", "{d}/same.png"], r"--png and --html are the same file"),
-        (["--html", "{d}/page.html", "--png", "{d}/picture.jpg"], r"--png '.*picture.jpg': expected .* \.png"),
+        (
+            ["--html", "{d}/page.html", "--png", "{d}/picture.jpg"],
+            r"--png '.*picture.jpg': expected .* \.png",
+        ),
         (["--html", "{d}/note.txt/page.html"], r"--html '.*': '.*note.txt' is a file, not a directory"),
         (["--png", "{d}"], r"--png '.*': is a directory"),
     ],
@@ -400,7 +413,9 @@ def test_a_cell_that_is_not_a_number_is_left_out_and_the_rest_of_the_file_kept(l
     assert len(kept) == len(original) - 1
     result = _run_cli("report", str(tmp_path))
     assert result.returncode == 0
-    assert f"line {row + 1}: gpumem/train_peak_allocated_gib = 'oops' is not a finite number" in result.stderr
+    assert (
+        f"line {row + 1}: gpumem/train_peak_allocated_gib = 'oops' is not a finite number" in result.stderr
+    )
 
 
 def test_a_flat_series_at_the_top_of_its_range_is_drawn_inside_the_frame(tmp_path):
@@ -418,7 +433,9 @@ def test_a_flat_series_at_the_top_of_its_range_is_drawn_inside_the_frame(tmp_pat
     frame = ax.get_window_extent()
     _, y_pixel = ax.transData.transform((40, 0.3698))
     half_width = line.get_linewidth() * figure.dpi / 72 / 2
-    assert frame.y0 + half_width < y_pixel < frame.y1 - half_width - 2  # its pixels inside the frame, off the edge
+    assert (
+        frame.y0 + half_width < y_pixel < frame.y1 - half_width - 2
+    )  # its pixels inside the frame, off the edge
     assert write_png([run], tmp_path / "cpu.png").stat().st_size > 0
 
 
@@ -534,7 +551,9 @@ def test_step_peaks_over_the_tuners_budget_are_a_row(tmp_path):
 
 def test_step_peaks_are_over_a_memory_budget_first_and_the_highest_rank(tmp_path):
     rows_ = [{"gpumem/budget_gib": 10.0, "gpumem/batch_size_budget_gib": 20.0}]
-    rows_ += [{"gpumem/train_peak_reserved_gib": 4.0, "gpumem/train_peak_reserved_gib_max": 5.0} for _ in range(3)]
+    rows_ += [
+        {"gpumem/train_peak_reserved_gib": 4.0, "gpumem/train_peak_reserved_gib_max": 5.0} for _ in range(3)
+    ]
     _csv(tmp_path / "ddp", rows_)
     (run,) = load_runs(tmp_path).runs
     assert summarize(run).step_peaks_over_budget == (0.5, 0.5, 0.5, 3)

@@ -47,12 +47,22 @@ def test_report_of_a_cuda_run_matches_the_monitor(tmp_path):
     assert summary.cache_releases == release.releases >= 1
     assert summary.released == pytest.approx(release.released_bytes / GIB, rel=1e-6)
     assert summary.nvml_process_peak is not None
-    assert summary.nvml_process_peak > max(run.values("gpumem/train_reserved_gib"))  # read at the same batch ends
+    assert summary.nvml_process_peak > max(
+        run.values("gpumem/train_reserved_gib")
+    )  # read at the same batch ends
     assert summary.non_torch_peak is not None
     assert 0.1 < summary.non_torch_peak < 2.0  # CUDA context and cuBLAS
     assert summary.logged_batches == 20
     result = subprocess.run(
-        [sys.executable, "-m", "lightning_gpumem", "report", str(tmp_path), "--html", str(tmp_path / "r.html")],
+        [
+            sys.executable,
+            "-m",
+            "lightning_gpumem",
+            "report",
+            str(tmp_path),
+            "--html",
+            str(tmp_path / "r.html"),
+        ],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -133,13 +133,17 @@ class LongestNet(TokenNet):
         self.batch_size = 2
 
     def train_dataloader(self):
-        return DataLoader(range(len(self.lengths)), batch_size=self.batch_size, shuffle=True, collate_fn=self.collate)
+        return DataLoader(
+            range(len(self.lengths)), batch_size=self.batch_size, shuffle=True, collate_fn=self.collate
+        )
 
 
 def longest(out: Path) -> None:
     """`length_fn` under DDP: the training loader's longest-first order is not reshuffled by Lightning's sampler."""
     model = LongestNet()
-    tuner = BatchSizeTuner(max_val=CPU_SEARCH, length_fn=lambda i: model.lengths[i], include_validation=False)
+    tuner = BatchSizeTuner(
+        max_val=CPU_SEARCH, length_fn=lambda i: model.lengths[i], include_validation=False
+    )
     trainer = quiet_trainer(
         out / "longest", devices=2, strategy="ddp", max_epochs=1, limit_val_batches=0, callbacks=[tuner]
     )

@@ -216,7 +216,9 @@ def test_rng_and_callback_state_are_restored():
     after = RngProbe()
     recorder = Recorder()
     model = OOMModel(train_limit=16)
-    trainer = tuner_trainer(None, callbacks=[before, BatchSizeTuner(max_val=CPU_SEARCH), after, recorder], max_steps=3)
+    trainer = tuner_trainer(
+        None, callbacks=[before, BatchSizeTuner(max_val=CPU_SEARCH), after, recorder], max_steps=3
+    )
     trainer.fit(model)
     assert torch.equal(before.rng, after.rng)  # trials drew random numbers; none of it shows
     assert recorder.fit_starts == 1
@@ -278,7 +280,9 @@ def test_mid_training_scale_counts_trial_steps_from_the_current_step():
     model = OOMModel(batch_size=16, train_limit=32, n=640)
     tuner = RetuneAtEpoch1()
     sizes = Sizes()
-    trainer = tuner_trainer(None, callbacks=[tuner, sizes], max_epochs=2, max_steps=42)  # absolute: 40 done, 2 left
+    trainer = tuner_trainer(
+        None, callbacks=[tuner, sizes], max_epochs=2, max_steps=42
+    )  # absolute: 40 done, 2 left
     trainer.fit(model)
     assert tuner.optimal_batch_size == kept(32)
     assert tuner.step_before == tuner.step_after == 40
@@ -330,7 +334,9 @@ def test_snapshot_restores_weights_optimizer_and_scheduler_mid_training(monkeypa
             if trainer.current_epoch != 1:
                 return
             optimizer, scheduler = trainer.optimizers[0], trainer.lr_scheduler_configs[0].scheduler
-            self.expected = deepcopy((pl_module.state_dict(), optimizer.state_dict(), scheduler.state_dict()))
+            self.expected = deepcopy(
+                (pl_module.state_dict(), optimizer.state_dict(), scheduler.state_dict())
+            )
             snapshot = _state.ModelState(trainer)
             self.kept_in_memory = snapshot.in_memory and snapshot.ckpt_path is None
             for p in pl_module.parameters():  # what a trial does: steps that change everything
@@ -338,10 +344,14 @@ def test_snapshot_restores_weights_optimizer_and_scheduler_mid_training(monkeypa
             optimizer.step()
             scheduler.step()
             snapshot.restore()
-            self.restored = deepcopy((pl_module.state_dict(), optimizer.state_dict(), scheduler.state_dict()))
+            self.restored = deepcopy(
+                (pl_module.state_dict(), optimizer.state_dict(), scheduler.state_dict())
+            )
 
     tamper = Tamper()
-    trainer = tuner_trainer(None, callbacks=[tamper], max_epochs=2, limit_train_batches=3, default_root_dir=tmp_path)
+    trainer = tuner_trainer(
+        None, callbacks=[tamper], max_epochs=2, limit_train_batches=3, default_root_dir=tmp_path
+    )
     trainer.fit(AdamModel())
     assert tamper.kept_in_memory is in_memory
     (weights, opt, sched), (weights0, opt0, sched0) = tamper.restored, tamper.expected
@@ -361,7 +371,9 @@ def test_trials_run_under_the_budget_and_the_size_kept_is_run_once_more():
     tuner_trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
     largest = int((24 * GIB - 2 * GIB) // (300 * MIB))  # 75
     assert tuner.optimal_batch_size == kept(largest, 0.1) == 68  # 67.5: at most 10% given up
-    assert probe.fractions == pytest.approx([24 / 80, 1.0])  # the budget during trials, then the device's own
+    assert probe.fractions == pytest.approx(
+        [24 / 80, 1.0]
+    )  # the budget during trials, then the device's own
     assert tuner.trials[-1].batch_size == 68  # the size kept, run from the fit's starting state
     assert tuner.trials[-1].fits
 
@@ -474,22 +486,33 @@ def test_the_walk_keeps_a_size_the_search_ran_without_running_it_again():
     assert tuner.optimal_batch_size == model.batch_size == 63
 
 
-def test_the_report_leaves_the_trials_planned_retries_out_of_its_advice_as_the_fit_end_summary_does(tmp_path):
+def test_the_report_leaves_the_trials_planned_retries_out_of_its_advice_as_the_fit_end_summary_does(
+    tmp_path,
+):
     from lightning.pytorch.loggers import CSVLogger
 
     from lightning_gpumem.report import load_runs, summarize
     from tests.helpers.fakes import FakeMonitor
 
-    probe = FakeProbe(base=2 * GIB, total=80 * GIB, retries=3)  # the fake's counters: 3 retries, all the trials'
+    probe = FakeProbe(
+        base=2 * GIB, total=80 * GIB, retries=3
+    )  # the fake's counters: 3 retries, all the trials'
     model = MemoryModel(probe, per_sample=300 * MIB, n=100_000)
     tuner = FakeTuner(probe, budget="24GiB", headroom=0.1, include_validation=False)
     monitor = FakeMonitor(probe, nvml_host_interval_s=0)
     logger = CSVLogger(tmp_path, name="run")
     tuner_trainer(
-        None, callbacks=[tuner, monitor], logger=logger, max_steps=2, limit_val_batches=0, log_every_n_steps=1
+        None,
+        callbacks=[tuner, monitor],
+        logger=logger,
+        max_steps=2,
+        limit_val_batches=0,
+        log_every_n_steps=1,
     ).fit(model)
     fit_advice = [
-        line.split("advice: ", 1)[1] for line in (monitor.summary_text or "").splitlines() if "advice: " in line
+        line.split("advice: ", 1)[1]
+        for line in (monitor.summary_text or "").splitlines()
+        if "advice: " in line
     ]
     summary = summarize(load_runs(tmp_path).runs[0])
     assert summary.alloc_retries == 3  # the counter as logged: the trials' retries are in it

@@ -34,7 +34,9 @@ class WideMLP(LightningModule):
             nn.Linear(4096, 10),
         )
         generator = torch.Generator().manual_seed(0)
-        self.data = TensorDataset(torch.randn(32768, 1024, generator=generator), torch.randint(0, 10, (32768,)))
+        self.data = TensorDataset(
+            torch.randn(32768, 1024, generator=generator), torch.randint(0, 10, (32768,))
+        )
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -66,7 +68,9 @@ class Capture(Callback):
 
     def on_fit_start(self, trainer, pl_module):
         torch.cuda.synchronize()
-        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # private; absent: counted, test may fail
+        clear = getattr(
+            torch._C, "_cuda_clearCublasWorkspaces", None
+        )  # private; absent: counted, test may fail
         if clear is not None:
             clear()
         torch.cuda.empty_cache()
@@ -80,7 +84,9 @@ class CapDuringFit(Callback):
         self.budget = budget
 
     def on_train_start(self, trainer, pl_module):
-        torch.cuda.set_per_process_memory_fraction(self.budget / torch.cuda.get_device_properties(0).total_memory)
+        torch.cuda.set_per_process_memory_fraction(
+            self.budget / torch.cuda.get_device_properties(0).total_memory
+        )
 
     def on_train_end(self, trainer, pl_module):
         torch.cuda.set_per_process_memory_fraction(1.0)
@@ -89,14 +95,16 @@ class CapDuringFit(Callback):
 def _warm_up() -> None:
     """One real step without the tuner first: what any first step creates for the whole process (cuBLAS workspaces,
     per thread) then exists before `before` is read, so `after - before` counts only what the tuner left."""
-    quiet_trainer(accelerator="gpu", devices=1, max_steps=1, limit_val_batches=1, num_sanity_val_steps=0).fit(
-        WideMLP(batch_size=64)
-    )
+    quiet_trainer(
+        accelerator="gpu", devices=1, max_steps=1, limit_val_batches=1, num_sanity_val_steps=0
+    ).fit(WideMLP(batch_size=64))
     gc.collect()
     torch.cuda.empty_cache()
 
 
-def _fit(tuner: BatchSizeTuner, model: LightningModule, budget: int, **kwargs) -> tuple[Trainer, Capture, Capture]:
+def _fit(
+    tuner: BatchSizeTuner, model: LightningModule, budget: int, **kwargs
+) -> tuple[Trainer, Capture, Capture]:
     _warm_up()
     before, after = Capture(), Capture()
     trainer = quiet_trainer(
@@ -131,9 +139,13 @@ def test_budget_is_met_in_few_trials_and_the_fit_fits(method):
     assert all(t.peak_bytes <= budget for t in ran)
     failed = [t.batch_size for t in tuner.trials if not t.fits and t.batch_size > largest]
     bracketed = tuner.result.reason == "bracketed" and failed
-    held = min(failed) - 1 if bracketed else largest  # one less than the smallest failure (within 1-2% above)
+    held = (
+        min(failed) - 1 if bracketed else largest
+    )  # one less than the smallest failure (within 1-2% above)
     first_choice = min(largest, math.ceil(19 * held / 20))  # at most 5% of it given up
-    kept = next(t for t in reversed(tuner.trials) if t.batch_size == size)  # the size kept, run from the fit's state
+    kept = next(
+        t for t in reversed(tuner.trials) if t.batch_size == size
+    )  # the size kept, run from the fit's state
     assert kept.fits
     if size != first_choice:  # it did not run (large blocks near a tight cap): the search went on below it
         assert size < first_choice
@@ -145,8 +157,12 @@ def test_budget_is_met_in_few_trials_and_the_fit_fits(method):
         assert min(t.batch_size for t in larger) - largest - 1 <= tolerance * largest
     else:  # one more sample was predicted to cross the budget
         assert tuner.result.reason == "predicted", tuner.result
-    assert len(tuner.trials) <= (16 if method == "search" else 20)  # predict: up to 12 cheap probes of small sizes
-    assert after.allocated - before.allocated < 2**20  # nothing left behind (the logged val_loss is a few bytes)
+    assert len(tuner.trials) <= (
+        16 if method == "search" else 20
+    )  # predict: up to 12 cheap probes of small sizes
+    assert (
+        after.allocated - before.allocated < 2**20
+    )  # nothing left behind (the logged val_loss is a few bytes)
     assert trainer.global_step == 5  # the real fit ran under the same 2 GiB cap without OOM
     big = torch.empty(3 * GIB, dtype=torch.uint8, device="cuda")  # the cap was lifted afterwards
     del big
@@ -209,7 +225,9 @@ def test_a_tuned_fit_equals_the_fit_with_that_size_set_by_hand_after_real_ooms()
     sched_b = hand_trainer.lr_scheduler_configs[0].scheduler.state_dict()
     assert sched_a["total_steps"] == sched_b["total_steps"] == hand_trainer.estimated_stepping_batches
     assert sched_a == sched_b
-    print(f"\nconformance on the GPU: batch_size={size}, {len(tuner.trials)} trials, {tuner.result.num_ooms} OOM")
+    print(
+        f"\nconformance on the GPU: batch_size={size}, {len(tuner.trials)} trials, {tuner.result.num_ooms} OOM"
+    )
 
 
 class Layout(Callback):
@@ -251,7 +269,9 @@ def test_the_fit_starts_from_a_fresh_layout_and_a_trial_predicts_it_block_for_bl
     )
     trainer.fit(model)
     (allocated, reserved), (allocated_before, reserved_before) = layout.train_start, layout.fit_start
-    assert 0 <= allocated - allocated_before < 2**20  # only the weights, as before the trials (and a few scalars)
+    assert (
+        0 <= allocated - allocated_before < 2**20
+    )  # only the weights, as before the trials (and a few scalars)
     assert 0 <= reserved - reserved_before <= 2 * 2**20  # at most one small-pool segment for those scalars
     trial = next(t for t in tuner.trials if t.batch_size == tuner.optimal_batch_size and t.fits)
     assert layout.peak == trial.peak_bytes  # the same allocations in the same order: the same blocks

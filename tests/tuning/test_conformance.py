@@ -79,7 +79,10 @@ class Net(LightningModule):
         self.optimizer, self.scheduler = optimizer, scheduler
         self.a = torch.nn.Linear(32, 8)
         self.b = torch.nn.Linear(8, 2)
-        self.train_data, self.val_data = RandomDataset(32, n), RandomDataset(32, VAL_N)  # drawn once, not per reload
+        self.train_data, self.val_data = (
+            RandomDataset(32, n),
+            RandomDataset(32, VAL_N),
+        )  # drawn once, not per reload
         self.last_size = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -230,8 +233,12 @@ def _csv_metrics(log_root: Path) -> dict[str, list[dict[str, str]]]:
     out = {}
     for path in sorted(log_root.rglob("metrics.csv")):
         with path.open(newline="") as f:
-            rows = [{k: v for k, v in row.items() if not k.startswith("gpumem/")} for row in csv.DictReader(f)]
-        out[str(path.relative_to(log_root))] = [r for r in rows if any(v for k, v in r.items() if k != "step")]
+            rows = [
+                {k: v for k, v in row.items() if not k.startswith("gpumem/")} for row in csv.DictReader(f)
+            ]
+        out[str(path.relative_to(log_root))] = [
+            r for r in rows if any(v for k, v in r.items() if k != "step")
+        ]
     return out
 
 
@@ -245,7 +252,9 @@ def capture(trainer: Trainer, root: Path) -> dict[str, Any]:
         "requires_grad": {name: p.requires_grad for name, p in module.named_parameters()},
         "optimizers": [_clone(o.state_dict()) for o in trainer.optimizers],
         "lr_schedulers": [_clone(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs],
-        "callback_metrics": {k: _clone(v) for k, v in trainer.callback_metrics.items() if not k.startswith("gpumem/")},
+        "callback_metrics": {
+            k: _clone(v) for k, v in trainer.callback_metrics.items() if not k.startswith("gpumem/")
+        },
     }
     if trainer.is_global_zero:
         result["metrics.csv"] = _csv_metrics(root / "logs")
@@ -279,7 +288,11 @@ def differences(tuned: Any, by_hand: Any, path: str = "") -> list[str]:
         )
         if same:
             return []
-        if isinstance(tuned, torch.Tensor) and isinstance(by_hand, torch.Tensor) and tuned.shape == by_hand.shape:
+        if (
+            isinstance(tuned, torch.Tensor)
+            and isinstance(by_hand, torch.Tensor)
+            and tuned.shape == by_hand.shape
+        ):
             diff = (tuned.double() - by_hand.double()).abs().max().item() if tuned.numel() else 0.0
             return [f"{path}: {_short(tuned)} != {_short(by_hand)} (max |difference| {diff:.3g})"]
         return [f"{path}: {_short(tuned)} != {_short(by_hand)}"]
@@ -305,7 +318,9 @@ def differences(tuned: Any, by_hand: Any, path: str = "") -> list[str]:
 def assert_indistinguishable(tuned: dict[str, Any], by_hand: dict[str, Any], label: str = "") -> None:
     problems = differences(tuned, by_hand)
     shown = "\n  ".join(problems[:15] + ([f"... {len(problems) - 15} more"] if len(problems) > 15 else []))
-    assert not problems, f"{label}tuned fit != fit with the size set by hand ({len(problems)} differences):\n  {shown}"
+    assert not problems, (
+        f"{label}tuned fit != fit with the size set by hand ({len(problems)} differences):\n  {shown}"
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------ rows
@@ -324,13 +339,19 @@ class Row:
     callbacks: Callable[[Path], list[Callback]] = _no_callbacks
     tuner: Mapping[str, Any] = field(default_factory=dict)
     init: int = 2  # the batch size the tuned run starts from
-    resume: Mapping[str, Any] | None = None  # Trainer overrides of a second fit resumed from the first's checkpoint
-    premise: Callable[[dict[str, Any]], bool] = lambda out: True  # the fit by hand does what the row is named for
+    resume: Mapping[str, Any] | None = (
+        None  # Trainer overrides of a second fit resumed from the first's checkpoint
+    )
+    premise: Callable[[dict[str, Any]], bool] = lambda out: (
+        True
+    )  # the fit by hand does what the row is named for
 
     def build(self, batch_size: int) -> tuple[Net, LightningDataModule | None]:
         if self.datamodule is None:
             return self.model(batch_size=batch_size, **self.model_kwargs), None
-        return self.model(batch_size=None, **self.model_kwargs), Data(batch_size=batch_size, **self.datamodule)
+        return self.model(batch_size=None, **self.model_kwargs), Data(
+            batch_size=batch_size, **self.datamodule
+        )
 
     def make(
         self, root: Path, phase: int, batch_size: int, tune: bool, overrides: Mapping[str, Any]
@@ -382,11 +403,15 @@ class Row:
             assert later.optimal_batch_size == chosen
             retunes = self.tuner.get("retune_on_resume", False)
             ran = [(t.batch_size, t.fits) for t in later.trials]
-            assert bool(ran) == retunes, f"resumed with retune_on_resume={retunes}, trials (size, fits): {ran}"
+            assert bool(ran) == retunes, (
+                f"resumed with retune_on_resume={retunes}, trials (size, fits): {ran}"
+            )
         tuned = capture(trainer, root / "tuned")
 
         seed_everything(SEED)
-        trainer, _ = self.fit(root / "by_hand", chosen, tune=False, accumulate=trainer.accumulate_grad_batches)
+        trainer, _ = self.fit(
+            root / "by_hand", chosen, tune=False, accumulate=trainer.accumulate_grad_batches
+        )
         by_hand = capture(trainer, root / "by_hand")
         assert self.premise(by_hand), "the fit by hand does not exercise what the row is named for"
         return [tuned], [by_hand]
@@ -433,7 +458,9 @@ class DdpRow(Row):
         root, _ = run_script(DDP_SCRIPT)  # the rank pair test_ddp_cpu.py's agreement test reads too
         ranks = [torch.load(root / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
         for rank in ranks:
-            assert rank["chosen"] == kept(24) != rank["init"], rank["chosen"]  # the smaller rank's limit, on both ranks
+            assert rank["chosen"] == kept(24) != rank["init"], rank[
+                "chosen"
+            ]  # the smaller rank's limit, on both ranks
             assert rank["ooms"] > 0
         return [r["tuned"] for r in ranks], [r["by_hand"] for r in ranks]
 
@@ -512,21 +539,29 @@ ROWS = [
         id="08-modelcheckpoint-val-loss-top2",
     ),
     pytest.param(
-        Row(callbacks=_early_stopping, trainer={"max_epochs": 8}, premise=lambda out: out["current_epoch"] < 8),
+        Row(
+            callbacks=_early_stopping,
+            trainer={"max_epochs": 8},
+            premise=lambda out: out["current_epoch"] < 8,
+        ),
         id="09-early-stopping",
     ),
     pytest.param(Row(trainer={"num_sanity_val_steps": 0}), id="10-no-sanity-check"),
     pytest.param(Row(trainer={"limit_val_batches": 0}, **NO_VALIDATION), id="11-limit-val-batches-0"),
     pytest.param(Row(model=NoValLoaderNet, **NO_VALIDATION), id="12-validation-step-without-val-dataloader"),
     pytest.param(Row(trainer={"val_check_interval": 3}, **TWO_VALIDATIONS), id="13-val-check-interval-int"),
-    pytest.param(Row(trainer={"val_check_interval": 0.5}, **TWO_VALIDATIONS), id="14-val-check-interval-float"),
+    pytest.param(
+        Row(trainer={"val_check_interval": 0.5}, **TWO_VALIDATIONS), id="14-val-check-interval-float"
+    ),
     pytest.param(Row(datamodule={}), id="15-datamodule-attribute"),
     pytest.param(Row(model=HParamsNet), id="16-model-hparams"),
     pytest.param(Row(datamodule={"in_hparams": True}), id="17-datamodule-hparams"),
     pytest.param(CliRow(), id="18-lightning-cli"),
     pytest.param(Row(model_kwargs={"train_limit": 20, "val_limit": 12}), id="19-validation-oom"),
     pytest.param(Row(**_resume(6, 10)), id="20a-resume-end-of-epoch-size-from-tuner-state"),
-    pytest.param(Row(**_resume(6, 10), tuner={"retune_on_resume": True}), id="20b-resume-end-of-epoch-retune"),
+    pytest.param(
+        Row(**_resume(6, 10), tuner={"retune_on_resume": True}), id="20b-resume-end-of-epoch-retune"
+    ),
     pytest.param(Row(**_resume(3, 8)), id="20c-resume-mid-epoch-size-from-tuner-state"),
     pytest.param(Row(**_resume(3, 8), tuner={"retune_on_resume": True}), id="20d-resume-mid-epoch-retune"),
     pytest.param(DdpRow(), id="21-ddp-2-cpu-ranks-oom-on-rank1-only", marks=pytest.mark.ddp),

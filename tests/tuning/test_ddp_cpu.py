@@ -10,7 +10,9 @@ import pytest
 from tests.helpers.ddp import run_script
 from tests.helpers.fakes import kept
 
-pytestmark = pytest.mark.ddp  # reads the `ddp_conformance_script.py` run the conformance matrix's DDP row reads
+pytestmark = (
+    pytest.mark.ddp
+)  # reads the `ddp_conformance_script.py` run the conformance matrix's DDP row reads
 
 
 def test_tuner_agrees_across_ranks_when_only_one_rank_runs_out_of_memory():
@@ -19,10 +21,14 @@ def test_tuner_agrees_across_ranks_when_only_one_rank_runs_out_of_memory():
     tmp_path, _ = run_script(Path(__file__).with_name("ddp_conformance_script.py"))
     rank0 = json.loads((tmp_path / "tuner_rank0.json").read_text())
     rank1 = json.loads((tmp_path / "tuner_rank1.json").read_text())
-    assert rank0["batch_size"] == rank1["batch_size"] == kept(24)  # the smaller rank's limit, less the headroom
+    assert (
+        rank0["batch_size"] == rank1["batch_size"] == kept(24)
+    )  # the smaller rank's limit, less the headroom
     assert rank0["trials"] == rank1["trials"]  # every rank ran the same trials with the same verdicts
     assert [24, True] in rank0["trials"]
-    assert any(size > 24 and not fits for size, fits in rank0["trials"])  # failed on rank 1 only, agreed on both
+    assert any(
+        size > 24 and not fits for size, fits in rank0["trials"]
+    )  # failed on rank 1 only, agreed on both
     assert rank0["global_step"] == rank1["global_step"] == 3
     assert not list(tmp_path.glob(".gpumem_tuner_*.ckpt"))  # the snapshot checkpoint is removed
 
@@ -34,7 +40,9 @@ def test_a_token_budget_is_agreed_and_the_ranks_share_one_plan():
     assert rank0["max_tokens"] == rank1["max_tokens"] <= 600  # rank 1's limit, agreed on both
     assert rank0["trials"] == rank1["trials"]
     assert rank0["trials"][0] == [100, True]  # the first budget tried holds the longest sample alone
-    assert len(rank0["indices"]) == len(rank1["indices"]) > 1  # the same number of batches, with no collective
+    assert (
+        len(rank0["indices"]) == len(rank1["indices"]) > 1
+    )  # the same number of batches, with no collective
     assert max(rank0["padded"] + rank1["padded"]) <= rank0["max_tokens"]
     batches0 = {tuple(b) for b in rank0["indices"]}
     batches1 = {tuple(b) for b in rank1["indices"]}

@@ -137,7 +137,9 @@ def test_an_attribute_a_sample_lacks_is_named_with_the_sample():
             self.n = n
 
     dataset = [Sample(1), Sample(2), object()]
-    with pytest.raises(ValueError, match=r"^`length_fn='n'` found no attribute 'n' on sample 2 \(type object") as info:
+    with pytest.raises(
+        ValueError, match=r"^`length_fn='n'` found no attribute 'n' on sample 2 \(type object"
+    ) as info:
         scan_lengths(dataset, "n")
     assert isinstance(info.value.__cause__, AttributeError)
 
@@ -164,7 +166,9 @@ def test_a_function_that_raises_gives_the_users_own_error_with_a_note_naming_the
 
 
 def test_a_sample_of_unknown_index_is_called_a_sample():
-    with pytest.raises(TypeError, match=r"^`length_fn=<lambda>` gave nan \(type float\) for a sample: not a whole"):
+    with pytest.raises(
+        TypeError, match=r"^`length_fn=<lambda>` gave nan \(type float\) for a sample: not a whole"
+    ):
         sample_length({}, lambda s: float("nan"))
 
 

@@ -60,7 +60,11 @@ def test_a_sigterm_during_the_trials_removes_the_checkpoint_file(tmp_path):
     # was: `.gpumem_tuner_<uuid>.ckpt` left in the working directory when a scheduler's time limit sent SIGTERM
     process, root, cwd = _start(tmp_path, step_s=5)
     deadline = time.monotonic() + 120
-    while not list(root.glob(".gpumem_tuner_*.ckpt")) and time.monotonic() < deadline and process.poll() is None:
+    while (
+        not list(root.glob(".gpumem_tuner_*.ckpt"))
+        and time.monotonic() < deadline
+        and process.poll() is None
+    ):
         time.sleep(0.1)
     assert list(root.glob(".gpumem_tuner_*.ckpt")), "the trials never wrote their checkpoint file"
     process.send_signal(signal.SIGTERM)

@@ -13,7 +13,10 @@ GIB, MIB = 2**30, 2**20
 def _probes(curve, sizes, val=None, reserved=None):
     return [
         Point(
-            b, int(curve(b)), None if val is None else int(val(b)), None if reserved is None else int(reserved(b))
+            b,
+            int(curve(b)),
+            None if val is None else int(val(b)),
+            None if reserved is None else int(reserved(b)),
         )
         for b in sizes
     ]
@@ -168,9 +171,7 @@ def test_two_budgets_that_validate_one_size_give_one_point_of_that_size():
     assert plan.largest_under(80 * GIB) >= 100
 
 
-@pytest.mark.parametrize(
-    "point", [Point(0, GIB), Point(-2, GIB), Point(2, -1), Point(2, GIB, None, -5)]
-)
+@pytest.mark.parametrize("point", [Point(0, GIB), Point(-2, GIB), Point(2, -1), Point(2, GIB, None, -5)])
 def test_a_nonsense_point_is_refused_naming_probes(point):
     with pytest.raises(ValueError, match="`probes` holds Point"):
         Plan([Point(1, GIB), Point(4, 2 * GIB), point], "settled")

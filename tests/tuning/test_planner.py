@@ -61,7 +61,10 @@ def test_the_plan_predicts_the_peak_and_the_largest_size_before_step_one_and_val
     assert device.validated  # a trial ran it under the device's cap
     assert device.fits
     assert device.peak == pytest.approx(GIB + 2 * GIB)
-    assert [p.budget for p in planner.predictions] == [24 * GIB, 16 * GIB]  # the device and the cards below it
+    assert [p.budget for p in planner.predictions] == [
+        24 * GIB,
+        16 * GIB,
+    ]  # the device and the cards below it
     assert planner.predictions[1].largest == _largest(probe, 16 * GIB, 100 * MIB)
     assert min(probe.fractions) < 1.0  # validation trials ran under the budgets' caps...
     assert probe.cap == probe.total  # ...and the cap is put back
@@ -105,7 +108,9 @@ def test_a_size_that_does_not_fit_says_by_how_much_and_what_would_make_it_fit(ca
 def test_probes_off_a_line_say_so_and_predict_no_size(recwarn):
     probe = CappedFakeProbe(base=GIB, total=24 * GIB)
 
-    class Padded(PlateauModel):  # memory per sample that changes with the size: padding that depends on the data
+    class Padded(
+        PlateauModel
+    ):  # memory per sample that changes with the size: padding that depends on the data
         def training_step(self, batch, batch_idx):
             self.per_sample = 100 * MIB * (1 + 0.5 * (batch.shape[0].bit_length() % 2))
             return super().training_step(batch, batch_idx)
@@ -190,13 +195,17 @@ def _text_lengths() -> list[int]:
 
 
 @pytest.mark.parametrize("margin", [None, 0.0])
-def test_with_length_fn_the_plan_is_the_plan_of_the_longest_batch_and_leaves_the_shape_margin(margin, caplog):
+def test_with_length_fn_the_plan_is_the_plan_of_the_longest_batch_and_leaves_the_shape_margin(
+    margin, caplog
+):
     # Every probe draws the 256-token samples first, so the line's slope is 256 tokens a sample; the allocator
     # limit of each budget leaves `shape_margin` (default 0.2 with the default allocator) of it free.
     seed_everything(0)
     probe = CappedFakeProbe(base=GIB, total=24 * GIB)
     model = TextPlanModel(probe, _text_lengths(), per_token=MIB // 4)
-    planner = FakePlanner(probe, length_fn=len, shape_margin=margin, budgets=["16GiB"], include_validation=False)
+    planner = FakePlanner(
+        probe, length_fn=len, shape_margin=margin, budgets=["16GiB"], include_validation=False
+    )
     with caplog.at_level("INFO"):
         tuner_trainer(planner, max_steps=1, limit_val_batches=0).fit(model)
     plan = planner.plan
@@ -279,7 +288,9 @@ def test_a_token_budget_is_refused_at_fit_start_naming_what_to_use():
     probe = CappedFakeProbe(base=GIB, total=24 * GIB)
     for name in ("max_tokens", "batch_size"):
         model = Tokens()
-        with pytest.raises(ValueError, match=rf"MemoryPlanner\(batch_arg_name='{name}'\).*BatchSizeTuner") as info:
+        with pytest.raises(
+            ValueError, match=rf"MemoryPlanner\(batch_arg_name='{name}'\).*BatchSizeTuner"
+        ) as info:
             tuner_trainer(FakePlanner(probe, batch_arg_name=name), max_steps=1).fit(model)
         assert model.max_tokens == 512  # was: a probe's size written into the user's budget
         assert "max_tokens=2" not in str(info.value)

@@ -26,7 +26,9 @@ class MLP(LightningModule):
             nn.Linear(4096, 10),
         )  # fmt: skip
         generator = torch.Generator().manual_seed(0)
-        self.data = TensorDataset(torch.randn(2048, 64, 1024, generator=generator), torch.randint(0, 10, (2048,)))
+        self.data = TensorDataset(
+            torch.randn(2048, 64, 1024, generator=generator), torch.randint(0, 10, (2048,))
+        )
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -54,7 +56,9 @@ class Peaks(Callback):
 
     def on_train_start(self, trainer, pl_module):
         if self.cap is not None:
-            torch.cuda.set_per_process_memory_fraction(self.cap / torch.cuda.get_device_properties(0).total_memory)
+            torch.cuda.set_per_process_memory_fraction(
+                self.cap / torch.cuda.get_device_properties(0).total_memory
+            )
         torch.cuda.reset_peak_memory_stats()
 
     def on_train_end(self, trainer, pl_module):
@@ -86,7 +90,10 @@ def test_the_plan_predicts_the_real_fits_peak_and_each_budgets_largest_size_runs
     assert eight.validated  # each ran in a trial under its budget's cap
     assert four.validated
     assert eight.largest > four.largest > 96
-    for prediction in (eight, four):  # and runs again in a fit capped at the budget less the memory outside PyTorch
+    for prediction in (
+        eight,
+        four,
+    ):  # and runs again in a fit capped at the budget less the memory outside PyTorch
         fitted = Peaks(cap=prediction.limit)
         trainer = _fit(MLP(batch_size=prediction.largest), fitted)
         assert trainer.global_step == 3
@@ -107,8 +114,12 @@ def test_the_tuner_predicts_validates_and_closes_in_with_real_out_of_memory_erro
     model = MLP()
     trainer = _fit(model, tuner, Peaks(cap=4 * GIB))
     result = tuner.result
-    print(f"\n4 GiB: {result.batch_size}, {result.reason}, {[(t.batch_size, t.fits) for t in result.trials]}")
-    assert result.plan is not None  # probed; where the probes are not on a line the search closes in from them
+    print(
+        f"\n4 GiB: {result.batch_size}, {result.reason}, {[(t.batch_size, t.fits) for t in result.trials]}"
+    )
+    assert (
+        result.plan is not None
+    )  # probed; where the probes are not on a line the search closes in from them
     assert result.note in ("", "the probes are not on a line (sizes of batches vary?): searched")
     kept = next(t for t in reversed(result.trials) if t.batch_size == result.batch_size)
     assert kept.fits
@@ -128,7 +139,9 @@ class FewDraws(MLP):
     def __init__(self, batch_size: int) -> None:
         super().__init__(batch_size)
         generator = torch.Generator().manual_seed(0)
-        self.data = TensorDataset(torch.randn(400, 256, 1024, generator=generator), torch.randint(0, 10, (400,)))
+        self.data = TensorDataset(
+            torch.randn(400, 256, 1024, generator=generator), torch.randint(0, 10, (400,))
+        )
 
     def train_dataloader(self):
         from torch.utils.data import WeightedRandomSampler

@@ -247,7 +247,9 @@ def test_the_users_own_distributed_sampler_draws_one_ranks_share_already():
     data = torch.ones(100, 2)
     own = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, num_replicas=2, rank=0))
     assert samples_per_rank(own, world_size=2) == 50
-    assert samples_per_rank(DataLoader(data, batch_size=2), world_size=2) == 50  # Lightning's sampler splits it
+    assert (
+        samples_per_rank(DataLoader(data, batch_size=2), world_size=2) == 50
+    )  # Lightning's sampler splits it
     assert samples_per_rank(DataLoader(data, batch_size=2), world_size=1) == 100
 
 
@@ -270,4 +272,7 @@ def test_length_fn_with_a_sampler_that_never_ends_leaves_it_and_says_so(recwarn)
     tuner = BatchSizeTuner(length_fn="input_ids", max_val=64, include_validation=False)
     tuner_trainer(tuner, max_steps=3, limit_val_batches=0, limit_train_batches=5).fit(EndlessTexts(None))
     assert tuner.optimal_batch_size == 64
-    assert any("`length_fn` was not applied" in str(w.message) and "draws more than" in str(w.message) for w in recwarn)
+    assert any(
+        "`length_fn` was not applied" in str(w.message) and "draws more than" in str(w.message)
+        for w in recwarn
+    )

@@ -24,7 +24,9 @@ GIB = 2**30
 CARD = 24 * GIB
 
 
-def curve(fixed: float, per_sample: float, card: int = CARD, noise: float = 0.0, step: int = 0, seed: int = 0):
+def curve(
+    fixed: float, per_sample: float, card: int = CARD, noise: float = 0.0, step: int = 0, seed: int = 0
+):
     """A run_trial whose peak is `fixed + per_sample * bs` (+ noise, rounded up to `step`); OOM above `card`."""
     rng = random.Random(seed)
     calls = []
@@ -301,16 +303,22 @@ def test_slope_from_neighbouring_sizes_is_not_used_when_a_farther_point_exists()
 
     def run(bs):
         calls.append(bs)
-        allocated = 1 * GIB + bs * 0.04 * GIB + (0.05 * GIB if bs % 2 else 0)  # odd sizes measure 50 MiB more
+        allocated = (
+            1 * GIB + bs * 0.04 * GIB + (0.05 * GIB if bs % 2 else 0)
+        )  # odd sizes measure 50 MiB more
         if allocated + 0.3 * GIB > 22 * GIB:
             return Trial(bs, fits=False)
-        return Trial(bs, fits=True, peak_bytes=int(min(22 * GIB, allocated + 3 * GIB)), allocated_bytes=int(allocated))
+        return Trial(
+            bs, fits=True, peak_bytes=int(min(22 * GIB, allocated + 3 * GIB)), allocated_bytes=int(allocated)
+        )
 
     result = search_batch_size(run, init_val=2, upper=65536, limit_bytes=22 * GIB)
     best = max(bs for bs in range(1, 1000) if run(bs).fits)
     assert 0.99 * best <= result.batch_size <= best
     sizes = [t.batch_size for t in result.trials]
-    assert sizes[2] < sizes[3] <= 1.01 * sizes[2] + 1  # the edge ran (within 1% above lo): the allocated line next
+    assert (
+        sizes[2] < sizes[3] <= 1.01 * sizes[2] + 1
+    )  # the edge ran (within 1% above lo): the allocated line next
     assert best < sizes[4] <= 1.03 * best  # from the neighbours' slope (negative) it would have doubled
     assert len(result.trials) <= 10
 
@@ -361,7 +369,9 @@ def staged(
             reserved = math.ceil(reserved / block) * block
         if reserved > cap:
             return Trial(bs, fits=False)
-        return Trial(bs, True, peak_bytes=reserved, allocated_bytes=live, train_peak_bytes=t, val_peak_bytes=v)
+        return Trial(
+            bs, True, peak_bytes=reserved, allocated_bytes=live, train_peak_bytes=t, val_peak_bytes=v
+        )
 
     run.calls = calls  # type: ignore[attr-defined]
     return run
@@ -421,7 +431,9 @@ def test_one_percent_noise_stays_within_one_percent_and_never_above(seed):
     sizes = [(t.batch_size, t.fits) for t in result.trials]
     assert result.batch_size in accepted
     assert 0.99 * prefix_end <= result.batch_size <= max(accepted), sizes
-    assert len(result.trials) <= 12, sizes  # noise on live tensors (real ones are exact) costs trials, not sizes
+    assert len(result.trials) <= 12, (
+        sizes
+    )  # noise on live tensors (real ones are exact) costs trials, not sizes
     assert result.num_ooms <= 3, sizes
 
 
@@ -430,7 +442,11 @@ def test_one_percent_noise_stays_within_one_percent_and_never_above(seed):
     [
         # examples/memory_report.py on the H200: 1 GiB validation buffer, 2.5 GiB budget (the old search: 18 trials)
         ((0.6 * GIB, 80 * 2**10), (1.68 * GIB, 4 * 2**10), int(0.95 * 2.5 * GIB)),
-        ((4 * GIB, 0.5 * GIB), (12 * GIB, 0.1 * GIB), LIMIT),  # validation dominates up to 20, training after
+        (
+            (4 * GIB, 0.5 * GIB),
+            (12 * GIB, 0.1 * GIB),
+            LIMIT,
+        ),  # validation dominates up to 20, training after
         ((2 * GIB, 0.2 * GIB), (2.5 * GIB, 0.3 * GIB), LIMIT),  # validation dominates everywhere
     ],
 )
@@ -501,7 +517,9 @@ def test_one_retry_at_the_cap_is_not_a_squeeze_the_gpt_lives_with_its_waste():
         **dict.fromkeys(range(41, 48)),
     }
     moves: list[Proposal] = []
-    result = search_batch_size(_replay(measured), init_val=2, upper=16384, limit_bytes=24 * GIB, on_move=moves.append)
+    result = search_batch_size(
+        _replay(measured), init_val=2, upper=16384, limit_bytes=24 * GIB, on_move=moves.append
+    )
     assert Move.SQUEEZED not in [m.move for m in moves]
     assert [t.batch_size for t in result.trials] == [2, 9, 33, 38, 40, 41]
     assert result.batch_size == 40
@@ -531,12 +549,19 @@ def test_measured_longval_trials_find_the_true_maximum_with_one_oom():
 @pytest.mark.parametrize(
     ("fixed", "per_sample", "waste", "cache"),
     [
-        (3.5 * GIB, 0.42 * GIB, 3.0 * GIB, 0.0),  # GPT-like: 3 GiB of split blocks that no pressure gives back
+        (
+            3.5 * GIB,
+            0.42 * GIB,
+            3.0 * GIB,
+            0.0,
+        ),  # GPT-like: 3 GiB of split blocks that no pressure gives back
         (3.5 * GIB, 0.42 * GIB, 3.0 * GIB, 0.3 * GIB),  # the same with a little cache on top
         (0.5 * GIB, 0.042 * GIB, 1.0 * GIB, 0.0),  # ResNet-like sizes
     ],
 )
-def test_fragmentation_that_pressure_does_not_undo_is_hit_exactly_with_one_oom(fixed, per_sample, waste, cache):
+def test_fragmentation_that_pressure_does_not_undo_is_hit_exactly_with_one_oom(
+    fixed, per_sample, waste, cache
+):
     cap = int(0.95 * CARD)
     run = capped_allocator(fixed, per_sample, waste, cache, cap)
     best = max(bs for bs in range(1, 2000) if run(bs).fits)
@@ -558,7 +583,9 @@ def squeezing_allocator(per_sample: int, cache: int, floor: int, cap: int, retri
         if live + floor > cap:
             return Trial(bs, fits=False)
         squeezed = 3 * int(live + cache > cap) if retries else None
-        return Trial(bs, True, min(live + cache, cap), allocated_bytes=live, train_peak_bytes=live, retries=squeezed)
+        return Trial(
+            bs, True, min(live + cache, cap), allocated_bytes=live, train_peak_bytes=live, retries=squeezed
+        )
 
     return run
 
@@ -600,7 +627,9 @@ def test_a_near_cap_jump_is_not_repeated_from_its_own_result():
     trial (the review's reproduction: 25 trials stepping by 10, stopping at 86% of the maximum)."""
     limit = 22 * GIB
 
-    def run(bs):  # live 1 GiB + 1 MiB per sample; runs with 1 GiB more; reserved squeezed to 10 MiB under the cap
+    def run(
+        bs,
+    ):  # live 1 GiB + 1 MiB per sample; runs with 1 GiB more; reserved squeezed to 10 MiB under the cap
         live = GIB + bs * MIB
         if live + GIB > limit:
             return Trial(bs, fits=False)
@@ -632,7 +661,9 @@ def test_the_benchmark_trials_replay_exactly():
                 }
                 if not measured or name.startswith(("predict", "previous")):
                     continue
-                search = list(measured)  # the sizes in the order tried; the headroom's own trial, if any, is last
+                search = list(
+                    measured
+                )  # the sizes in the order tried; the headroom's own trial, if any, is last
                 budget = data["settings"]["budget_bytes"]
                 result = search_batch_size(_replay(measured), init_val=2, upper=16384, limit_bytes=budget)
                 assert [t.batch_size for t in result.trials] == search[: len(result.trials)], path.name
@@ -664,7 +695,9 @@ def _searched(measured: dict[int, tuple[int | None, ...] | None], sizes: list[in
 
 
 def _walked(result: SearchResult, searched: SearchResult) -> list[tuple[int, bool]]:
-    assert result.trials[: len(searched.trials)] == searched.trials  # the search's trials come first, unchanged
+    assert (
+        result.trials[: len(searched.trials)] == searched.trials
+    )  # the search's trials come first, unchanged
     assert result.reason == searched.reason
     return [(t.batch_size, t.fits) for t in result.trials[len(searched.trials) :]]
 
@@ -707,7 +740,9 @@ def test_a_start_that_is_the_result_is_the_result():
 def test_the_trial_budget_ends_the_walk_at_the_largest_size_below_that_ran():
     sizes = [2, *range(90, 110), 600, 601]  # 23 trials: two are left to the walk
     searched = _searched({**dict.fromkeys(sizes, OK), 601: None}, sizes)
-    result = walk_down(_replay({570: None, 564: None}), searched, start=570, limit_bytes=24 * GIB, max_trials=25)
+    result = walk_down(
+        _replay({570: None, 564: None}), searched, start=570, limit_bytes=24 * GIB, max_trials=25
+    )
     assert _walked(result, searched) == [(570, False), (564, False)]  # 552 would be next
     assert result.batch_size == 109  # no trial left: the largest size below that a trial accepted
     assert len(result.trials) == 25
@@ -822,7 +857,9 @@ def test_a_budget_below_the_plateau_searches_below_the_first_probe():
     assert truth is None
     assert result.batch_size is None
     assert result.reason == "nothing_fits"
-    run, truth = _machine(lambda b: 2 * GIB + b * GIB, 5 * GIB)  # 2 runs, 4 does not: no room for a second probe
+    run, truth = _machine(
+        lambda b: 2 * GIB + b * GIB, 5 * GIB
+    )  # 2 runs, 4 does not: no room for a second probe
     result = search_by_plan(run, upper=100, limit_bytes=5 * GIB)
     assert result.batch_size == truth == 3
 
@@ -831,7 +868,10 @@ def test_without_a_limit_or_peaks_the_planned_search_is_the_search():
     run = lambda bs: Trial(bs, fits=bs <= 53)  # noqa: E731  # a CPU: nothing measured
     assert search_batch_size(run, upper=100).batch_size == 53  # within 1%: exact below 100
     assert search_by_plan(run, upper=100).batch_size in (52, 53)  # within 2%
-    assert search_by_plan(run, upper=100, limit_bytes=GIB).batch_size in (52, 53)  # no peaks: double, then bisect
+    assert search_by_plan(run, upper=100, limit_bytes=GIB).batch_size in (
+        52,
+        53,
+    )  # no peaks: double, then bisect
     assert search_by_plan(run, upper=4, limit_bytes=GIB).batch_size == 4
 
 

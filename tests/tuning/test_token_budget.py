@@ -74,7 +74,9 @@ def test_len_matches_the_batches_iterated_and_each_batch_is_within_the_budget(kw
         batches = list(sampler)
         assert len(sampler) == len(batches) > 0
         cost, quadratic = sampler.cost, sampler.quadratic
-        assert all(batch_cost([lengths[i] for i in b], cost=cost, quadratic=quadratic) <= 400 for b in batches)
+        assert all(
+            batch_cost([lengths[i] for i in b], cost=cost, quadratic=quadratic) <= 400 for b in batches
+        )
         assert max(len(b) for b in batches) <= kwargs.get("max_samples", len(lengths))
     if "num_replicas" not in kwargs:
         assert sorted(_flat(batches)) == list(range(len(lengths)))  # every sample once
@@ -115,7 +117,9 @@ def test_heaviest_first_yields_this_ranks_batches_heaviest_first_until_reset():
     assert len(heavy) == len(sampler)
     assert sorted(heavy) == sorted(usual)
     cost = lambda b: batch_cost([lengths[i] for i in b], quadratic=0.001)  # noqa: E731
-    assert cost(heavy[0]) == max(cost(b) for b in usual) <= sampler.worst_cost()  # the worst may be the other rank's
+    assert (
+        cost(heavy[0]) == max(cost(b) for b in usual) <= sampler.worst_cost()
+    )  # the worst may be the other rank's
     sampler.heaviest_first = False
     assert list(sampler) == usual
 
@@ -161,14 +165,19 @@ def test_two_ranks_share_one_global_plan_with_as_many_batches_each():
         seen = Counter(_flat(shares[0] + shares[1]))
         assert set(seen) == set(range(len(lengths)))
         alone = plan_batches(lengths, 300, seed=4, epoch=epoch)
-        assert sum(seen.values()) == len(lengths) + (len(alone) % 2) * len(alone[0])  # the first batch, repeated
+        assert sum(seen.values()) == len(lengths) + (len(alone) % 2) * len(
+            alone[0]
+        )  # the first batch, repeated
 
 
 def test_the_ranks_come_from_torch_distributed_when_not_given():
     sampler = TokenBudgetSampler(skewed_lengths(), max_tokens=400)
     assert (sampler.num_replicas, sampler.rank) == (1, 0)
     with mock.patch.object(token_budget, "_world", return_value=(4, 3)):
-        assert (sampler.num_replicas, sampler.rank) == (4, 3)  # read when planned: it may be built before DDP starts
+        assert (sampler.num_replicas, sampler.rank) == (
+            4,
+            3,
+        )  # read when planned: it may be built before DDP starts
         assert list(sampler) == sampler.plan()[3::4]
     given = TokenBudgetSampler(skewed_lengths(), max_tokens=400, num_replicas=2, rank=1)
     with mock.patch.object(token_budget, "_world", return_value=(4, 3)):
@@ -188,7 +197,13 @@ def test_lengths_from_numpy_and_torch_and_the_summaries():
     assert sampler.padding_fraction() == pytest.approx(1 - sum(lengths) / padded)
     assert sampler.worst_cost() == max(batch_cost([lengths[i] for i in b]) for b in sampler.plan())
     empty = TokenBudgetSampler([], max_tokens=10)
-    assert (list(empty), len(empty), empty.min_tokens, empty.worst_cost(), empty.padding_fraction()) == ([], 0, 0, 0, 0)
+    assert (list(empty), len(empty), empty.min_tokens, empty.worst_cost(), empty.padding_fraction()) == (
+        [],
+        0,
+        0,
+        0,
+        0,
+    )
 
 
 @pytest.mark.parametrize(
@@ -247,9 +262,17 @@ HUGE = 10**400
         ({"lengths": np.array([10, 2**63 - 1])}, ValueError, r"lengths\[1\] is 9223372036854775807"),
         ({"quadratic": 1e308}, ValueError, r"quadratic=1e\+308\).*beyond a float's range"),  # OverflowError
         ({"quadratic": 1e306, "max_tokens": HUGE}, ValueError, r"quadratic=1e\+306\)"),  # OverflowError
-        ({"cost": np.array(["padded", "tokens"])}, ValueError, r"cost=array\(\['padded', 'tokens'\]"),  # ambiguous
+        (
+            {"cost": np.array(["padded", "tokens"])},
+            ValueError,
+            r"cost=array\(\['padded', 'tokens'\]",
+        ),  # ambiguous
         ({"max_tokens": np.int64(-5)}, ValueError, r"max_tokens=-5\)"),
-        ({"num_replicas": 2**21}, ValueError, r"num_replicas=2097152\).*from 1 to 1048576"),  # was a plan of 2**21
+        (
+            {"num_replicas": 2**21},
+            ValueError,
+            r"num_replicas=2097152\).*from 1 to 1048576",
+        ),  # was a plan of 2**21
         ({"num_replicas": HUGE}, ValueError, r"num_replicas=1000"),  # was a plan never done (its memory)
         ({"rank": HUGE}, ValueError, r"rank=1000"),  # was taken, refused only when planned
         ({"sampler": 5}, TypeError, r"sampler=5\).*Expected None or a sampler"),  # was ignored
@@ -297,12 +320,16 @@ def test_the_longest_length_taken_is_2_53_and_every_cost_is_a_finite_float():
     assert longest.plan() == [[0, 1]]
     assert math.isfinite(longest.worst_cost())
     heavy = TokenBudgetSampler([3, 2**53], max_tokens=HUGE, quadratic=1e270)
-    whole = batch_cost(heavy.lengths, cost=heavy.cost, quadratic=heavy.quadratic)  # the tuner's largest budget
+    whole = batch_cost(
+        heavy.lengths, cost=heavy.cost, quadratic=heavy.quadratic
+    )  # the tuner's largest budget
     assert math.isfinite(whole)
     assert math.isfinite(heavy.min_tokens)
     assert math.isfinite(heavy.worst_cost())
     assert TokenBudgetSampler([], max_tokens=10, quadratic=1e308).plan() == []  # no sample: no cost
-    with pytest.raises(ValueError, match=r"lengths\[1\] is 9007199254740993\. Expected a non-negative integer up to"):
+    with pytest.raises(
+        ValueError, match=r"lengths\[1\] is 9007199254740993\. Expected a non-negative integer up to"
+    ):
         TokenBudgetSampler([3, 2**53 + 1], max_tokens=HUGE)  # was taken: costs are floats, exact up to 2**53
 
 
@@ -367,7 +394,9 @@ def test_a_sampler_built_outside_a_hook_gets_lightnings_advice_under_ddp():
     # sampler as `lengths`) but says what to do.
     lengths = skewed_lengths()
     loader = DataLoader(Texts(lengths), batch_sampler=TokenBudgetSampler(lengths, 400), collate_fn=pad)
-    with pytest.raises(TypeError, match=r"can't inject a \(distributed\) sampler.*use_distributed_sampler=False"):
+    with pytest.raises(
+        TypeError, match=r"can't inject a \(distributed\) sampler.*use_distributed_sampler=False"
+    ):
         _update_dataloader(loader, DistributedSampler(loader.dataset, num_replicas=2, rank=0))
 
 
@@ -420,7 +449,9 @@ def test_jsonargparse_reads_the_signature():
 
     parser = ArgumentParser(exit_on_error=False)
     parser.add_class_arguments(TokenBudgetSampler, "sampler")
-    config = parser.parse_args(["--sampler.lengths=[3, 5, 8]", "--sampler.max_tokens=16", "--sampler.cost=tokens"])
+    config = parser.parse_args(
+        ["--sampler.lengths=[3, 5, 8]", "--sampler.max_tokens=16", "--sampler.cost=tokens"]
+    )
     instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # renamed in 4.49
     built = instantiate(config).sampler
     assert isinstance(built, TokenBudgetSampler)

@@ -25,7 +25,14 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_gpumem import BatchSizeTuner
 from lightning_gpumem._core.units import GIB, MIB
 from tests.helpers.fakes import kept
-from tests.helpers.tuning import CPU_SEARCH, CappedFakeProbe, FakeTuner, FragileModel, OOMModel, tuner_trainer
+from tests.helpers.tuning import (
+    CPU_SEARCH,
+    CappedFakeProbe,
+    FakeTuner,
+    FragileModel,
+    OOMModel,
+    tuner_trainer,
+)
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:`weights_only` was not set"),
@@ -57,7 +64,9 @@ def _info_records():
             records.append(record)
 
     handler = ListHandler(level=logging.INFO)
-    loggers = [logging.getLogger(n) for n in ("lightning.fabric", "lightning.pytorch", "lightning_gpumem", "")]
+    loggers = [
+        logging.getLogger(n) for n in ("lightning.fabric", "lightning.pytorch", "lightning_gpumem", "")
+    ]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.addHandler(handler)
@@ -183,9 +192,9 @@ class HookCounter(OOMModel):
 def test_user_module_hooks_run_as_often_as_in_a_fit_with_the_size_set_by_hand():
     # Finding 13: the module's on_train_start / on_train_epoch_start / on_validation_start ran once per trial.
     tuned = HookCounter()
-    tuner_trainer(BatchSizeTuner(max_val=CPU_SEARCH), max_epochs=2, limit_train_batches=2, limit_val_batches=1).fit(
-        tuned
-    )
+    tuner_trainer(
+        BatchSizeTuner(max_val=CPU_SEARCH), max_epochs=2, limit_train_batches=2, limit_val_batches=1
+    ).fit(tuned)
     assert tuned.batch_size == kept(24)
     by_hand = HookCounter(batch_size=kept(24))
     tuner_trainer(None, callbacks=[], max_epochs=2, limit_train_batches=2, limit_val_batches=1).fit(by_hand)
@@ -265,7 +274,10 @@ def test_epoch_aggregates_and_torchmetrics_count_only_the_fits_own_batches():
     # Finding 5: epoch aggregates and torchmetrics states included the trials' batches.
     model = MetricModel(train_limit=16)
     trainer = tuner_trainer(
-        None, callbacks=[BatchSizeTuner(max_val=CPU_SEARCH), InFit()], limit_train_batches=3, limit_val_batches=0
+        None,
+        callbacks=[BatchSizeTuner(max_val=CPU_SEARCH), InFit()],
+        limit_train_batches=3,
+        limit_val_batches=0,
     )
     trainer.fit(model)
     assert len(model.fit_values) == 3
@@ -293,12 +305,16 @@ def test_estimated_stepping_batches_and_the_schedule_derived_from_it_follow_the_
     # Finding 6: configure_optimizers ran before tuning, so OneCycleLR was sized for batch_size=2 (320 steps).
     model = OneCycleModel(train_limit=41)
     recorder = SteppingAtTrainStart()
-    trainer = tuner_trainer(None, callbacks=[BatchSizeTuner(max_val=CPU_SEARCH), recorder], limit_val_batches=0)
+    trainer = tuner_trainer(
+        None, callbacks=[BatchSizeTuner(max_val=CPU_SEARCH), recorder], limit_val_batches=0
+    )
     trainer.fit(model)
     steps = math.ceil(640 / kept(41))
     assert model.batch_size == kept(41)
     assert recorder.estimated == steps
-    assert recorder.total_steps == steps, f"OneCycleLR(total_steps={recorder.total_steps}), {steps} steps at {kept(41)}"
+    assert recorder.total_steps == steps, (
+        f"OneCycleLR(total_steps={recorder.total_steps}), {steps} steps at {kept(41)}"
+    )
     assert trainer.global_step == steps  # and the whole schedule ran: OneCycleLR raises past total_steps
 
 
@@ -311,7 +327,11 @@ def test_each_trial_starts_the_schedule_over_so_a_step_limited_schedule_survives
     trainer.fit(model)
     assert len(tuner.trials) > 2
     assert model.batch_size == kept(41)
-    assert trainer.global_step == trainer.lr_scheduler_configs[0].scheduler.total_steps == math.ceil(640 / kept(41))
+    assert (
+        trainer.global_step
+        == trainer.lr_scheduler_configs[0].scheduler.total_steps
+        == math.ceil(640 / kept(41))
+    )
 
 
 def test_a_schedule_shorter_than_the_trials_does_not_stop_them():
@@ -320,7 +340,11 @@ def test_a_schedule_shorter_than_the_trials_does_not_stop_them():
     trainer = tuner_trainer(BatchSizeTuner(max_val=CPU_SEARCH), limit_val_batches=0)
     trainer.fit(model)
     assert model.batch_size == kept(41)
-    assert trainer.lr_scheduler_configs[0].scheduler.total_steps == trainer.global_step == math.ceil(640 / kept(41))
+    assert (
+        trainer.lr_scheduler_configs[0].scheduler.total_steps
+        == trainer.global_step
+        == math.ceil(640 / kept(41))
+    )
 
 
 # --- Parameters toggled by a multi-optimizer step
@@ -339,14 +363,18 @@ class TwoOptimizerModel(OOMModel):
             if batch.shape[0] > self.train_limit:
                 raise _oom(" between toggle_optimizer and untoggle_optimizer")
             loss = layer(batch).pow(2).mean()
-            if loss.requires_grad:  # (a layer left frozen would otherwise crash the step, hiding what is tested)
+            if (
+                loss.requires_grad
+            ):  # (a layer left frozen would otherwise crash the step, hiding what is tested)
                 self.manual_backward(loss)
                 optimizer.step()
                 optimizer.zero_grad()
             self.untoggle_optimizer(optimizer)
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.layer.parameters(), lr=0.1), torch.optim.SGD(self.other.parameters(), lr=0.1)
+        return torch.optim.SGD(self.layer.parameters(), lr=0.1), torch.optim.SGD(
+            self.other.parameters(), lr=0.1
+        )
 
 
 def test_an_oom_between_toggle_and_untoggle_leaves_no_parameter_frozen():
@@ -368,7 +396,9 @@ class GeneratorModel(OOMModel):
         self.generator = torch.Generator().manual_seed(1234)
 
     def train_dataloader(self):
-        return DataLoader(self.train_data, batch_size=self.batch_size, shuffle=True, generator=self.generator)
+        return DataLoader(
+            self.train_data, batch_size=self.batch_size, shuffle=True, generator=self.generator
+        )
 
 
 def test_trials_do_not_advance_a_users_dataloader_generator():
@@ -394,7 +424,9 @@ class WorkerModel(OOMModel):
         )
 
     def val_dataloader(self):
-        return DataLoader(self.val_data, batch_size=self.batch_size, num_workers=2, persistent_workers=self.persistent)
+        return DataLoader(
+            self.val_data, batch_size=self.batch_size, num_workers=2, persistent_workers=self.persistent
+        )
 
 
 class ChildProcesses(Callback):
@@ -419,7 +451,9 @@ class ChildProcesses(Callback):
 def _new_workers(model, tuner) -> int:
     before, after = ChildProcesses("fit_start"), ChildProcesses("train_start")
     callbacks = [before, *([tuner] if tuner else []), after]
-    tuner_trainer(None, callbacks=callbacks, max_steps=2, limit_val_batches=1, num_sanity_val_steps=0).fit(model)
+    tuner_trainer(None, callbacks=callbacks, max_steps=2, limit_val_batches=1, num_sanity_val_steps=0).fit(
+        model
+    )
     return after.counts["train_start"] - before.counts["fit_start"]
 
 
@@ -433,7 +467,9 @@ def test_trial_dataloader_workers_are_not_alive_during_the_fit(persistent):
     tuned = _new_workers(tuned_model, tuner)
     assert tuned_model.batch_size == kept(20)
     assert tuner.result.num_ooms >= 1
-    assert tuned == by_hand, f"{tuned} worker processes alive when training starts, {by_hand} without the tuner"
+    assert tuned == by_hand, (
+        f"{tuned} worker processes alive when training starts, {by_hand} without the tuner"
+    )
 
 
 CLI_CONFIG = """
@@ -541,7 +577,9 @@ def test_an_integer_val_check_interval_bounds_the_size_after_limit_train_batches
     # crashed in Lightning (val_check_interval larger than the number of training batches).
     model = OOMModel(train_limit=1000, n=640)
     tuner = BatchSizeTuner(max_val=CPU_SEARCH)
-    trainer = tuner_trainer(tuner, max_epochs=1, val_check_interval=5, limit_train_batches=0.5, limit_val_batches=1)
+    trainer = tuner_trainer(
+        tuner, max_epochs=1, val_check_interval=5, limit_train_batches=0.5, limit_val_batches=1
+    )
     trainer.fit(model)
     assert tuner.optimal_batch_size is not None
     assert tuner.optimal_batch_size >= 32  # bounded, not collapsed
@@ -575,7 +613,9 @@ class ResumeRecorder(Callback):
 
     def on_train_start(self, trainer, pl_module):
         self.step, self.epoch = trainer.global_step, trainer.current_epoch
-        self.opt_state = {k: v["exp_avg"].clone() for k, v in trainer.optimizers[0].state_dict()["state"].items()}
+        self.opt_state = {
+            k: v["exp_avg"].clone() for k, v in trainer.optimizers[0].state_dict()["state"].items()
+        }
         self.sched_last_epoch = trainer.lr_scheduler_configs[0].scheduler.last_epoch
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -626,7 +666,9 @@ def test_resume_keeps_the_training_state_and_reuses_the_checkpointed_size_withou
 def test_retune_on_resume_runs_trials_and_still_keeps_the_training_state(tmp_path):
     # Finding 1 (retune_on_resume=True): trials run, the restored step, optimizer and schedule are kept.
     _, path, checkpoint = _fit_and_checkpoint(tmp_path)
-    model = AdamModel(train_limit=30)  # the memory changed since the checkpoint: the retuned size must show it
+    model = AdamModel(
+        train_limit=30
+    )  # the memory changed since the checkpoint: the retuned size must show it
     tuner, recorder = BatchSizeTuner(max_val=CPU_SEARCH, retune_on_resume=True), ResumeRecorder()
     trainer = tuner_trainer(
         None, callbacks=[tuner, recorder], max_epochs=2, limit_train_batches=3, default_root_dir=tmp_path
@@ -661,7 +703,9 @@ def test_an_error_inside_a_trial_puts_the_original_batch_size_back(error):
     trainer = tuner_trainer(BatchSizeTuner(max_val=CPU_SEARCH))
     handler = signal.getsignal(signal.SIGINT)  # Lightning ignores SIGINT after a KeyboardInterrupt
     try:
-        with pytest.raises((ValueError, KeyboardInterrupt, SystemExit)):  # Lightning turns Ctrl+C into exit(1)
+        with pytest.raises(
+            (ValueError, KeyboardInterrupt, SystemExit)
+        ):  # Lightning turns Ctrl+C into exit(1)
             trainer.fit(model)
     finally:
         signal.signal(signal.SIGINT, handler)
@@ -677,7 +721,12 @@ class ScaleFrom(BatchSizeTuner):
     def __init__(self, hook: str, epoch: int = 0):
         super().__init__(max_val=CPU_SEARCH)
         self.hook, self.epoch, self.calls = hook, epoch, 0
-        for name in ("on_train_batch_start", "on_train_epoch_start", "on_train_epoch_end", "on_validation_epoch_end"):
+        for name in (
+            "on_train_batch_start",
+            "on_train_epoch_start",
+            "on_train_epoch_end",
+            "on_validation_epoch_end",
+        ):
             if name == hook:
                 setattr(self, name, self._scale_once)
 

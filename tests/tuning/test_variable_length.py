@@ -4,7 +4,6 @@ token budget of a ``TokenBudgetSampler``. CPU: a simulated OOM above a number of
 from __future__ import annotations
 
 import math
-
 import random
 import warnings
 
@@ -43,7 +42,9 @@ class TextModel(LightningModule):
     """Runs out of (simulated) memory where a batch holds more than ``limit`` padded tokens (``val_limit`` in
     validation); records the padded tokens of every batch it ran."""
 
-    def __init__(self, lengths: list[int], limit: int = 4096, val_limit: int | None = None, batch_size: int = 2):
+    def __init__(
+        self, lengths: list[int], limit: int = 4096, val_limit: int | None = None, batch_size: int = 2
+    ):
         super().__init__()
         self.lengths, self.limit, self.val_limit = lengths, limit, val_limit or limit
         self.batch_size = batch_size
@@ -120,7 +121,9 @@ def test_without_length_fn_batches_that_change_shape_are_named_in_a_warning():
 
 def test_a_key_the_samples_lack_is_named_and_the_users_error_reaches_the_user():
     model = TextModel(skewed_lengths())
-    with pytest.raises(ValueError, match=r"`length_fn='tokens'` found no key 'tokens' in .*keys 'input_ids'") as info:
+    with pytest.raises(
+        ValueError, match=r"`length_fn='tokens'` found no key 'tokens' in .*keys 'input_ids'"
+    ) as info:
         tuner_trainer(BatchSizeTuner(length_fn="tokens", max_val=8), max_steps=1).fit(model)
     assert isinstance(info.value.__cause__, KeyError)  # the lookup's own error, chained
     assert model.batch_size == 2  # the original size is back
@@ -163,7 +166,9 @@ def test_a_bad_length_in_a_real_fit_is_named_with_its_sample_and_value(bad, erro
     with pytest.raises(error) as info:
         tuner_trainer(BatchSizeTuner(length_fn="n", max_val=8), max_steps=1, limit_val_batches=0).fit(model)
     message = str(info.value)
-    assert message.startswith(f"`length_fn='n'` gave {bad!r} (type {type(bad).__name__}) for sample 100"), message
+    assert message.startswith(f"`length_fn='n'` gave {bad!r} (type {type(bad).__name__}) for sample 100"), (
+        message
+    )
     assert "Expected a whole number from 0 to 2**53" in message
     assert model.batch_size == 2  # the original size is back
 
@@ -179,8 +184,12 @@ def test_a_length_fn_that_raises_reaches_the_user_unchanged_with_a_note():
         return sample["n"]
 
     model = Measured(np.int64(0))
-    with pytest.raises(LengthError, match="no tokens counted") as info:  # the user's own error, not one of ours
-        tuner_trainer(BatchSizeTuner(length_fn=length_of, max_val=8), max_steps=1, limit_val_batches=0).fit(model)
+    with pytest.raises(
+        LengthError, match="no tokens counted"
+    ) as info:  # the user's own error, not one of ours
+        tuner_trainer(BatchSizeTuner(length_fn=length_of, max_val=8), max_steps=1, limit_val_batches=0).fit(
+            model
+        )
     assert "`length_fn=length_of` for sample 100" in info.value.__notes__[0]
     assert model.batch_size == 2
 
@@ -252,7 +261,9 @@ def test_length_fn_draws_only_the_samples_the_loaders_own_sampler_yields():
     class Split(TextModel):
         def training_step(self, batch, batch_idx):
             if batch.shape[1] > 64:
-                raise IndexError(f"a sequence of {batch.shape[1]} tokens: longer than the model's 64 positions")
+                raise IndexError(
+                    f"a sequence of {batch.shape[1]} tokens: longer than the model's 64 positions"
+                )
             return super().training_step(batch, batch_idx)
 
         def train_dataloader(self):
@@ -261,13 +272,17 @@ def test_length_fn_draws_only_the_samples_the_loaders_own_sampler_yields():
 
     model = Split(lengths)
     tuner_trainer(BatchSizeTuner(length_fn="input_ids", max_val=SEARCH), limit_val_batches=0).fit(model)
-    assert 0.95 * 128 <= model.batch_size <= 4096 // 32  # the split's longest samples, 32 tokens, bound the size
+    assert (
+        0.95 * 128 <= model.batch_size <= 4096 // 32
+    )  # the split's longest samples, 32 tokens, bound the size
 
 
 def test_a_token_budget_leaves_the_epoch_the_batches_val_check_interval_needs():
     model = TokenModel(skewed_lengths(), limit=6000)
     model.max_tokens = 512
-    trainer = tuner_trainer(BatchSizeTuner(batch_arg_name="max_tokens", max_val=SEARCH), val_check_interval=5)
+    trainer = tuner_trainer(
+        BatchSizeTuner(batch_arg_name="max_tokens", max_val=SEARCH), val_check_interval=5
+    )
     trainer.fit(model)  # a budget whose epoch has fewer than 5 batches would make Lightning refuse the fit
     assert len(model.seen) >= 5
 
@@ -320,7 +335,12 @@ class CappedTexts(CappedTokens):
 @pytest.mark.parametrize(
     ("mode", "env", "shape_margin", "margin"),
     [
-        ("tokens", "", None, 0.2),  # PyTorch's default allocator: a fifth of the budget left for fragmentation
+        (
+            "tokens",
+            "",
+            None,
+            0.2,
+        ),  # PyTorch's default allocator: a fifth of the budget left for fragmentation
         ("tokens", "expandable_segments:True", None, 0.06),
         ("length_fn", "max_split_size_mb:64,expandable_segments:True", None, 0.06),
         ("length_fn", "", None, 0.2),
@@ -362,7 +382,9 @@ def test_trials_leave_a_margin_of_the_budget_where_shapes_vary(monkeypatch, mode
 
 def test_shape_margin_is_checked():
     for bad in (-0.1, 1.0, True, "0.2"):
-        with pytest.raises(ValueError, match=rf"shape_margin={bad!r}.*Expected None or a number in \[0, 1\)"):
+        with pytest.raises(
+            ValueError, match=rf"shape_margin={bad!r}.*Expected None or a number in \[0, 1\)"
+        ):
             BatchSizeTuner(shape_margin=bad)
 
 
@@ -397,8 +419,12 @@ def test_the_budget_tuned_for_is_logged_and_restored_on_resume(tmp_path, monkeyp
         assert logged == [24.0], name
 
 
-@pytest.mark.parametrize(("env", "said", "tip"), [("", "80%", True), ("expandable_segments:True", "94%", False)])
-def test_the_report_line_says_the_margin_and_suggests_expandable_segments(monkeypatch, caplog, env, said, tip):
+@pytest.mark.parametrize(
+    ("env", "said", "tip"), [("", "80%", True), ("expandable_segments:True", "94%", False)]
+)
+def test_the_report_line_says_the_margin_and_suggests_expandable_segments(
+    monkeypatch, caplog, env, said, tip
+):
     from lightning_gpumem._core.units import GIB, MIB
     from tests.helpers.tuning import CappedFakeProbe, FakeTuner
 

@@ -123,7 +123,9 @@ def test_the_planners_largest_size_with_length_fn_runs_a_whole_shuffled_epoch_un
     # The planner's answer for the budget (its probes on the longest samples, the shape margin left free), set as the
     # run's batch size: the fit's epoch of shuffled, varying batches then runs under the budget with no OOM.
     planner = MemoryPlanner(budgets=[BUDGET], length_fn="input_ids", include_validation=False, stop=True)
-    planning = quiet_trainer(accelerator="gpu", devices=1, max_epochs=1, limit_val_batches=0, callbacks=[planner])
+    planning = quiet_trainer(
+        accelerator="gpu", devices=1, max_epochs=1, limit_val_batches=0, callbacks=[planner]
+    )
     planning.fit(TextLM(False))
     assert planner.plan is not None
     assert planner.plan.verdict == "settled"
@@ -133,7 +135,9 @@ def test_the_planners_largest_size_with_length_fn_runs_a_whole_shuffled_epoch_un
     assert prediction.largest >= 2
     assert planner.plan.margin == (SHAPE_MARGIN_EXPANDABLE if expandable_segments() else SHAPE_MARGIN)
     model = TextLM(False, batch_size=prediction.largest)
-    trainer = quiet_trainer(accelerator="gpu", devices=1, max_epochs=1, limit_val_batches=0, callbacks=[CapDuringFit()])
+    trainer = quiet_trainer(
+        accelerator="gpu", devices=1, max_epochs=1, limit_val_batches=0, callbacks=[CapDuringFit()]
+    )
     trainer.fit(model)  # an OOM in the epoch fails the test
     assert trainer.global_step == len(model.padded) > 0
     assert max(model.padded) >= 1024  # the epoch met the longest samples

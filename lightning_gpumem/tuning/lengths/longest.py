@@ -1,8 +1,9 @@
-"""Trials that draw each dataset's longest samples first: one length scan per dataset and fit, agreed across ranks.
+"""Trials that draw each dataset's longest samples first.
 
-Shared by ``BatchSizeTuner`` and ``MemoryPlanner`` (their ``length_fn``): :meth:`LongestFirst.drawing` rebuilds the
-fit's loaders in longest-first order while trials run (``loaders.longest_first``), and :meth:`LongestFirst.raising`
-raises a ``length_fn`` error once the trial it happened in has ended.
+One length scan per dataset and fit, agreed across ranks. Shared by ``BatchSizeTuner`` and ``MemoryPlanner``
+(their ``length_fn``): :meth:`LongestFirst.drawing` rebuilds the fit's loaders in longest-first order while
+trials run (``loaders.longest_first``), and :meth:`LongestFirst.raising` raises a ``length_fn`` error once
+the trial it happened in has ended.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from lightning_gpumem.tuning.trials import loaders
 T = TypeVar("T")
 
 SHAPE_MARGIN = 0.2
-"""The budget's fraction trials leave free where shapes vary, with PyTorch's default allocator (``shape_margin``)."""
+"""The budget's fraction trials leave free where shapes vary, with PyTorch's default allocator
+(``shape_margin``)."""
 SHAPE_MARGIN_EXPANDABLE = 0.06
-"""The same with ``expandable_segments:True``, which maps pages instead of caching whole segments. At 0.02 an H100
-epoch's allocated peak reached 0.97 of the budget; at 0.06, 0.89-0.91 (``docs/benchmarks.md``)."""
+"""The same with ``expandable_segments:True``, which maps pages instead of caching whole segments. At 0.02 an
+H100 epoch's allocated peak reached 0.97 of the budget; at 0.06, 0.89-0.91 (``docs/benchmarks.md``)."""
 
 
 def margin_for(shape_margin: float | None, varying: bool) -> float:
@@ -60,19 +62,28 @@ class LongestFirst:
         self.owner = owner
         self.length_fn = length_fn
         self._orders: dict[tuple[Any, ...], list[int]] = {}  # a dataset's indices, longest first
-        self._error: BaseException | None = None  # length_fn's error in a dataloader hook, raised after the trial
+        # length_fn's error in a dataloader hook, raised after the trial
+        self._error: BaseException | None = None
         self._skipped: list[str] = []  # why length_fn was not applied to a loader
 
     @contextmanager
     def drawing(self, trainer: pl.Trainer) -> Iterator[None]:
-        """Within the block the fit's train and val loaders draw their longest samples first; says which did not."""
+        """Within the block the fit's train and val loaders draw their longest samples first.
+
+        Says which did not.
+        """
         with loaders.longest_first(trainer, partial(self.order_for, trainer)) as skipped:
             yield
         for reason in dict.fromkeys([*skipped, *self._skipped]):
-            rank_zero_warn(f"{self.owner}: `length_fn` was not applied: {reason}; its trials drew the first batches.")
+            rank_zero_warn(
+                f"{self.owner}: `length_fn` was not applied: {reason}; its trials drew the first batches."
+            )
 
     def raising(self, runner: Callable[[int], T]) -> Callable[[int], T]:
-        """``runner``, raising an error of ``length_fn`` (kept by :meth:`order_for`) once the trial has ended."""
+        """``runner``, raising an error of ``length_fn`` once the trial has ended.
+
+        The error is kept by :meth:`order_for`.
+        """
 
         def run(size: int) -> T:
             trial = runner(size)
@@ -86,17 +97,18 @@ class LongestFirst:
     def order_for(self, trainer: pl.Trainer, dataset: Any) -> list[int] | None:
         """The indices of ``dataset``, longest first (scanned once).
 
-        Called from within Lightning's dataloader request, which leaves Lightning's patches of ``DataLoader`` and
-        ``BatchSampler`` in place when an exception passes through it: an error of ``length_fn`` is kept and raised
-        once the trial has ended (:meth:`raising`). Under DDP the ranks agree on the samples scanned
-        (:func:`agreed`), so a scan cut short by its time limit gives every rank the same order.
+        Called from within Lightning's dataloader request, which leaves Lightning's patches of ``DataLoader``
+        and ``BatchSampler`` in place when an exception passes through it: an error of ``length_fn`` is kept
+        and raised once the trial has ended (:meth:`raising`). Under DDP the ranks agree on the samples
+        scanned (:func:`agreed`), so a scan cut short by its time limit gives every rank the same order.
         """
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
             self._skipped.append(f"{type(dataset).__name__} has no `len` and `[]` to measure its samples by")
             return None
         key, found = None, None
         try:
-            key = fingerprint(dataset, self.length_fn)  # hooks may build a new dataset object for every loader
+            # hooks may build a new dataset object for every loader
+            key = fingerprint(dataset, self.length_fn)
             if key in self._orders:
                 return self._orders[key]
             found = scan_lengths(dataset, self.length_fn)
@@ -112,9 +124,9 @@ class LongestFirst:
         if not found.complete:
             rank_zero_warn(
                 f"{self.owner}: scanned the lengths of {found.scanned} of {found.total} samples in"
-                f" {found.seconds:.0f} s, a random subset; the trials run the longest of those ({found.longest})."
-                " A longer sample may exist: pass a faster `length_fn` (a length field, not the sample's"
-                " tokenization)."
+                f" {found.seconds:.0f} s, a random subset; the trials run the longest of those"
+                f" ({found.longest}). A longer sample may exist: pass a faster `length_fn` (a length field,"
+                " not the sample's tokenization)."
             )
         self._orders[key] = found.order
         return found.order
@@ -133,7 +145,10 @@ def agreed(trainer: pl.Trainer, found: Lengths | None) -> Lengths | None:
 
 
 def fingerprint(dataset: Any, length_fn: LengthFn) -> tuple[Any, ...]:
-    """What tells a dataset apart from another: its type, length and the lengths of eight samples spread over it."""
+    """What tells a dataset apart from another.
+
+    Its type, length and the lengths of eight samples spread over it.
+    """
     n = len(dataset)
     spread = sorted({i * (n - 1) // 7 for i in range(8)}) if n else []
     return (type(dataset).__qualname__, n, tuple(sample_length(dataset[i], length_fn, i) for i in spread))

@@ -1,7 +1,8 @@
 """Pure, stdlib only: one model of memory against the batch size, the plan, the search and its headroom.
 
-``model.py`` (points, lines, growth, the largest size under a limit), ``plan.py`` (the planner's verdict, band and
-budgets), ``moves.py`` and ``policy.py`` (the search), ``probes.py`` (the planner's probes), ``headroom.py``.
+``model.py`` (points, lines, growth, the largest size under a limit), ``plan.py`` (the planner's verdict,
+band and budgets), ``moves.py`` and ``policy.py`` (the search), ``probes.py`` (the planner's probes),
+``headroom.py``.
 """
 
 from lightning_gpumem.tuning.search.headroom import largest_held, leave_headroom, walk_down

@@ -1,5 +1,7 @@
-"""The headroom policy, in one place: how much of the largest size a budget holds is given up, and the walk down
-to a size that runs where the one kept does not.
+"""The headroom policy, in one place.
+
+How much of the largest size a budget holds is given up, and the walk down to a size that runs where the
+one kept does not.
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ from dataclasses import replace
 from lightning_gpumem.tuning.search.model import TrialSource, accepted
 from lightning_gpumem.tuning.search.policy import SearchResult
 
-TUNER_TOLERANCE = 0.02  # the tuner's search closes to within this fraction: at most what a 2% headroom gives up
+# the tuner's search closes to within this fraction: at most what a 2% headroom gives up
+TUNER_TOLERANCE = 0.02
 SAME_SIZE = 0.005  # sizes this close above the one kept give up as much: one a trial ran is kept instead
-WALK_STEP = 0.01  # the walk down's first step, a fraction of the size it starts from; it doubles after each failure
+# the walk down's first step, a fraction of the size it starts from; it doubles after each failure
+WALK_STEP = 0.01
 
 
 def largest_held(result: SearchResult, limit_bytes: int | None) -> int | None:
@@ -25,7 +29,8 @@ def largest_held(result: SearchResult, limit_bytes: int | None) -> int | None:
     >>> trials = (Trial(553, True), Trial(559, False), Trial(566, False))
     >>> largest_held(SearchResult(553, trials, "bracketed"), None)
     558
-    >>> largest_held(SearchResult(553, trials, "max_trials"), None)  # stopped early: 554 to 558 are not known to run
+    >>> # stopped early: 554 to 558 are not known to run
+    >>> largest_held(SearchResult(553, trials, "max_trials"), None)
     553
     """
     best = result.batch_size
@@ -36,8 +41,10 @@ def largest_held(result: SearchResult, limit_bytes: int | None) -> int | None:
 
 
 def headroom_size(largest: int, headroom: float) -> int:
-    """The size kept when ``largest`` is the largest that runs in the budget: the smallest at least
-    ``(1 - headroom) * largest``, so at most ``headroom`` of it is given up, and under ``1 / headroom`` nothing.
+    """The size kept when ``largest`` is the largest that runs in the budget.
+
+    The smallest at least ``(1 - headroom) * largest``, so at most ``headroom`` of it is given up, and under
+    ``1 / headroom`` nothing.
 
     >>> headroom_size(40, 0.05), headroom_size(40, 0.02), headroom_size(558, 0.05)
     (38, 40, 531)
@@ -49,18 +56,21 @@ def headroom_size(largest: int, headroom: float) -> int:
 def leave_headroom(
     run_trial: TrialSource, result: SearchResult, headroom: float, limit_bytes: int | None, max_trials: int
 ) -> SearchResult:
-    """Give up ``headroom`` of the largest size the budget holds (:func:`largest_held`), and run the size kept.
+    """Give up ``headroom`` of the largest size the budget holds, and run the size kept.
 
-    Nothing is given up where memory did not bound the search (it stopped at ``upper``). The size kept is at most
-    the search's result; where a trial of the search accepted a size from it up to 0.5% above it
-    (:data:`SAME_SIZE`), the smallest such size is kept without running again; else :func:`walk_down` runs it (and, where it
-    does not run, the sizes below it) under the search's trial budget.
+    The largest size the budget holds is :func:`largest_held`'s. Nothing is given up where memory did not
+    bound the search (it stopped at ``upper``). The size kept is at most the search's result; where a trial
+    of the search accepted a size from it up to 0.5% above it (:data:`SAME_SIZE`), the smallest such size is
+    kept without running again; else :func:`walk_down` runs it (and, where it does not run, the sizes below
+    it) under the search's trial budget.
     """
     largest = result.batch_size
     if largest is None or result.reason == "upper_bound":
         return result
     size = min(largest, headroom_size(largest_held(result, limit_bytes) or largest, headroom))
-    near = [t.batch_size for t in result.trials if accepted(t, limit_bytes) and size <= t.batch_size <= largest]
+    near = [
+        t.batch_size for t in result.trials if accepted(t, limit_bytes) and size <= t.batch_size <= largest
+    ]
     near = [b for b in near if b <= size * (1 + SAME_SIZE)]
     if near:  # a trial ran a size as good as the one kept: kept, not run again
         return replace(result, batch_size=min(near))
@@ -75,27 +85,28 @@ def walk_down(
     limit_bytes: int | None = None,
     max_trials: int = 25,
 ) -> SearchResult:
-    """Keep ``start`` (at most the search's result) where it is accepted, else the largest accepted size below it.
+    """Keep ``start`` where it is accepted, else the largest accepted size below it.
 
-    With ``start`` the result, that is the result, with no trial. Else, from ``size = start`` and ``step`` 1% of
-    ``start`` (rounded up), in turn: where a trial of the search accepted a size from ``size`` up to, not including,
-    the last size the walk tried (``start`` included, the first time), the largest such size is kept without running
-    again; else ``size`` runs, and is kept if accepted; else ``size`` goes ``step`` lower (not below 1) and ``step``
-    doubles: 1%, 2%, 4%... of ``start``.
+    ``start`` is at most the search's result. With ``start`` the result, that is the result, with no trial.
+    Else, from ``size = start`` and ``step`` 1% of ``start`` (rounded up), in turn: where a trial of the
+    search accepted a size from ``size`` up to, not including, the last size the walk tried (``start``
+    included, the first time), the largest such size is kept without running again; else ``size`` runs, and
+    is kept if accepted; else ``size`` goes ``step`` lower (not below 1) and ``step`` doubles: 1%, 2%, 4%...
+    of ``start``.
 
     Args:
-        run_trial: runs a trial at a batch size and reports it, as in :func:`search_batch_size`; called at most once
-            per size, never for a size the result's trials accepted.
+        run_trial: runs a trial at a batch size and reports it, as in :func:`search_batch_size`; called at
+            most once per size, never for a size the result's trials accepted.
         result: the search's result; the walk's trials are added to its trials.
         start: the size to keep where it is accepted, in ``[1, result.batch_size]``.
         limit_bytes: peaks above this are rejected like OOMs, as in the search.
-        max_trials: the trials of the search and of the walk together: once there are this many and no size is
-            kept, the walk stops at the largest size below that a trial accepted.
+        max_trials: the trials of the search and of the walk together: once there are this many and no size
+            is kept, the walk stops at the largest size below that a trial accepted.
 
     Returns:
         The size kept, every trial in order (the search's, then the walk's) and the search's stop reason.
-        ``batch_size`` is ``None`` where none is kept: the result's is ``None``, the walk reached 1 and it was
-        rejected, or ``max_trials`` trials ran first and none of them accepted a size below the walk's.
+        ``batch_size`` is ``None`` where none is kept: the result's is ``None``, the walk reached 1 and it
+        was rejected, or ``max_trials`` trials ran first and none of them accepted a size below the walk's.
 
     Raises:
         ValueError: if ``start`` is not in ``[1, result.batch_size]``.
@@ -104,7 +115,8 @@ def walk_down(
         >>> from lightning_gpumem.tuning.search.model import Trial
         >>> trials = (Trial(2, True), Trial(100, True), Trial(101, False))
         >>> searched = SearchResult(100, trials, "bracketed")
-        >>> kept = walk_down(lambda bs: Trial(bs, fits=bs <= 93), searched, start=95)  # 95 fails, then 94 and 92
+        >>> # 95 fails, then 94 and 92
+        >>> kept = walk_down(lambda bs: Trial(bs, fits=bs <= 93), searched, start=95)
         >>> kept.batch_size, [t.batch_size for t in kept.trials[3:]]
         (92, [95, 94, 92])
     """

@@ -1,14 +1,15 @@
 """Memory against the batch size: the one model the search, the planner and every source of points share.
 
-Live tensors are close to affine in the batch size ``B`` once activations dominate (weights, gradients and the
-optimizer state do not grow with it): one line per stage, training and validation, and a size needs the larger.
-Below that, the peak is set by what does not grow with ``B`` (the optimizer step's temporaries): a plateau, which a
-line through two of its points would call flat. Reserved bytes, which a cap limits, grow faster than live tensors
-(fragmentation): by ``growth``, measured between two points and kept in [1, :data:`MAX_GROWTH`].
+Live tensors are close to affine in the batch size ``B`` once activations dominate (weights, gradients and
+the optimizer state do not grow with it): one line per stage, training and validation, and a size needs the
+larger. Below that, the peak is set by what does not grow with ``B`` (the optimizer step's temporaries): a
+plateau, which a line through two of its points would call flat. Reserved bytes, which a cap limits, grow
+faster than live tensors (fragmentation): by ``growth``, measured between two points and kept in [1,
+:data:`MAX_GROWTH`].
 
-Lines are exact (whole bytes, :class:`~fractions.Fraction` slopes), so a limit that is exactly a size's peak is
-hit exactly. Points come from a source behind one protocol (:class:`TrialSource`): real trials today; a trace
-replayed through a model of the caching allocator can be another, and the search does not change.
+Lines are exact (whole bytes, :class:`~fractions.Fraction` slopes), so a limit that is exactly a size's peak
+is hit exactly. Points come from a source behind one protocol (:class:`TrialSource`): real trials today; a
+trace replayed through a model of the caching allocator can be another, and the search does not change.
 """
 
 from __future__ import annotations
@@ -60,19 +61,20 @@ class Trial:
     Attributes:
         batch_size: the size tried.
         fits: the steps ran without an out-of-memory error.
-        peak_bytes: peak memory reserved during the trial, in bytes (``None`` where not measurable); compared with
-            the limit.
+        peak_bytes: peak memory reserved during the trial, in bytes (``None`` where not measurable); compared
+            with the limit.
         seconds: wall time of the trial.
-        allocated_bytes: peak memory of live tensors during the trial, in bytes (``None`` where not measurable).
+        allocated_bytes: peak memory of live tensors during the trial, in bytes (``None`` where not
+            measurable).
         train_peak_bytes: peak memory of live tensors during the training steps, in bytes (``None`` where not
             measured apart).
         val_peak_bytes: peak memory of live tensors during the validation step, in bytes (``None`` where the
             trial ran no validation or it was not measured apart).
         retries: times the allocator hit the cap, gave its cache back and retried during the trial (``None``
-            where not measured); 2 or more near the cap mean the cap squeezed the cache step after step, so the
-            reserved peak overstates what the trial needed.
-        samples: samples in the largest training batch the trial ran, on the rank that ran fewest (``None``: not
-            counted); a trial that ran fewer than ``batch_size`` did not run that size.
+            where not measured); 2 or more near the cap mean the cap squeezed the cache step after step, so
+            the reserved peak overstates what the trial needed.
+        samples: samples in the largest training batch the trial ran, on the rank that ran fewest (``None``:
+            not counted); a trial that ran fewer than ``batch_size`` did not run that size.
     """
 
     batch_size: int
@@ -92,12 +94,18 @@ class Trial:
 
     @property
     def short(self) -> bool:
-        """It ran, on fewer samples than its size: the data ended first (no OOM said anything of the size)."""
+        """It ran, on fewer samples than its size: the data ended first.
+
+        No OOM said anything of the size.
+        """
         return self.fits and not self.ran_its_size
 
     @property
     def point(self) -> Point | None:
-        """What it measured, as a point of the model (``None``: it did not run its size, or measured nothing)."""
+        """What it measured, as a point of the model.
+
+        ``None``: it did not run its size, or measured nothing.
+        """
         if not self.fits or self.short:
             return None
         train = self.train_peak_bytes if self.train_peak_bytes is not None else self.allocated_bytes
@@ -109,11 +117,12 @@ class Trial:
 class TrialSource(Protocol):
     """Where trials come from: ``source(size) -> Trial``, called at most once per size by the search.
 
-    Real trials through the user's Trainer (``tuning/trials/measure.py``), a replay of measured ones (the tests),
-    or, next, a trace replayed through a model of the allocator.
+    Real trials through the user's Trainer (``tuning/trials/measure.py``), a replay of measured ones (the
+    tests), or, next, a trace replayed through a model of the allocator.
     """
 
-    def __call__(self, size: int, /) -> Trial: ...
+    def __call__(self, size: int, /) -> Trial:
+        """Run a trial at ``size`` and report it."""
 
 
 def accepted(trial: Trial, limit_bytes: int | None) -> bool:
@@ -136,7 +145,10 @@ class Line:
 
     @classmethod
     def through(cls, a: tuple[int, Number], b: tuple[int, Number]) -> Line:
-        """The line through two ``(size, bytes)`` points (flat where they fall: noise, no per-sample part)."""
+        """The line through two ``(size, bytes)`` points.
+
+        Flat where they fall: noise, no per-sample part.
+        """
         (b1, p1), (b2, p2) = sorted((a, b))
         slope = max(Fraction(0), _ratio(p2 - p1, b2 - b1)) if b2 != b1 else Fraction(0)
         return cls(p2 - slope * b2, slope)
@@ -146,7 +158,10 @@ class Line:
         return self.intercept + self.slope * size
 
     def largest_under(self, limit: Number) -> int | None:
-        """The largest size whose peak is at most ``limit`` (``None``: a flat line under it, unbounded; 0: none)."""
+        """The largest size whose peak is at most ``limit``.
+
+        ``None``: a flat line under it, unbounded; 0: none.
+        """
         if self.slope <= 0:
             return None if self.intercept <= limit else 0
         return max(0, math.floor((limit - self.intercept) / self.slope))
@@ -218,14 +233,16 @@ def _check_point(p: Point) -> None:
     values = [v for v in (p.train_bytes, p.val_bytes, p.reserved_bytes) if v is not None]
     if not whole(p.size, 1) or not all(whole(v, 0) for v in values):
         raise ValueError(
-            f"`probes` holds {p!r}: expected a batch size of at least 1 and peaks in whole bytes, at least 0."
+            f"`probes` holds {p!r}: expected a batch size of at least 1 and peaks in whole bytes, at least"
+            " 0."
         )
 
 
 def stage_points(points: Sequence[Point]) -> list[list[tuple[int, int]]]:
-    """Each stage's ``(size, bytes)`` points, by size: training, and validation where the largest point has it.
+    """Each stage's ``(size, bytes)`` points, by size.
 
-    Where only the largest point measured validation, one stage: the need (the larger) of each point.
+    Training, and validation where the largest point has it. Where only the largest point measured
+    validation, one stage: the need (the larger) of each point.
     """
     live = [p for p in points if p.need is not None]
     if not live:
@@ -270,7 +287,7 @@ class MemoryModel:
         self.growth = Fraction(1)
         if len(pairs) >= 2:
             b2, r2, n2 = pairs[-1]
-            b1, r1, n1 = next((q for q in reversed(pairs[:-1]) if q[0] <= FAR * b2), pairs[-2])
+            _b1, r1, n1 = next((q for q in reversed(pairs[:-1]) if q[0] <= FAR * b2), pairs[-2])
             if n2 > n1:
                 self.growth = min(MAX_GROWTH, max(Fraction(1), Fraction(r2 - r1, n2 - n1)))
 
@@ -286,12 +303,17 @@ class MemoryModel:
 
     @property
     def off_plateau(self) -> bool:
-        """Whether every stage's line starts above a plateau: the increment into its lower point is at least
-        :data:`MIN_INCREMENT` of that point's peak (or no point lies below it). A line through a plateau's last
-        point is too flat: a prediction from it would overshoot."""
+        """Whether every stage's line starts above a plateau.
+
+        The increment into its lower point is at least :data:`MIN_INCREMENT` of that point's peak (or no
+        point lies below it). A line through a plateau's last point is too flat: a prediction from it would
+        overshoot.
+        """
         for points in self._stages:
             b2 = points[-1][0]
-            lower = next((i for i in range(len(points) - 2, -1, -1) if points[i][0] <= FAR * b2), len(points) - 2)
+            lower = next(
+                (i for i in range(len(points) - 2, -1, -1) if points[i][0] <= FAR * b2), len(points) - 2
+            )
             if lower >= 1:
                 (_, p0), (_, p1) = points[lower - 1], points[lower]
                 if p1 - p0 < MIN_INCREMENT * p1:
@@ -304,8 +326,10 @@ class MemoryModel:
         return max((line.slope for line in self.lines), default=0)
 
     def need(self, size: Number) -> Number:
-        """Live tensors at ``size`` (the larger stage): between points the straight line between them, beyond the
-        largest its stage line, below the smallest the smallest's measurement.
+        """Live tensors at ``size`` (the larger stage).
+
+        Between points the straight line between them, beyond the largest its stage line, below the smallest
+        the smallest's measurement.
 
         Raises:
             ValueError: if no point measured live tensors.
@@ -321,7 +345,11 @@ class MemoryModel:
         where every point measured it, the straight line between the reserved peaks around ``size``.
         """
         anchor = anchor or self.last
-        if anchor is self.last and size < anchor.size and all(p.reserved_bytes is not None for p in self.probes):
+        if (
+            anchor is self.last
+            and size < anchor.size
+            and all(p.reserved_bytes is not None for p in self.probes)
+        ):
             points = [(p.size, p.reserved_bytes or 0) for p in self.probes]
             return along(points, fit_line(points) or Line(0, 0), size)
         need = anchor.need
@@ -332,7 +360,10 @@ class MemoryModel:
         return base + self.growth * (self.need(size) - need)
 
     def band(self, size: Number) -> float:
-        """Half-width of the band at ``size``, in bytes: the last slopes' disagreement carried out, plus 1%."""
+        """Half-width of the band at ``size``, in bytes.
+
+        The last slopes' disagreement carried out, plus 1%.
+        """
         spread = 0.0
         for points in self._stages:
             if len(points) >= 3:
@@ -343,10 +374,12 @@ class MemoryModel:
     def largest_under(
         self, limit: Number, *, live_only: bool = False, anchor: Point | None = None, waste: Number = 0
     ) -> int | None:
-        """The largest size whose predicted reserved peak (``live_only``: live tensors plus ``waste``) is at most
-        ``limit``.
+        """The largest size whose predicted reserved peak is at most ``limit``.
 
-        ``None``: no stage grows with the batch size and it fits, so memory does not bound the size; 0: not even 1.
+        With ``live_only``, the predicted peak is live tensors plus ``waste``.
+
+        ``None``: no stage grows with the batch size and it fits, so memory does not bound the size; 0: not
+        even 1.
         """
         if live_only:
 

@@ -1,10 +1,11 @@
 """The search's moves: each proposes the next size from the bracket and the model, with a one-line reason.
 
-The bracket is ``lo`` (the largest size accepted so far) and ``hi`` (the smallest rejected); the evidence is the
-trials so far and the :class:`~lightning_gpumem.tuning.search.model.MemoryModel` of their points. The *safe*
-prediction is a size's reserved peak grown from ``lo``'s by the need times the model's growth; the *optimistic* one
-is live tensors alone. Near the cap the allocator gives cache back before it fails, so reserved peaks there say
-little and the moves lean on live tensors (see ``docs/batch_size_tuner.md``, "How the search works").
+The bracket is ``lo`` (the largest size accepted so far) and ``hi`` (the smallest rejected); the evidence is
+the trials so far and the :class:`~lightning_gpumem.tuning.search.model.MemoryModel` of their points. The
+*safe* prediction is a size's reserved peak grown from ``lo``'s by the need times the model's growth; the
+*optimistic* one is live tensors alone. Near the cap the allocator gives cache back before it fails, so
+reserved peaks there say little and the moves lean on live tensors (see ``docs/batch_size_tuner.md``, "How
+the search works").
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ from dataclasses import dataclass, field
 from lightning_gpumem.tuning.search.model import PROBE_CEILING, MemoryModel, Trial
 
 SQUEEZE = 0.05  # a reserved peak within this fraction of the limit may have been squeezed by the cap
-SQUEEZED_WASTE = 0.01  # reserved but not live once the cap squeezed the cache: jump there, step back if need be
-SQUEEZES = 2  # retries in a trial that show the cap squeezing step after step, not one flush the steps live with
-BACK_OFF_STEP = 0.06  # a predicted size that failed: the next needs this much less live memory, then twice as much
+# reserved but not live once the cap squeezed the cache: jump there, step back if need be
+SQUEEZED_WASTE = 0.01
+# retries in a trial that show the cap squeezing step after step, not one flush the steps live with
+SQUEEZES = 2
+# a predicted size that failed: the next needs this much less live memory, then twice as much
+BACK_OFF_STEP = 0.06
 
 
 class Move(enum.Enum):
@@ -39,7 +43,8 @@ class Move(enum.Enum):
 
 
 MODEL_MOVES = (None, Move.SAFE, Move.BACK_OFF)
-"""Moves whose size a model chose (``None``: the first size accepted); ``near_cap`` jumps once from such a size."""
+"""Moves whose size a model chose (``None``: the first size accepted); ``near_cap`` jumps once from such a
+size."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,10 @@ class Proposal:
 
 @dataclass
 class Bracket:
-    """``lo`` ran and was accepted, ``hi`` failed or was rejected (``None``: nothing yet); sizes up to ``upper``."""
+    """``lo`` ran and was accepted, ``hi`` failed or was rejected (``None``: nothing yet).
+
+    The sizes go up to ``upper``.
+    """
 
     lo: int
     hi: int | None
@@ -80,8 +88,8 @@ class Bracket:
     def edge(self, ev: Evidence) -> int:
         """The size just above ``lo`` that ends the search if it fails.
 
-        The largest whose failure closes the bracket within the tolerance, where live tensors alone leave room
-        past it; else ``lo + 1`` (the boundary is then exact).
+        The largest whose failure closes the bracket within the tolerance, where live tensors alone leave
+        room past it; else ``lo + 1`` (the boundary is then exact).
         """
         far = min(self.top, self.lo + 1 + math.floor(self.tolerance * self.lo))
         room = ev.optimistic_size()
@@ -90,7 +98,10 @@ class Bracket:
 
 @dataclass
 class Evidence:
-    """The trials so far under ``limit`` (bytes; ``None``: nothing to measure), and the model of their points."""
+    """The trials so far under ``limit``, and the model of their points.
+
+    ``limit`` is in bytes; ``None``: nothing to measure.
+    """
 
     trials: list[Trial]
     limit: int | None
@@ -114,7 +125,8 @@ class Evidence:
         if self.limit is None or lo.peak_bytes is None or point is None:
             return None
         model = self.model
-        if model.measures_live and point.need is not None:  # reserved(b) = reserved(lo) + g * (need(b) - need(lo))
+        # reserved(b) = reserved(lo) + g * (need(b) - need(lo))
+        if model.measures_live and point.need is not None:
             bound = model.largest_under(self.limit, anchor=point)
             if not model.off_plateau:  # the line may be a plateau's: test it at half the limit first
                 probe = model.largest_under(PROBE_CEILING * self.limit, anchor=point)
@@ -124,9 +136,9 @@ class Evidence:
         line = model.reserved_line
         if line is not None and line.slope > 0:
             return line.largest_under(self.limit)
-        # One point, or peaks that did not move (allocator granularity at small sizes): all of the memory counted
-        # as per-sample overestimates the slope and undershoots safely; where the peak did not move, fixed memory
-        # dominates and the per-sample part is unmeasurably small: at least double.
+        # One point, or peaks that did not move (allocator granularity at small sizes): all of the memory
+        # counted as per-sample overestimates the slope and undershoots safely; where the peak did not move,
+        # fixed memory dominates and the per-sample part is unmeasurably small: at least double.
         guess = math.floor(self.limit * lo.batch_size / lo.peak_bytes) if lo.peak_bytes > 0 else None
         if line is not None and guess is not None:
             guess = max(guess, 2 * lo.batch_size)
@@ -150,22 +162,29 @@ class Evidence:
         return False
 
     def near_limit(self, trial: Trial) -> bool:
-        """The trial's reserved peak is within :data:`SQUEEZE` of the limit, where the cap squeezes the cache."""
+        """The trial's reserved peak is within :data:`SQUEEZE` of the limit.
+
+        There the cap squeezes the cache.
+        """
         if self.limit is None or trial.peak_bytes is None:
             return False
         return trial.peak_bytes >= (1.0 - SQUEEZE) * self.limit
 
 
 def waste_at(trial: Trial) -> int:
-    """Reserved but not live at ``trial``'s peaks: near the cap, the fragmentation the allocator could not undo."""
+    """Reserved but not live at ``trial``'s peaks.
+
+    Near the cap, the fragmentation the allocator could not undo.
+    """
     if trial.peak_bytes is None or trial.allocated_bytes is None:
         return 0
     return max(0, trial.peak_bytes - trial.allocated_bytes)
 
 
 def _step_back(b: Bracket, ev: Evidence, tolerance: float) -> Proposal | None:
-    # After the optimistic model failed, or the safe one ran but peaked over the limit (it was close); a safe guess
-    # that ran out of memory may have been far off: bisection then. A step back that failed too steps twice as far.
+    # After the optimistic model failed, or the safe one ran but peaked over the limit (it was close); a safe
+    # guess that ran out of memory may have been far off: bisection then. A step back that failed too steps
+    # twice as far.
     if b.last_accepted:
         return None
     last = next((t for t in ev.trials if t.batch_size == b.last_size), None)
@@ -216,12 +235,18 @@ def _edge(b: Bracket, ev: Evidence) -> Proposal | None:
 
 
 def _squeezed(b: Bracket, ev: Evidence) -> Proposal | None:
-    # The allocator retried again and again at the cap to run lo: near the cap it gives its cache back, so the
-    # memory reserved but not live at lo overstates what a larger size needs. One retry is a flush the steps then
-    # live with, and that waste does not shrink (docs/benchmarks.md has the measurements).
+    # The allocator retried again and again at the cap to run lo: near the cap it gives its cache back, so
+    # the memory reserved but not live at lo overstates what a larger size needs. One retry is a flush the
+    # steps then live with, and that waste does not shrink (docs/benchmarks.md has the measurements).
     lo = ev.trial(b.lo)
-    if (lo.retries or 0) < SQUEEZES or ev.limit is None or not ev.near_limit(lo) or not ev.model.measures_live:
-        return None  # and a retry far under the cap (one large block that did not fit the cache) squeezed little
+    if (
+        (lo.retries or 0) < SQUEEZES
+        or ev.limit is None
+        or not ev.near_limit(lo)
+        or not ev.model.measures_live
+    ):
+        # and a retry far under the cap (one large block that did not fit the cache) squeezed little
+        return None
     largest = ev.optimistic_size()  # live tensors alone: no larger size can run
     if largest is None or largest <= b.lo + 1:
         return None
@@ -230,7 +255,8 @@ def _squeezed(b: Bracket, ev: Evidence) -> Proposal | None:
         reason = f"{b.lo} ran: halve the sizes left up to {largest}, where live tensors fill the limit"
         return Proposal(Move.HALVE, half, reason)
     if b.lo_move is not Move.EDGE and (ev.optimistic_size(waste_at(lo)) or 0) <= b.lo + 1:
-        return None  # the waste at lo leaves no room above lo + 1 (unless lo + 1 just ran): the edge decides it
+        # the waste at lo leaves no room above lo + 1 (unless lo + 1 just ran): the edge decides it
+        return None
     size = ev.optimistic_size(math.ceil(SQUEEZED_WASTE * ev.limit)) or 0
     if size <= b.lo + 1 or size > b.top:
         return None
@@ -239,8 +265,9 @@ def _squeezed(b: Bracket, ev: Evidence) -> Proposal | None:
 
 
 def _near_cap(b: Bracket, ev: Evidence) -> Proposal | None:
-    # Near the cap the reserved peak is squeezed (the allocator gives cache back before it fails), so reserved
-    # lines say little there; what a larger size needs is its live tensors plus the fragmentation seen at lo.
+    # Near the cap the reserved peak is squeezed (the allocator gives cache back before it fails), so
+    # reserved lines say little there; what a larger size needs is its live tensors plus the fragmentation
+    # seen at lo.
     lo = ev.trial(b.lo)
     if not ev.model.measures_live or not ev.near_limit(lo):
         return None
@@ -250,12 +277,17 @@ def _near_cap(b: Bracket, ev: Evidence) -> Proposal | None:
         return None
     if size > b.lo + 1 and b.lo_move in MODEL_MOVES:  # once: from its own result it would step by the slack
         gib = waste / 2**30
-        reason = f"near the cap: live tensors plus the {gib:.2f} GiB reserved but not live at {b.lo} reach the limit"
+        reason = (
+            f"near the cap: live tensors plus the {gib:.2f} GiB reserved but not live at {b.lo} reach the"
+            " limit"
+        )
         return Proposal(Move.NEAR_CAP, size, f"{reason} at {size}")
     if b.edge_at == b.lo or b.lo + 1 > b.top or b.lo_move not in (*MODEL_MOVES, Move.NEAR_CAP):
         return None  # only from a size a model chose: no crawling one size per trial
     edge = b.edge(ev)
-    return Proposal(Move.EDGE, edge, f"near the cap, no room above {b.lo}: if {edge} fails the search is over")
+    return Proposal(
+        Move.EDGE, edge, f"near the cap, no room above {b.lo}: if {edge} fails the search is over"
+    )
 
 
 def _optimistic(b: Bracket, ev: Evidence) -> Proposal | None:
@@ -271,7 +303,8 @@ def _optimistic(b: Bracket, ev: Evidence) -> Proposal | None:
 def _safe(b: Bracket, ev: Evidence) -> Proposal | None:
     lo = ev.trial(b.lo)
     if b.refuted and ev.near_limit(lo):
-        return None  # near the cap the reserved peaks are squeezed, and an edge showed they overstate the need
+        # near the cap the reserved peaks are squeezed, and an edge showed they overstate the need
+        return None
     size = ev.safe_size(lo)
     if size is None or size <= b.lo:
         return None
@@ -298,9 +331,9 @@ MOVES: tuple[Callable[[Bracket, Evidence], Proposal | None], ...] = (
 
 
 def next_move(b: Bracket, ev: Evidence, tolerance: float) -> Proposal:
-    """The step back (by ``tolerance`` of the last size) if it applies, else the first of :data:`MOVES` that does.
+    """The step back if it applies, else the first of :data:`MOVES` that does.
 
-    Else double (nothing rejected yet) or bisect.
+    Else double (nothing rejected yet) or bisect. The step back is by ``tolerance`` of the last size.
     """
     found = _step_back(b, ev, tolerance)
     if found is not None:

@@ -1,15 +1,15 @@
 """The plan of a fit's memory: when the probes have drawn the line, predictions with a band, budgets (pure).
 
-Probes grow until the last increment is at least :data:`MIN_INCREMENT` of the peak and its per-sample slope matches
-the one before within :data:`SLOPE_MATCH` (:func:`probe_verdict`): below that the peak is set by what does not grow
-with the batch size (a plateau). Probes that never settle before :data:`PROBE_CEILING` of the limit are *not
-affine* (shapes that change from batch to batch, data-dependent padding, routing): a prediction from them would be
-a guess, and the caller searches instead.
+Probes grow until the last increment is at least :data:`MIN_INCREMENT` of the peak and its per-sample slope
+matches the one before within :data:`SLOPE_MATCH` (:func:`probe_verdict`): below that the peak is set by what
+does not grow with the batch size (a plateau). Probes that never settle before :data:`PROBE_CEILING` of the
+limit are *not affine* (shapes that change from batch to batch, data-dependent padding, routing): a
+prediction from them would be a guess, and the caller searches instead.
 
-A :class:`Plan` is the :class:`~lightning_gpumem.tuning.search.model.MemoryModel` of the probes with the verdict,
-the memory outside PyTorch and the terms the intercept is made of. Its band at ``B`` is the two last slopes'
-disagreement carried from the last probe out to ``B``, plus 1% of the peak: what the probes themselves say about
-how far the line can be off.
+A :class:`Plan` is the :class:`~lightning_gpumem.tuning.search.model.MemoryModel` of the probes with the
+verdict, the memory outside PyTorch and the terms the intercept is made of. Its band at ``B`` is the two last
+slopes' disagreement carried from the last probe out to ``B``, plus 1% of the peak: what the probes
+themselves say about how far the line can be off.
 """
 
 from __future__ import annotations
@@ -17,10 +17,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from lightning_gpumem.tuning.search.model import MIN_INCREMENT, PROBE_CEILING, Line, MemoryModel, Point, merged
-from lightning_gpumem.tuning.search.model import slopes, stage_points
+from lightning_gpumem.tuning.search.model import (
+    MIN_INCREMENT,
+    PROBE_CEILING,
+    Line,
+    MemoryModel,
+    Point,
+    merged,
+    slopes,
+    stage_points,
+)
 
-SLOPE_MATCH = 0.03  # ... and its per-sample slope within this fraction of the one before (the line is settled)
+# ... and its per-sample slope within this fraction of the one before (the line is settled)
+SLOPE_MATCH = 0.03
 CLOSEST = 1.25  # a probe is at least this much larger than the one before (closer, the slope is noise)
 MAX_PROBES = 12  # doubling from 2 reaches 4096: the ceiling, not this, ends the probes of a real model
 
@@ -28,7 +37,10 @@ Verdict = Literal["settled", "more", "not_affine"]
 
 
 def settled(points: list[tuple[int, int]]) -> bool:
-    """The last increment is at least :data:`MIN_INCREMENT` of the peak, its slope the previous one's within 3%."""
+    """Whether the line is settled.
+
+    The last increment is at least :data:`MIN_INCREMENT` of the peak, its slope the previous one's within 3%.
+    """
     if len(points) < 3:
         return False
     before, last = slopes(points)
@@ -39,20 +51,25 @@ def settled(points: list[tuple[int, int]]) -> bool:
 def collinear(points: list[tuple[int, int]]) -> bool:
     """The last three points lie on one line.
 
-    The slopes agree within 3%, or so nearly that the disagreement carried out to the last size is under 0.3% of
-    its peak (a peak that barely moves).
+    The slopes agree within 3%, or so nearly that the disagreement carried out to the last size is under 0.3%
+    of its peak (a peak that barely moves).
     """
     if len(points) < 3:
         return False
     before, last = slopes(points)
     size, peak = points[-1]
     diff = abs(last - before)
-    return diff <= SLOPE_MATCH * max(abs(last), abs(before)) or diff * size <= SLOPE_MATCH * MIN_INCREMENT * peak
+    return (
+        diff <= SLOPE_MATCH * max(abs(last), abs(before))
+        or diff * size <= SLOPE_MATCH * MIN_INCREMENT * peak
+    )
 
 
 def _dominated(stages: list[list[tuple[int, int]]]) -> list[bool]:
-    """Stages another stage stays above from the largest probe on (its line at least as high there and at least as
-    steep): they never set the need, so their own plateau does not keep the probes going.
+    """Stages another stage stays above from the largest probe on.
+
+    The other stage's line is at least as high there and at least as steep: they never set the need, so their
+    own plateau does not keep the probes going.
     """
     lines = [Line.through(*points[-2:]) if len(points) >= 2 else None for points in stages]
     out = []
@@ -72,12 +89,13 @@ def _dominated(stages: list[list[tuple[int, int]]]) -> list[bool]:
 def probe_verdict(probes: list[Point], limit: int | None, upper: int) -> tuple[Verdict, int | None]:
     """Whether the probes settle the line, and the next size to probe if not.
 
-    Returns ``("settled", None)`` once every stage that can set the need (one another stage does not stay above
-    up to the limit) has a last increment of at least :data:`MIN_INCREMENT` of its peak matching the slope before
-    within :data:`SLOPE_MATCH`; ``("more", size)`` with the next size: double the largest, or less where the line
-    through the last two probes reaches :data:`PROBE_CEILING` of ``limit`` (or ``upper``) sooner, as long as it
-    is at least :data:`CLOSEST` times the largest; otherwise ``("settled", None)`` where the last three probes lie
-    on one line (a peak that barely moves is affine too) and ``("not_affine", None)`` where they do not.
+    Returns ``("settled", None)`` once every stage that can set the need (one another stage does not stay
+    above up to the limit) has a last increment of at least :data:`MIN_INCREMENT` of its peak matching the
+    slope before within :data:`SLOPE_MATCH`; ``("more", size)`` with the next size: double the largest, or
+    less where the line through the last two probes reaches :data:`PROBE_CEILING` of ``limit`` (or ``upper``)
+    sooner, as long as it is at least :data:`CLOSEST` times the largest; otherwise ``("settled", None)``
+    where the last three probes lie on one line (a peak that barely moves is affine too) and
+    ``("not_affine", None)`` where they do not.
 
     >>> probes = [Point(b, 1000 + 100 * max(b, 4)) for b in (2, 4, 8)]  # a plateau up to 4
     >>> probe_verdict(probes, 10**6, 1000)
@@ -140,11 +158,12 @@ class Prediction:
 
     Attributes:
         budget: the card or budget, in bytes.
-        limit: what the allocator may reserve in it: the budget less the memory outside PyTorch (and the plan's
-            margin).
+        limit: what the allocator may reserve in it: the budget less the memory outside PyTorch (and the
+            plan's margin).
         largest: the largest batch size whose predicted reserved peak fits ``limit`` (``None``: unbounded).
         validated: a trial ran ``largest`` under this budget.
-        peak: predicted reserved peak at the batch size asked about, and its band (``peak - band`` to ``peak + band``).
+        peak: predicted reserved peak at the batch size asked about, and its band (``peak - band`` to
+            ``peak + band``).
         band: half-width of the band, in bytes.
         fits: the batch size asked about fits (its predicted peak plus the band is at most ``limit``).
     """
@@ -167,8 +186,8 @@ class Plan(MemoryModel):
         verdict: ``"settled"`` (the line holds), ``"not_affine"`` (a search is needed).
         outside: memory outside PyTorch's allocator, in bytes (``None``: not measured).
         terms: the parts of the memory (:class:`Terms`).
-        margin: the fraction of each budget's allocator limit left free (for the fragmentation of batches whose
-            shapes vary), in [0, 1).
+        margin: the fraction of each budget's allocator limit left free (for the fragmentation of batches
+            whose shapes vary), in [0, 1).
     """
 
     verdict: Verdict = "settled"
@@ -179,13 +198,18 @@ class Plan(MemoryModel):
     def __post_init__(self) -> None:
         super().__post_init__()
         if len(self.probes) < 2:
-            raise ValueError(f"`probes` has {len(self.probes)} batch size(s): expected at least 2 to draw a line.")
+            raise ValueError(
+                f"`probes` has {len(self.probes)} batch size(s): expected at least 2 to draw a line."
+            )
         if not self.lines:
-            raise ValueError("`probes` measured no live tensors: expected peaks of live tensors to draw a line.")
+            raise ValueError(
+                "`probes` measured no live tensors: expected peaks of live tensors to draw a line."
+            )
 
     def limit_for(self, budget: int) -> int:
-        """What the allocator may reserve on a card of ``budget`` bytes: the budget less the memory outside
-        PyTorch, less :attr:`margin` of that.
+        """What the allocator may reserve on a card of ``budget`` bytes.
+
+        The budget less the memory outside PyTorch, less :attr:`margin` of that.
         """
         return max(0, int((budget - (self.outside or 0)) * (1.0 - self.margin)))
 
@@ -215,8 +239,8 @@ def plan_table(plan: Plan, size: int, predictions: list[Prediction], name: str =
     t = plan.terms
     lines = [
         f"Memory plan ({len(plan.probes)} probes at {', '.join(str(p.size) for p in plan.probes)};"
-        f" peak(B) = {float(plan.lines[0].intercept) / gib:.2f} GiB + {float(plan.per_sample) / 2**20:.1f} MiB x B;"
-        f" reserved grows {float(plan.growth):.2f}x live tensors)",
+        f" peak(B) = {float(plan.lines[0].intercept) / gib:.2f} GiB + {float(plan.per_sample) / 2**20:.1f}"
+        f" MiB x B; reserved grows {float(plan.growth):.2f}x live tensors)",
         "",
         "| term | GiB |",
         "| --- | --- |",
@@ -232,7 +256,9 @@ def plan_table(plan: Plan, size: int, predictions: list[Prediction], name: str =
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for p in predictions:
-        largest = str(p.largest) if p.largest is not None else "unbounded" if plan.verdict == "settled" else "-"
+        largest = (
+            str(p.largest) if p.largest is not None else "unbounded" if plan.verdict == "settled" else "-"
+        )
         lines.append(
             f"| {p.budget / gib:.1f} | {p.limit / gib:.2f} | {p.peak / gib:.2f} +- {p.band / gib:.2f}"
             f" | {'yes' if p.fits else 'no'} | {largest} | {'validated' if p.validated else 'predicted'} |"

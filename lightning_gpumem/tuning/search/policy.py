@@ -1,24 +1,25 @@
 """The batch-size search as a pure function of ``run_trial(batch_size) -> Trial``: no Trainer, no CUDA.
 
-Why it is guided by memory and not only by pass/fail: peak memory is close to affine in the batch size, so a few
-measured peaks give a line, and the line gives the largest size under the limit. Bisection (what Lightning's
-``BatchSizeFinder`` does) needs about ``2 * log2(B)`` trials, several of them out-of-memory errors.
+Why it is guided by memory and not only by pass/fail: peak memory is close to affine in the batch size, so a
+few measured peaks give a line, and the line gives the largest size under the limit. Bisection (what
+Lightning's ``BatchSizeFinder`` does) needs about ``2 * log2(B)`` trials, several of them out-of-memory
+errors.
 
 The policy, one move per trial (:mod:`~lightning_gpumem.tuning.search.moves` names each, with its reason):
 
 1. **Probe**: ``init_val`` (or, where it does not fit, the largest size below it that the line through the
-   origin allows), then the largest size whose memory the probe's own peak allows if all of it grew with the size:
-   the smaller the first probe's memory against the budget, the larger this second size (``safe``).
+   origin allows), then the largest size whose memory the probe's own peak allows if all of it grew with the
+   size: the smaller the first probe's memory against the budget, the larger this second size (``safe``).
 2. **Predict**: from two points, the model's largest size under the limit (``safe``: reserved grown from the
    largest accepted size by the need times the measured growth); where peaks did not move, at least double.
 3. **Validate**: each prediction runs in a trial; an accepted size becomes ``lo``, a rejected one ``hi``.
 4. **Close** (one rule): until ``hi - lo - 1 <= tolerance * lo``, or one more sample than ``lo`` cannot fit
-   even with no waste: near the cap, from live tensors (``near_cap``, ``squeezed``, ``edge``, ``optimistic``);
-   just past the boundary, a step back by the tolerance (``step_back``); without a model, ``double`` and
-   ``bisect``.
+   even with no waste: near the cap, from live tensors (``near_cap``, ``squeezed``, ``edge``,
+   ``optimistic``); just past the boundary, a step back by the tolerance (``step_back``); without a model,
+   ``double`` and ``bisect``.
 
-A size is *accepted* when its trial ran that many samples without OOM and, if a limit is given, its measured peak
-is at most the limit. The result is always a size that was actually run and accepted.
+A size is *accepted* when its trial ran that many samples without OOM and, if a limit is given, its measured
+peak is at most the limit. The result is always a size that was actually run and accepted.
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ def search_batch_size(
     tolerance: float = TOLERANCE,
     on_move: Callable[[Proposal], None] | None = None,
 ) -> SearchResult:
-    """Find the largest accepted batch size in ``[1, upper]``: probe, predict, validate, close (module docstring).
+    """Find the largest accepted batch size in ``[1, upper]``: probe, predict, validate, close.
+
+    See the module docstring.
 
     Args:
         run_trial: runs a trial at a batch size and reports it; called at most once per size.
@@ -71,10 +74,10 @@ def search_batch_size(
         limit_bytes: peaks above this are rejected like OOMs; ``None`` accepts any size that runs.
         max_trials: stop after this many trials with the best size found.
         tolerance: stop once the sizes between the largest accepted and the smallest rejected one are at most
-            this fraction of the accepted one (0: always to the exact boundary). Below 100 the boundary is always
-            exact. A step back steps this fraction of the size that was just too large (at least 1).
-        on_move: called with each move's :class:`Proposal` (its size clamped to the open sizes) before its trial
-            runs; not called for the sizes tried on the way down to the first accepted one.
+            this fraction of the accepted one (0: always to the exact boundary). Below 100 the boundary is
+            always exact. A step back steps this fraction of the size that was just too large (at least 1).
+        on_move: called with each move's :class:`Proposal` (its size clamped to the open sizes) before its
+            trial runs; not called for the sizes tried on the way down to the first accepted one.
 
     Returns:
         The largest accepted size and the trials.
@@ -150,12 +153,18 @@ def _stop(
 
 
 def search_by_plan(run_trial: TrialSource, *, tolerance: float = 0.02, **kwargs: Any) -> SearchResult:
-    """:func:`search_batch_size` under the name of the former default (``method="predict"``), closing to 2%."""
+    """:func:`search_batch_size` under the name of the former default (``method="predict"``).
+
+    It closes to 2%.
+    """
     return search_batch_size(run_trial, tolerance=tolerance, **kwargs)
 
 
 class DataEnds(Exception):
-    """A trial's batches held fewer samples than its size: the data holds no larger batch than ``samples``."""
+    """A trial's batches held fewer samples than its size.
+
+    The data holds no larger batch than ``samples``.
+    """
 
     def __init__(self, samples: int) -> None:
         super().__init__(samples)
@@ -165,15 +174,18 @@ class DataEnds(Exception):
 def until_data_ends(
     search: Callable[[TrialSource, int], SearchResult], run_trial: TrialSource, upper: int
 ) -> SearchResult:
-    """``search(run, upper)``; where a trial finds the data ending short of its size, search again up to there.
+    """``search(run, upper)``.
 
-    Where the loader's samples per epoch are not known beforehand (an iterable dataset, a sampler without a
-    length), a size past them runs the batch the data can make, not the size: no search may take it for that size.
-    Each size runs once across the searches; the result holds every trial in the order they ran.
+    Where a trial finds the data ending short of its size, search again up to there. Where the loader's
+    samples per epoch are not known beforehand (an iterable dataset, a sampler without a length), a size past
+    them runs the batch the data can make, not the size: no search may take it for that size. Each size runs
+    once across the searches; the result holds every trial in the order they ran.
 
     >>> def run(bs):  # the data holds 100 samples; 1 GiB + 0.1 GiB a sample
     ...     return Trial(bs, fits=True, peak_bytes=2**30 + min(bs, 100) * 2**30 // 10, samples=min(bs, 100))
-    >>> until_data_ends(lambda r, u: search_batch_size(r, upper=u, limit_bytes=24 * 2**30), run, 4096).batch_size
+    >>> def search(r, u):
+    ...     return search_batch_size(r, upper=u, limit_bytes=24 * 2**30)
+    >>> until_data_ends(search, run, 4096).batch_size
     100
     """
     ran: dict[int, Trial] = {}

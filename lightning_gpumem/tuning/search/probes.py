@@ -7,10 +7,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from lightning_gpumem.tuning.search.model import MemoryModel, Point, TrialSource, accepted
-from lightning_gpumem.tuning.search.moves import Move, Proposal
+from lightning_gpumem.tuning.search.moves import BACK_OFF_STEP, Move, Proposal
 from lightning_gpumem.tuning.search.plan import Verdict, probe_verdict
 
-BACK_OFF_STEP = 0.06  # a planned size that ran out of memory: the next needs this much less live memory, then twice
 ProbeStop = Literal["rejected", "unmeasured", "upper", "data", ""]
 
 
@@ -21,9 +20,10 @@ class Probed:
     Attributes:
         points: the accepted probes, by size.
         verdict: the probes' verdict (``None`` where probing stopped first).
-        stop: why probing stopped before a verdict: ``"rejected"`` (the last size ran out of memory or peaked over
-            the limit), ``"unmeasured"`` (it measured no peak, as on a CPU), ``"upper"`` (it reached ``upper``),
-            ``"data"`` (its batches held fewer samples than the size: the data ran out), or ``""``.
+        stop: why probing stopped before a verdict: ``"rejected"`` (the last size ran out of memory or peaked
+            over the limit), ``"unmeasured"`` (it measured no peak, as on a CPU), ``"upper"`` (it reached
+            ``upper``), ``"data"`` (its batches held fewer samples than the size: the data ran out), or
+            ``""``.
         size: the last size probed.
         samples: with ``"data"``, the samples the data held: no batch can be larger.
     """
@@ -43,8 +43,10 @@ def probe_until_line(
     limit: int,
     on_move: Callable[[Proposal], None] | None = None,
 ) -> Probed:
-    """Probe from ``init_val``, doubling, while :func:`~lightning_gpumem.tuning.search.plan.probe_verdict` asks for
-    more (each probe's need at most half the limit, so probes are cheap).
+    """Probe from ``init_val``, doubling, while the probes' verdict asks for more.
+
+    The verdict is :func:`~lightning_gpumem.tuning.search.plan.probe_verdict`'s. Each probe's need is at most
+    half the limit, so probes are cheap.
     """
     size = max(1, min(init_val, upper))
     points: list[Point] = []
@@ -69,8 +71,9 @@ def probe_until_line(
 
 
 def back_off_sizes(model: MemoryModel, size: int, floor: int) -> Iterator[int]:
-    """After ``size`` ran out of memory: the sizes needing 6%, 12%, 24%... less live memory than it, above
-    ``floor``.
+    """After ``size`` ran out of memory: the sizes needing 6%, 12%, 24%... less live memory than it.
+
+    Only those above ``floor``.
     """
     need, step = model.need(size), BACK_OFF_STEP
     while True:

@@ -1,11 +1,11 @@
-"""The one trial bench ``BatchSizeTuner`` and ``MemoryPlanner`` share: session, runner, drawing, cap, release.
+"""The one trial bench ``BatchSizeTuner`` and ``MemoryPlanner`` share.
 
-``with TrialBench(...) as bench:`` opens a :class:`~lightning_gpumem.tuning.trials.session.TrialSession` on the
-user's Trainer, expects out-of-memory errors (they are the trials' findings, not the run's), draws the heaviest
-batches first where the caller says how, and measures each trial with a :class:`TrialRunner`. ``bench.capped``
-caps the allocator under a limit for the trials inside it. On every exit path (a result, the user's error,
-Ctrl-C) the cap is put back, the session restores the run, and the allocator is brought back to the layout the
-bench started from.
+Its parts: session, runner, drawing, cap, release. ``with TrialBench(...) as bench:`` opens a
+:class:`~lightning_gpumem.tuning.trials.session.TrialSession` on the user's Trainer, expects out-of-memory
+errors (they are the trials' findings, not the run's), draws the heaviest batches first where the caller says
+how, and measures each trial with a :class:`TrialRunner`. ``bench.capped`` caps the allocator under a limit
+for the trials inside it. On every exit path (a result, the user's error, Ctrl-C) the cap is put back, the
+session restores the run, and the allocator is brought back to the layout the bench started from.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ class TrialBench:
         steps: optimizer steps per trial.
         validate: one validation batch per trial where the fit validates.
         accumulation_for: ``accumulate_grad_batches`` for a size.
-        check_batches: refuses a ``batch_arg_name`` that does not set the training batches (``None``: no check).
+        check_batches: refuses a ``batch_arg_name`` that does not set the training batches (``None``: no
+            check).
         counts_samples: the size is a number of samples (``False`` for a token budget).
         drawing: a context in which the loaders draw the heaviest batches first (``None``: as they are).
         raising: wraps the runner (e.g. refuses a size past the longest samples the data holds).
@@ -78,7 +79,9 @@ class TrialBench:
         self.baseline = self.probe.allocated_bytes()  # what each trial starts from, and the bench ends at
         self._stack.callback(release_to, self.probe, self.baseline, LEFTOVER_BYTES)
         try:
-            self._session = self._stack.enter_context(TrialSession(self.trainer, self._name, owner=self.owner))
+            self._session = self._stack.enter_context(
+                TrialSession(self.trainer, self._name, owner=self.owner)
+            )
             self._stack.enter_context(expecting_oom())
             self._stack.enter_context(self._drawing or nullcontext())
             self.runner = TrialRunner(self._session, self.probe, **self._options)  # type: ignore[arg-type]
@@ -108,8 +111,9 @@ class TrialBench:
 
     @contextmanager
     def capped(self, limit: int | None) -> Iterator[None]:
-        """The allocator capped at ``limit`` bytes for the trials inside (nothing where ``None`` or not a CUDA
-        device), put back on leaving.
+        """The allocator capped at ``limit`` bytes for the trials inside, put back on leaving.
+
+        Nothing where ``None`` or not a CUDA device.
         """
         total = self.probe.total_bytes() if limit is not None and self.probe.device.type == "cuda" else None
         if not total or limit is None:

@@ -1,11 +1,12 @@
-"""The fit's dataloaders as the trials need them: built, dropped, rebuilt at a new size, their workers stopped.
+"""The fit's dataloaders as the trials need them.
 
-Where the samples' lengths are known, the trials' loaders draw the longest samples first.
+Built, dropped, rebuilt at a new size, their workers stopped. Where the samples' lengths are known, the
+trials' loaders draw the longest samples first.
 
-Lightning has no public API to drop a fit loop's loaders and build them again at another batch size, and torch none
-to stop a ``DataLoader``'s workers without waiting for them: this module reaches into the fit loop's
-``_data_source``, ``_combined_loader`` and ``_data_fetcher``, Lightning's ``_ModeIterator`` and torch's
-``_MultiProcessingDataLoaderIter``, and rebuilds a loader with another sampler by Lightning's
+Lightning has no public API to drop a fit loop's loaders and build them again at another batch size, and
+torch none to stop a ``DataLoader``'s workers without waiting for them: this module reaches into the fit
+loop's ``_data_source``, ``_combined_loader`` and ``_data_fetcher``, Lightning's ``_ModeIterator`` and
+torch's ``_MultiProcessingDataLoaderIter``, and rebuilds a loader with another sampler by Lightning's
 ``_update_dataloader``. Each access carries a ``# private:`` comment;
 ``tests/pl/test_lightning_internals.py`` fails loudly when an upgrade breaks one.
 """
@@ -28,7 +29,10 @@ from lightning_gpumem._pl.patching import patched
 
 
 def train_source_is_module(trainer: pl.Trainer) -> bool:
-    """Whether the training dataloader comes from a LightningModule or DataModule method (so it can be rebuilt)."""
+    """Whether the training dataloader comes from a LightningModule or DataModule method.
+
+    If so, it can be rebuilt.
+    """
     return bool(trainer.fit_loop._data_source.is_module())  # private: the fit loop's `_DataLoaderSource`
 
 
@@ -44,17 +48,17 @@ def dataset_length(loaders: Any) -> int | None:
 
 
 MAX_DRAWS = 16
-"""With ``length_fn``, a sampler that draws more than this many times its dataset's samples an epoch (or without end)
-is left as it is: its draws are not counted."""
+"""With ``length_fn``, a sampler that draws more than this many times its dataset's samples an epoch (or
+without end) is left as it is: its draws are not counted."""
 
 
 def samples_per_rank(loaders: Any, world_size: int) -> int | None:
     """Samples an epoch of the first of ``loaders`` draws on each rank (``None``: not known).
 
-    Its sampler's length, else its dataset's: a sampler that draws a part of the dataset (``SubsetRandomSampler``)
-    or draws with replacement (``WeightedRandomSampler(num_samples=...)``) bounds the batch a loader can fill, not
-    the dataset. The user's own ``DistributedSampler`` draws one rank's share already; any other sampler is split by
-    Lightning's, which pads every rank to the same count.
+    Its sampler's length, else its dataset's: a sampler that draws a part of the dataset
+    (``SubsetRandomSampler``) or draws with replacement (``WeightedRandomSampler(num_samples=...)``) bounds
+    the batch a loader can fill, not the dataset. The user's own ``DistributedSampler`` draws one rank's
+    share already; any other sampler is split by Lightning's, which pads every rank to the same count.
     """
     loader = _first_loader(loaders)
     sampler = getattr(loader, "sampler", None)
@@ -69,7 +73,10 @@ def samples_per_rank(loaders: Any, world_size: int) -> int | None:
 
 
 def drops_last(loaders: Any) -> bool:
-    """Whether the first of ``loaders`` drops a last batch that is not full (``DataLoader(drop_last=True)``)."""
+    """Whether the first of ``loaders`` drops a last batch that is not full.
+
+    As ``DataLoader(drop_last=True)`` does.
+    """
     return bool(getattr(_first_loader(loaders), "drop_last", False))
 
 
@@ -91,9 +98,10 @@ def dataloaders_loaded(trainer: pl.Trainer) -> bool:
 def unload_dataloaders(trainer: pl.Trainer, stopping: list[Any] | None = None) -> None:
     """Stop the loaders' iterators and workers (an OOM skips the loops' own teardown) and drop the loaders.
 
-    The fit loop then builds them itself when it starts, as it would have without tuning. With ``stopping``, worker
-    processes are told to exit but not waited for (a worker finishes the batch it is collating first, 0.4 s for
-    ResNet-50's 531 images): their iterators go to ``stopping`` for :func:`join_workers` to reap later.
+    The fit loop then builds them itself when it starts, as it would have without tuning. With ``stopping``,
+    worker processes are told to exit but not waited for (a worker finishes the batch it is collating first,
+    0.4 s for ResNet-50's 531 images): their iterators go to ``stopping`` for :func:`join_workers` to reap
+    later.
     """
     for loop in (trainer.fit_loop, trainer.fit_loop.epoch_loop.val_loop):
         if stopping is not None:
@@ -105,31 +113,35 @@ def unload_dataloaders(trainer: pl.Trainer, stopping: list[Any] | None = None) -
         combined = loop._combined_loader  # private
         if combined is not None:
             combined.reset()
-        loop._combined_loader = None  # private: force a reload (Lightning's `_reset_dataloaders` does the same)
+        # private: force a reload (Lightning's `_reset_dataloaders` does the same)
+        loop._combined_loader = None
 
 
 def _signal_workers_to_exit(combined: Any) -> list[Any]:
-    """Tell the worker processes of ``combined``'s iterators to exit, without joining them; return the iterators.
+    """Tell the worker processes of ``combined``'s iterators to exit, without joining them.
 
-    The first half of torch's ``_MultiProcessingDataLoaderIter._shutdown_workers`` (private; the second half, in
-    :func:`join_workers`, is that method itself). On any surprise in those internals nothing is signalled and the
-    loop's own teardown stops the workers, waiting for them.
+    Returns the iterators. The first half of torch's ``_MultiProcessingDataLoaderIter._shutdown_workers``
+    (private; the second half, in :func:`join_workers`, is that method itself). On any surprise in those
+    internals nothing is signalled and the loop's own teardown stops the workers, waiting for them.
     """
     from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
     if combined is None:
         return []
-    mode_iterator = getattr(combined, "_iterator", None)  # private: Lightning's `_ModeIterator` of the running loop
+    # private: Lightning's `_ModeIterator` of the running loop
+    mode_iterator = getattr(combined, "_iterator", None)
     candidates = list(getattr(mode_iterator, "iterators", None) or [])
     for loader in combined.flattened:
-        if isinstance(getattr(loader, "_iterator", None), _MultiProcessingDataLoaderIter):  # persistent workers
+        # persistent workers
+        if isinstance(getattr(loader, "_iterator", None), _MultiProcessingDataLoaderIter):
             candidates.append(loader._iterator)
             loader._iterator = None
     signalled = []
     for iterator in {id(it): it for it in candidates}.values():
         if not isinstance(iterator, _MultiProcessingDataLoaderIter) or iterator._shutdown:
             continue
-        with suppress(Exception):  # torch internals: `join_workers` (or `__del__`) shuts the workers down in full
+        # torch internals: `join_workers` (or `__del__`) shuts the workers down in full
+        with suppress(Exception):
             iterator._workers_done_event.set()
             for worker_id in range(len(iterator._workers)):
                 if iterator._persistent_workers or iterator._workers_status[worker_id]:
@@ -153,7 +165,10 @@ def reload_dataloaders(trainer: pl.Trainer, validation: bool) -> None:
 
 
 def set_sampler_epochs(trainer: pl.Trainer, epoch: int) -> None:
-    """Set ``epoch`` on the samplers of the fit loop's training loaders, as the loop does on those it builds."""
+    """Set ``epoch`` on the samplers of the fit loop's training loaders.
+
+    As the loop does on those it builds.
+    """
     for loader in trainer.fit_loop._combined_loader.flattened:  # type: ignore[union-attr]  # private
         _set_sampler_epoch(loader, epoch)
 
@@ -196,10 +211,11 @@ def _flatten_loaders(loaders: Any) -> Iterator[Any]:
 
 
 class _InOrder(torch.utils.data.DistributedSampler):
-    """Yields the given indices in order (a trial's longest samples first): this rank's every ``num_replicas``-th.
+    """Yields the given indices in order (a trial's longest samples first).
 
-    A ``DistributedSampler``, so that Lightning takes it as the loader's distributed sampler and does not wrap it in
-    its own, which shuffles a training loader's order.
+    It yields this rank's every ``num_replicas``-th. A ``DistributedSampler``, so that Lightning takes it as
+    the loader's distributed sampler and does not wrap it in its own, which shuffles a training loader's
+    order.
     """
 
     def __init__(self, dataset: Any, order: list[int], num_replicas: int = 1, rank: int = 0) -> None:
@@ -217,13 +233,14 @@ class _InOrder(torch.utils.data.DistributedSampler):
 def longest_first(trainer: pl.Trainer, order_for: Callable[[Any], list[int] | None]) -> Iterator[list[str]]:
     """While in the block, the fit's train and val dataloaders draw their samples in ``order_for(dataset)``.
 
-    The user's ``*_dataloader`` hook builds each loader as usual; a ``DataLoader`` with a batch size and a map-style
-    dataset is then built again with the same arguments but a sampler yielding ``order_for(dataset)`` (Lightning's
-    own re-instantiation). Only the indices the loader's own sampler yields are drawn (a ``SubsetRandomSampler``'s
-    split, a ``DistributedSampler``'s share); under DDP, where the loader's sampler is not distributed yet, each rank
-    takes every ``world_size``-th of that order, so every rank's trials run some of the longest samples. Loaders with
-    a batch sampler of their own, iterable datasets and datasets ``order_for`` gives no order for are left as they
-    are. Yields why loaders were left as they are, for a warning.
+    The user's ``*_dataloader`` hook builds each loader as usual; a ``DataLoader`` with a batch size and a
+    map-style dataset is then built again with the same arguments but a sampler yielding
+    ``order_for(dataset)`` (Lightning's own re-instantiation). Only the indices the loader's own sampler
+    yields are drawn (a ``SubsetRandomSampler``'s split, a ``DistributedSampler``'s share); under DDP, where
+    the loader's sampler is not distributed yet, each rank takes every ``world_size``-th of that order, so
+    every rank's trials run some of the longest samples. Loaders with a batch sampler of their own, iterable
+    datasets and datasets ``order_for`` gives no order for are left as they are. Yields why loaders were left
+    as they are, for a warning.
     """
     from lightning.pytorch.utilities.data import _update_dataloader
 
@@ -235,7 +252,9 @@ def longest_first(trainer: pl.Trainer, order_for: Callable[[Any], list[int] | No
         if not isinstance(loader, torch.utils.data.DataLoader):
             return loader
         if loader.batch_size is None:
-            skipped.append(f"{type(loader.batch_sampler).__name__}, the loader's batch sampler, decides its batches")
+            skipped.append(
+                f"{type(loader.batch_sampler).__name__}, the loader's batch sampler, decides its batches"
+            )
             return loader
         dataset = loader.dataset
         if isinstance(dataset, torch.utils.data.IterableDataset):
@@ -248,12 +267,17 @@ def longest_first(trainer: pl.Trainer, order_for: Callable[[Any], list[int] | No
         split = isinstance(base, torch.utils.data.DistributedSampler)
         whole = isinstance(base, (torch.utils.data.SequentialSampler, torch.utils.data.RandomSampler))
         if not (whole and len(base) == len(dataset)):  # type: ignore[arg-type]  # a split: only its samples
-            cap = MAX_DRAWS * max(1, len(dataset))  # type: ignore[arg-type]  # a sampler without a length may draw without end
-            drawn = Counter(itertools.islice(iter(base), cap + 1))  # the session puts back the RNG streams it draws
+            # a sampler without a length may draw without end
+            cap = MAX_DRAWS * max(1, len(dataset))  # type: ignore[arg-type]
+            # the session puts back the RNG streams it draws
+            drawn = Counter(itertools.islice(iter(base), cap + 1))
             if sum(drawn.values()) > cap:
-                skipped.append(f"{type(base).__name__}, the loader's sampler, draws more than {MAX_DRAWS}x its dataset")
+                skipped.append(
+                    f"{type(base).__name__}, the loader's sampler, draws more than {MAX_DRAWS}x its dataset"
+                )
                 return loader
-            order = [i for i in order for _ in range(drawn[i])]  # as often as the sampler draws it (replacement)
+            # as often as the sampler draws it (replacement)
+            order = [i for i in order for _ in range(drawn[i])]
         sampler = _InOrder(dataset, order) if split else _InOrder(dataset, order, replicas, rank)
         try:
             return _update_dataloader(loader, sampler)  # private: Lightning's re-instantiation
@@ -278,7 +302,10 @@ def longest_first(trainer: pl.Trainer, order_for: Callable[[Any], list[int] | No
 
 
 def token_sampler(loaders: Any) -> Any:
-    """The :class:`~lightning_gpumem.tuning.lengths.token_budget.TokenBudgetSampler` of the first of ``loaders``, if any."""
+    """The ``TokenBudgetSampler`` of the first of ``loaders``, if any.
+
+    The class is :class:`~lightning_gpumem.tuning.lengths.token_budget.TokenBudgetSampler`.
+    """
     from lightning_gpumem.tuning.lengths.token_budget import TokenBudgetSampler
 
     sampler = getattr(_first_loader(loaders), "batch_sampler", None)

@@ -1,7 +1,8 @@
 """One trial measured: the peaks of its training steps and of its validation step, agreed across ranks.
 
-Shared by ``BatchSizeTuner`` and ``MemoryPlanner``: both run trials through a :class:`TrialSession` and need the
-same numbers from each (peak allocated per stage, peak reserved, allocator retries, the optimizer state's size).
+Shared by ``BatchSizeTuner`` and ``MemoryPlanner``: both run trials through a :class:`TrialSession` and need
+the same numbers from each (peak allocated per stage, peak reserved, allocator retries, the optimizer state's
+size).
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ class TrialRunner:
         steps: optimizer steps per trial.
         validate: run one validation batch where the fit validates.
         accumulation_for: ``accumulate_grad_batches`` for a size.
-        check_batches: called with the size, the samples of each training batch, the dataset's length and whether
-            the data ran out short of the size (to refuse a ``batch_arg_name`` that does not set the batch size).
-        counts_samples: the size is a number of samples a batch holds (``False`` for a token budget): each trial
-            then records the samples its largest batch held (:attr:`Trial.samples`).
+        check_batches: called with the size, the samples of each training batch, the dataset's length and
+            whether the data ran out short of the size (to refuse a ``batch_arg_name`` that does not set the
+            batch size).
+        counts_samples: the size is a number of samples a batch holds (``False`` for a token budget): each
+            trial then records the samples its largest batch held (:attr:`Trial.samples`).
     """
 
     def __init__(
@@ -56,7 +58,8 @@ class TrialRunner:
         self.check_batches = check_batches
         self.counts_samples = counts_samples  # the size is a number of samples (not a token budget)
         self.baseline = probe.allocated_bytes()  # what each trial starts from, and the search ends at
-        self.state_bytes: int | None = None  # the optimizers' state at the end of the last trial's training steps
+        # the optimizers' state at the end of the last trial's training steps
+        self.state_bytes: int | None = None
 
     def __call__(self, size: int) -> Trial:
         """Run one trial at ``size`` and measure it."""
@@ -64,7 +67,8 @@ class TrialRunner:
         trainer = session.trainer
         train: list[int | None] = [None, None]  # peak allocated and reserved of the training steps
 
-        def after_training() -> None:  # the validation step's peaks are measured apart from the training steps'
+        # the validation step's peaks are measured apart from the training steps'
+        def after_training() -> None:
             train[:] = probe.read_peaks()
             probe.reset_peaks()
             self.state_bytes = optimizer_state_bytes(trainer)
@@ -72,7 +76,8 @@ class TrialRunner:
         session.prepare(size, self.accumulation_for(size), self.steps, self.validate, after_training)
         # a fresh process's layout: no cache, no trial's tensors
         floor = release_to(probe, self.baseline, LEFTOVER_BYTES, blind=False)
-        if floor is not None:  # what a full collection could not free is the run's (a lazily built buffer): kept
+        # what a full collection could not free is the run's (a lazily built buffer): kept
+        if floor is not None:
             self.baseline = max(floor, self.baseline or 0)
         probe.reset_peaks()
         retries = probe.read(nvml=False, host=False).alloc_retries
@@ -81,7 +86,8 @@ class TrialRunner:
         seconds = time.perf_counter() - start
         after = probe.read(nvml=False, host=False).alloc_retries
         largest_batch = _largest_batch(session.batches_seen) if self.counts_samples else None
-        # an epoch that ended on a batch short of the size: the data holds no more, whatever the attribute does
+        # an epoch that ended on a batch short of the size: the data holds no more, whatever the attribute
+        # does
         data_ended = session.epoch_ended and largest_batch is not None and largest_batch < size
         if self.check_batches is not None:
             self.check_batches(size, session.batches_seen, session.dataset_samples, data_ended=data_ended)
@@ -90,7 +96,8 @@ class TrialRunner:
             train_peaks, val_peaks = train, end
         else:
             train_peaks, val_peaks = ([_max(a, b) for a, b in zip(train, end, strict=True)], [None, None])
-        # A reserved peak of validation alone is not measurable: the training steps' cache is still reserved then.
+        # A reserved peak of validation alone is not measurable: the training steps' cache is still reserved
+        # then.
         peaks = {
             "allocated": _max(train_peaks[0], val_peaks[0]),
             "reserved": _max(train_peaks[1], val_peaks[1]),
@@ -99,8 +106,8 @@ class TrialRunner:
             "retries": None if retries is None or after is None else after - retries,
             "samples": largest_batch,
         }
-        # all ranks measured the same sizes: agree on the largest peaks (nothing is communicated with one process),
-        # and on the fewest samples a rank's largest batch had
+        # all ranks measured the same sizes: agree on the largest peaks (nothing is communicated with one
+        # process), and on the fewest samples a rank's largest batch had
         gathered = gather_named(trainer, peaks)
         samples = _int_or_none(gathered.pop("samples")[1])
         agreed = {name: _int_or_none(high) for name, (high, _) in gathered.items()}
@@ -120,11 +127,12 @@ class TrialRunner:
 
 
 class BatchCheck:
-    """Refuses to report sizes that never ran: ``batch_arg_name`` must set the training batches' first dimension.
+    """Refuses to report sizes that never ran.
 
-    Called after each trial with the size, the samples of each training batch and the dataset's length. Two sizes
-    whose batches had the same number of samples, or that each made a dataset of exactly that many samples (the
-    attribute sets the dataset's length, and every epoch is one batch of it), are refused with a ``ValueError``.
+    ``batch_arg_name`` must set the training batches' first dimension. Called after each trial with the size,
+    the samples of each training batch and the dataset's length. Two sizes whose batches had the same number
+    of samples, or that each made a dataset of exactly that many samples (the attribute sets the dataset's
+    length, and every epoch is one batch of it), are refused with a ``ValueError``.
     """
 
     def __init__(self, owner: str, batch_arg_name: str) -> None:
@@ -133,30 +141,33 @@ class BatchCheck:
         self.seen: dict[int, tuple[int, int | None]] = {}  # size: (largest batch, dataset length)
 
     def __call__(self, size: int, seen: list[int], samples: int | None, *, data_ended: bool = False) -> None:
-        """Check the trial at ``size``: ``seen``, its training batches' samples; ``samples``, the dataset's length.
+        """Check the trial at ``size``.
 
-        ``data_ended``: the trial's epoch ended on a batch short of ``size`` (an iterable dataset or a sampler without
-        a length that holds fewer samples): the data, not the attribute, bounded it, so it proves nothing.
+        ``seen``, its training batches' samples; ``samples``, the dataset's length. ``data_ended``: the
+        trial's epoch ended on a batch short of ``size`` (an iterable dataset or a sampler without a length
+        that holds fewer samples): the data, not the attribute, bounded it, so it proves nothing.
         """
         if data_ended:
             return
         largest, name = max(seen, default=-1), self.name
         fix = (
-            f" Build the dataloader's batch size from it (`DataLoader(..., batch_size=self.{name})`), or pass the"
-            " name your code uses as `batch_arg_name`."
+            f" Build the dataloader's batch size from it (`DataLoader(..., batch_size=self.{name})`), or"
+            " pass the name your code uses as `batch_arg_name`."
         )
         for other, (other_largest, other_samples) in self.seen.items() if largest >= 1 else ():
             if other == size:
                 continue
             if largest != size and other_largest == largest:
                 raise ValueError(
-                    f"{self.owner}: setting `{name}` to {other} and to {size} gave training batches of {largest}"
-                    f" samples both times, so `{name}` does not set the training dataloader's batch size.{fix}"
+                    f"{self.owner}: setting `{name}` to {other} and to {size} gave training batches of"
+                    f" {largest} samples both times, so `{name}` does not set the training dataloader's"
+                    f" batch size.{fix}"
                 )
             if samples == size and other_samples == other:
                 raise ValueError(
-                    f"{self.owner}: setting `{name}` to {other} and to {size} gave training datasets of {other} and"
-                    f" {size} samples, so `{name}` sets the dataset's length, not the batch size.{fix}"
+                    f"{self.owner}: setting `{name}` to {other} and to {size} gave training datasets of"
+                    f" {other} and {size} samples, so `{name}` sets the dataset's length, not the batch"
+                    f" size.{fix}"
                 )
         self.seen[size] = (largest, samples)
 
@@ -164,8 +175,8 @@ class BatchCheck:
 def _largest_batch(seen: list[int]) -> int | None:
     """Samples in the largest training batch a trial ran.
 
-    0 where it ran none (a ``drop_last`` loader of fewer samples than the size), ``None`` where a batch cannot be
-    counted (no tensor in it).
+    0 where it ran none (a ``drop_last`` loader of fewer samples than the size), ``None`` where a batch
+    cannot be counted (no tensor in it).
     """
     if any(size < 0 for size in seen):
         return None
@@ -204,9 +215,9 @@ def plan_builder(
 ) -> Callable[[list[Point], Verdict], Plan]:
     """``build(points, verdict) -> Plan`` with the terms measured on ``trainer``'s module and optimizers.
 
-    Parameters and gradients come from the module, the optimizer state from the last trial's training steps, the
-    memory outside PyTorch from NVML (``None`` where NVML cannot attribute memory to this process); what is left of
-    the line's intercept is "other fixed". ``owner`` is the callback the NVML probe is made for.
+    Parameters and gradients come from the module, the optimizer state from the last trial's training steps,
+    the memory outside PyTorch from NVML (``None`` where NVML cannot attribute memory to this process); what
+    is left of the line's intercept is "other fixed". ``owner`` is the callback the NVML probe is made for.
     """
     outside_probe = make_probe(probe.device, owner, nvml=True) if probe.device.type == "cuda" else None
 

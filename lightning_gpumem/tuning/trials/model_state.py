@@ -1,11 +1,12 @@
 """What a trial changes in the model and its optimizers, kept before the trials and put back after them.
 
-Why not Lightning's checkpoint dict: ``dump_checkpoint`` and ``restore`` call the user's ``on_save_checkpoint`` /
-``on_load_checkpoint`` and every callback's ``state_dict`` / ``load_state_dict``, which would be hook calls the fit
-without trials never makes. Trials run no user callback, so only the module, the optimizers, the LR schedulers and
-the precision plugin change; those are copied to host memory directly. Under a strategy where a rank does not hold
-the whole model (FSDP, DeepSpeed), or when the host lacks room, the copy goes through a checkpoint file with
-Lightning's own connector instead, as Lightning's ``BatchSizeFinder`` does.
+Why not Lightning's checkpoint dict: ``dump_checkpoint`` and ``restore`` call the user's
+``on_save_checkpoint`` / ``on_load_checkpoint`` and every callback's ``state_dict`` / ``load_state_dict``,
+which would be hook calls the fit without trials never makes. Trials run no user callback, so only the
+module, the optimizers, the LR schedulers and the precision plugin change; those are copied to host memory
+directly. Under a strategy where a rank does not hold the whole model (FSDP, DeepSpeed), or when the host
+lacks room, the copy goes through a checkpoint file with Lightning's own connector instead, as Lightning's
+``BatchSizeFinder`` does.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ from lightning_gpumem._hw.probe import host_available_bytes
 
 
 class ModelState:
-    """Weights, buffers, optimizer, LR-scheduler and precision-plugin states of ``trainer``, restorable exactly."""
+    """Weights, buffers, optimizer, LR-scheduler and precision-plugin states of ``trainer``.
+
+    Restorable exactly.
+    """
 
     def __init__(self, trainer: pl.Trainer) -> None:
         self.trainer = trainer
@@ -33,12 +37,16 @@ class ModelState:
         self.optimizers_empty = all(not optimizer.state for optimizer in trainer.optimizers)
         module = trainer.lightning_module
         in_memory = keeps_whole_model(trainer.strategy) and _host_has_room(
-            _tensor_bytes(module.state_dict()) * 3 * _local_world_size(trainer)  # weights + e.g. Adam's two moments
+            # weights + e.g. Adam's two moments
+            _tensor_bytes(module.state_dict()) * 3 * _local_world_size(trainer)
         )
         self.in_memory = bool(trainer.strategy.reduce_boolean_decision(in_memory, all=True))
         # small, and every trial starts from them: kept in memory under any strategy
-        self.schedulers = [deepcopy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs]
-        self.param_groups = [  # lr, momentum...: what a scheduler changes (the state dicts of sharded runs are files)
+        self.schedulers = [
+            deepcopy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs
+        ]
+        # lr, momentum...: what a scheduler changes (the state dicts of sharded runs are files)
+        self.param_groups = [
             [
                 {key: deepcopy(value) for key, value in group.items() if key != "params"}
                 for group in optimizer.param_groups
@@ -50,7 +58,8 @@ class ModelState:
             self.optimizers = [_copy_to_host(optimizer.state_dict()) for optimizer in trainer.optimizers]
             self.precision = deepcopy(trainer.precision_plugin.state_dict())
         else:
-            root = os.path.abspath(trainer.default_root_dir)  # the run's directory, whatever the process's is later
+            # the run's directory, whatever the process's is later
+            root = os.path.abspath(trainer.default_root_dir)
             path = os.path.join(root, f".gpumem_tuner_{uuid.uuid4().hex}.ckpt")
             self.ckpt_path = trainer.strategy.broadcast(path)  # one file: rank zero writes, every rank reads
             self._on_sigterm = RemovedOnSigterm(self.ckpt_path)
@@ -59,10 +68,11 @@ class ModelState:
     def reset_for_trial(self) -> None:
         """Give each trial the optimizer and LR-scheduler states the run has now.
 
-        At fit start the optimizer state is empty and the first step creates it (AdamW: two tensors per parameter),
-        carving it out of whatever the allocator has cached then; a trial that inherited the state of the trial
-        before would miss that, and with it the fragmentation the fit's second step meets. The schedulers start over
-        too: a schedule with a step limit (``OneCycleLR(total_steps=...)``) must not count every trial's steps.
+        At fit start the optimizer state is empty and the first step creates it (AdamW: two tensors per
+        parameter), carving it out of whatever the allocator has cached then; a trial that inherited the
+        state of the trial before would miss that, and with it the fragmentation the fit's second step meets.
+        The schedulers start over too: a schedule with a step limit (``OneCycleLR(total_steps=...)``) must
+        not count every trial's steps.
         """
         trainer = self.trainer
         if self.optimizers_empty:
@@ -94,7 +104,8 @@ class ModelState:
             try:
                 connector.restore(self.ckpt_path)
             finally:
-                trainer.strategy.barrier("gpumem_tuner_restored")  # every rank has read it before rank zero deletes it
+                # every rank has read it before rank zero deletes it
+                trainer.strategy.barrier("gpumem_tuner_restored")
                 trainer.strategy.remove_checkpoint(self.ckpt_path)
                 self.ckpt_path = None
                 self._on_sigterm.close()
@@ -103,12 +114,13 @@ class ModelState:
 
 
 class RemovedOnSigterm:
-    """While open, a SIGTERM (a scheduler's time limit, ``timeout``) that would end the process removes ``path`` first.
+    """While open, a SIGTERM that would end the process removes ``path`` first.
 
-    The handler before it is chained: where it is Python's own (Lightning's, the user's), it runs and decides, and
-    the file is left for :meth:`ModelState.restore` (the run may go on and need it); where it is the default action,
-    the file is removed and the signal delivered again to end the process as it would have. Only the main thread can
-    set a handler: elsewhere nothing is set.
+    A SIGTERM is what a scheduler's time limit or ``timeout`` sends. The handler before it is chained: where
+    it is Python's own (Lightning's, the user's), it runs and decides, and the file is left for
+    :meth:`ModelState.restore` (the run may go on and need it); where it is the default action, the file is
+    removed and the signal delivered again to end the process as it would have. Only the main thread can set
+    a handler: elsewhere nothing is set.
     """
 
     def __init__(self, path: str) -> None:
@@ -144,10 +156,16 @@ class RemovedOnSigterm:
 
 
 def keeps_whole_model(strategy: Any) -> bool:
-    """Whether each rank's ``state_dict`` is the whole model (so a host copy per rank restores it exactly)."""
+    """Whether each rank's ``state_dict`` is the whole model.
+
+    If so, a host copy per rank restores it exactly.
+    """
     from lightning_gpumem._pl.compat import either
 
-    return type(strategy) in (*either("strategies", "SingleDeviceStrategy"), *either("strategies", "DDPStrategy"))
+    return type(strategy) in (
+        *either("strategies", "SingleDeviceStrategy"),
+        *either("strategies", "DDPStrategy"),
+    )
 
 
 def _tensor_bytes(obj: Any) -> int:

@@ -1,10 +1,11 @@
 """What a fit had before the trials, captured once and put back exactly: :class:`SavedRun`.
 
-The trials run the user's own fit loop, so the session saves what a trial changes (loop progress and restart flags,
-limits, loggers and callbacks, module modes and ``requires_grad``, logged metrics and their result collections,
-torchmetrics states, RNG streams, the pending checkpoint, the running hook's name) in one record, and
-:meth:`SavedRun.restore` puts each back. Lightning has no public API for most of these: each private access carries
-a ``# private:`` comment, and ``tests/pl/test_lightning_internals.py`` fails loudly when an upgrade breaks one.
+The trials run the user's own fit loop, so the session saves what a trial changes (loop progress and restart
+flags, limits, loggers and callbacks, module modes and ``requires_grad``, logged metrics and their result
+collections, torchmetrics states, RNG streams, the pending checkpoint, the running hook's name) in one
+record, and :meth:`SavedRun.restore` puts each back. Lightning has no public API for most of these: each
+private access carries a ``# private:`` comment, and ``tests/pl/test_lightning_internals.py`` fails loudly
+when an upgrade breaks one.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ try:
 except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
     np = None  # type: ignore[assignment]
 
-TORCHMETRICS_COUNTERS = ("_update_count", "_computed", "_forward_cache")  # private: what `metric_state` leaves out
+# private: what `metric_state` leaves out
+TORCHMETRICS_COUNTERS = ("_update_count", "_computed", "_forward_cache")
 
 
 @dataclass
@@ -51,12 +53,17 @@ class SavedRun:
 
     @classmethod
     def capture(cls, trainer: pl.Trainer) -> SavedRun:
-        """Save the fit's state; empties its result collections for the trials (see :func:`_logged_metrics`)."""
+        """Save the fit's state; empties its result collections for the trials.
+
+        See :func:`_logged_metrics`.
+        """
         module = trainer.lightning_module
         fit_loop = trainer.fit_loop
-        connector = trainer._checkpoint_connector  # private: holds the pending checkpoint of `fit(ckpt_path=...)`
+        # private: holds the pending checkpoint of `fit(ckpt_path=...)`
+        connector = trainer._checkpoint_connector
         return cls(
-            hook=module._current_fx_name,  # private attribute of LightningModule, set by Lightning's hook calls
+            # private attribute of LightningModule, set by Lightning's hook calls
+            hook=module._current_fx_name,
             rng=capture_rng(trainer),
             loaded=dataloaders_loaded(trainer),
             loaded_checkpoint=connector._loaded_checkpoint,  # private
@@ -75,11 +82,14 @@ class SavedRun:
             torchmetrics=_torchmetrics_states(module),
         )
 
-    def restore(self, trainer: pl.Trainer, model_state: ModelState | None, owner: object | None = None) -> None:
-        """Put the fit back as it was, ``model_state`` (weights, optimizers...) in between, in dependency order.
+    def restore(
+        self, trainer: pl.Trainer, model_state: ModelState | None, owner: object | None = None
+    ) -> None:
+        """Put the fit back as it was, ``model_state`` in between, in dependency order.
 
-        A model state kept in a checkpoint file is restored through Lightning, which hands every callback its saved
-        state: ``owner`` (the callback that runs the trials) is left out of those callbacks, as the state is its own.
+        ``model_state`` is the weights, optimizers... A model state kept in a checkpoint file is restored
+        through Lightning, which hands every callback its saved state: ``owner`` (the callback that runs the
+        trials) is left out of those callbacks, as the state is its own.
         """
         trainer.loggers = self.loggers
         trainer.callbacks = [c for c in self.callbacks if c is not owner]  # type: ignore[attr-defined]
@@ -139,8 +149,9 @@ def _result_collections(trainer: pl.Trainer) -> list[dict[str, Any]]:
 def _logged_metrics(trainer: pl.Trainer) -> dict[str, Any]:
     """Save the metrics the fit logged so far and empty the result collections for the trials.
 
-    A result collection remembers the arguments a key was first logged with; trials log without ``sync_dist``, so a
-    key the fit logged with it, or a trial key the fit then logs with it, would make Lightning raise.
+    A result collection remembers the arguments a key was first logged with; trials log without
+    ``sync_dist``, so a key the fit logged with it, or a trial key the fit then logs with it, would make
+    Lightning raise.
     """
     connector = trainer._logger_connector  # private: the dicts behind `trainer.callback_metrics` and friends
     collections = _result_collections(trainer)
@@ -168,7 +179,10 @@ def _restore_logged_metrics(trainer: pl.Trainer, saved: dict[str, Any]) -> None:
 
 
 def _torchmetrics_states(module: torch.nn.Module) -> list[tuple[Any, dict[str, Any]]]:
-    """The accumulated state of every torchmetrics ``Metric`` in ``module`` (duck-typed: ``metric_state``, public)."""
+    """The accumulated state of every torchmetrics ``Metric`` in ``module``.
+
+    Duck-typed: ``metric_state``, public.
+    """
     states = []
     for child in module.modules():
         state = getattr(child, "metric_state", None)
@@ -185,7 +199,8 @@ def _restore_torchmetrics_states(states: list[tuple[Any, dict[str, Any]]]) -> No
 
 
 # ---------------------------------------------------------------------- loops
-LOOP_FLAGS = ("_restarting", "_loaded_from_state_dict", "_resuming_from_checkpoint")  # the last two: Lightning 2.5+
+# the last two: Lightning 2.5+
+LOOP_FLAGS = ("_restarting", "_loaded_from_state_dict", "_resuming_from_checkpoint")
 
 
 def loop_flags(loop: Any) -> dict[Any, dict[str, bool]]:
@@ -198,7 +213,10 @@ def loop_flags(loop: Any) -> dict[Any, dict[str, bool]]:
 
 
 def set_loop_flags(flags: dict[Any, dict[str, bool]]) -> None:
-    """Set the loops' restart flags (directly: ``_FitLoop.restarting``'s setter forces True for ``max_steps`` runs)."""
+    """Set the loops' restart flags directly.
+
+    ``_FitLoop.restarting``'s setter forces True for ``max_steps`` runs.
+    """
     for loop, values in flags.items():
         for name, value in values.items():
             setattr(loop, name, value)

@@ -1,11 +1,11 @@
 """Trials on the user's own Trainer: every private Lightning access of the tuner lives in this module.
 
-Why the real loop: a trial must cost what training costs (precision plugin, strategy wrapper, closures, gradient
-accumulation and clipping, the optimizer step, ``self.log`` in the user's steps), and only Lightning's loop does all
-of that. Lightning has no public API to run a few steps at another batch size and undo them, so, like its own
-``BatchSizeFinder`` (``lightning/pytorch/tuner/batch_size_scaling.py``), this module reaches into loop attributes.
-Each access carries a ``# private:`` comment, and ``tests/pl/test_lightning_internals.py`` fails loudly when an
-upgrade breaks one.
+Why the real loop: a trial must cost what training costs (precision plugin, strategy wrapper, closures,
+gradient accumulation and clipping, the optimizer step, ``self.log`` in the user's steps), and only
+Lightning's loop does all of that. Lightning has no public API to run a few steps at another batch size and
+undo them, so, like its own ``BatchSizeFinder`` (``lightning/pytorch/tuner/batch_size_scaling.py``), this
+module reaches into loop attributes. Each access carries a ``# private:`` comment, and
+``tests/pl/test_lightning_internals.py`` fails loudly when an upgrade breaks one.
 """
 
 from __future__ import annotations
@@ -46,10 +46,12 @@ except ImportError:  # pragma: no cover - numpy comes with torch's usual install
     np = None  # type: ignore[assignment]
 
 SCALE_HOOKS = ("on_fit_start", "on_train_epoch_start")
-"""The hooks ``BatchSizeTuner.scale`` may run from: before the fit loop, or before an epoch's data is iterated."""
+"""The hooks ``BatchSizeTuner.scale`` may run from: before the fit loop, or before an epoch's data is
+iterated."""
 
 # Module hooks the fit runs once per fit, epoch or validation run; a trial must not run them again.
-_SKIPPED_HOOKS = (  # the module's once-per-loop hooks, and the scheduler step (a trial's schedule is discarded)
+# the module's once-per-loop hooks, and the scheduler step (a trial's schedule is discarded)
+_SKIPPED_HOOKS = (
     "lr_scheduler_step",
     "on_train_start",
     "on_train_end",
@@ -74,26 +76,29 @@ class TrialSession:
     """Runs trials on the user's Trainer and, on leaving, puts everything back: the fit cannot tell they ran.
 
     Life cycle: ``with TrialSession(trainer, name) as session:`` saves the run's state; each
-    ``session.prepare(size)`` then ``session.run()`` is one trial (``run`` returns whether it fitted and lets any
-    other error through); ``session.choose(size)`` picks the size the fit continues with. Leaving the block,
-    normally or by an exception (the user's error, Ctrl-C), restores:
+    ``session.prepare(size)`` then ``session.run()`` is one trial (``run`` returns whether it fitted and lets
+    any other error through); ``session.choose(size)`` picks the size the fit continues with. Leaving the
+    block, normally or by an exception (the user's error, Ctrl-C), restores:
 
     - weights, buffers, optimizer, LR-scheduler and precision-plugin states, loop progress, ``should_stop``;
-    - train/eval mode and ``requires_grad`` of every module and parameter (an OOM between ``toggle_optimizer`` and
-      ``untoggle_optimizer``, or in validation, leaves them changed);
+    - train/eval mode and ``requires_grad`` of every module and parameter (an OOM between
+      ``toggle_optimizer`` and ``untoggle_optimizer``, or in validation, leaves them changed);
     - the RNG states of Python, NumPy, torch, CUDA and of every ``torch.Generator`` the dataloaders hold;
-    - the logged, callback and progress-bar metrics, the loops' result collections and every torchmetrics state, so
-      no trial value reaches a logger, ``ModelCheckpoint``, ``EarlyStopping`` or an epoch aggregate;
+    - the logged, callback and progress-bar metrics, the loops' result collections and every torchmetrics
+      state, so no trial value reaches a logger, ``ModelCheckpoint``, ``EarlyStopping`` or an epoch
+      aggregate;
     - loggers, callbacks, limits and the pending checkpoint of ``fit(ckpt_path=...)``;
-    - the batch size and ``accumulate_grad_batches``: the chosen ones, or the original ones if none was chosen.
+    - the batch size and ``accumulate_grad_batches``: the chosen ones, or the original ones if none was
+      chosen.
 
-    During trials only the trial callback runs (no user callback, no logger), the module's once-per-loop hooks
-    (``on_train_start``, ``on_train_epoch_start``, ``on_validation_epoch_end``, ...) are skipped and so is
-    ``lr_scheduler_step`` (a schedule sized for the initial batch size may be shorter than the trials), ``self.log``
-    does not synchronise across ranks, and DDP skips its gradient all-reduce, so a rank that runs out of memory leaves
-    its peers at the same collective. Dataloader workers of a trial are shut down when it ends. After the fit's size is
-    set, what the fit derived from the batch size is derived again: at fit start the dataloaders are rebuilt and
-    ``configure_optimizers`` runs again (``estimated_stepping_batches``, schedulers built from it).
+    During trials only the trial callback runs (no user callback, no logger), the module's once-per-loop
+    hooks (``on_train_start``, ``on_train_epoch_start``, ``on_validation_epoch_end``, ...) are skipped and so
+    is ``lr_scheduler_step`` (a schedule sized for the initial batch size may be shorter than the trials),
+    ``self.log`` does not synchronise across ranks, and DDP skips its gradient all-reduce, so a rank that
+    runs out of memory leaves its peers at the same collective. Dataloader workers of a trial are shut down
+    when it ends. After the fit's size is set, what the fit derived from the batch size is derived again: at
+    fit start the dataloaders are rebuilt and ``configure_optimizers`` runs again
+    (``estimated_stepping_batches``, schedulers built from it).
     """
 
     def __init__(self, trainer: pl.Trainer, batch_arg_name: str, owner: object | None = None) -> None:
@@ -106,7 +111,8 @@ class TrialSession:
         self.callback: _TrialCallback | None = None
         self._saved: SavedRun | None = None
         self._state: ModelState | None = None
-        self._patches = Patches(collapse_leftovers=False)  # the module's hooks and `log`, put back exactly after
+        # the module's hooks and `log`, put back exactly after
+        self._patches = Patches(collapse_leftovers=False)
         self._stopping: list[Any] = []  # dataloader iterators whose workers were told to exit
         self.shapes: set[tuple[tuple[int, ...], ...]] = set()
         """The shapes of the training batches' tensors (less the first dimension) that trials saw."""
@@ -160,7 +166,8 @@ class TrialSession:
     ) -> None:
         """Point the loop at one trial of ``steps`` optimizer steps at ``size`` (and one validation batch).
 
-        ``after_training`` runs once the training steps are done, before the validation batch if there is one.
+        ``after_training`` runs once the training steps are done, before the validation batch if there is
+        one.
         """
         trainer = self.trainer
         set_batch_size(trainer, self.batch_arg_name, size)
@@ -175,21 +182,27 @@ class TrialSession:
         trainer.should_stop = False
         fit_loop = trainer.fit_loop
         fit_loop.load_state_dict(deepcopy(saved.loop_state))
-        fit_loop.epoch_loop.max_steps = -1  # the trial stops itself; user limits are absolute (Lightning #21903)
+        # the trial stops itself; user limits are absolute (Lightning #21903)
+        fit_loop.epoch_loop.max_steps = -1
         fresh = {loop: dict.fromkeys(names, False) for loop, names in saved.loop_flags.items()}
         set_loop_flags(fresh)  # run as a fresh run
         fit_loop.max_epochs = max(fit_loop.max_epochs or 0, trainer.current_epoch + 2)
         for module, training in saved.modes.items():
             module.training = training  # a validation OOM in the trial before left them in eval mode
         for param, flag in saved.requires_grad.items():
-            param.requires_grad_(flag)  # an OOM between toggle_optimizer and untoggle_optimizer left them off
-        trainer.lightning_module._param_requires_grad_state = {}  # private: what untoggle_optimizer restores from
+            # an OOM between toggle_optimizer and untoggle_optimizer left them off
+            param.requires_grad_(flag)
+        # private: what untoggle_optimizer restores from
+        trainer.lightning_module._param_requires_grad_state = {}
         reload_dataloaders(trainer, validate)
         if self._state is not None:
             self._state.reset_for_trial()
 
     def run(self) -> bool:
-        """Run the prepared trial: ``True`` if it fitted, ``False`` on an OOM (on any rank); other errors propagate."""
+        """Run the prepared trial: ``True`` if it fitted, ``False`` on an OOM (on any rank).
+
+        Other errors propagate.
+        """
         trainer = self.trainer
         fits = True
         try:
@@ -203,10 +216,12 @@ class TrialSession:
             if not is_oom_error(error):
                 raise  # the user's own error: never swallowed
             fits = False
-            traceback.clear_frames(error.__traceback__)  # the frames' locals hold the trial's tensors, in a cycle
+            # the frames' locals hold the trial's tensors, in a cycle
+            traceback.clear_frames(error.__traceback__)
             del error
             if trainer.world_size > 1:
-                trainer.strategy.reduce_boolean_decision(False, all=True)  # matches the peers' `agree_or_raise`
+                # matches the peers' `agree_or_raise`
+                trainer.strategy.reduce_boolean_decision(False, all=True)
         finally:
             if self.callback is not None:
                 self.shapes.update(self.callback.shapes)
@@ -246,8 +261,8 @@ class TrialSession:
         bound_log = module.log
 
         def log(*args: Any, **kwargs: Any) -> None:
-            # A trial's logged values are discarded; synchronising them would pair a peer's logging all-reduce with
-            # the OOM agreement of a rank that ran out of memory.
+            # A trial's logged values are discarded; synchronising them would pair a peer's logging
+            # all-reduce with the OOM agreement of a rank that ran out of memory.
             args, kwargs = with_log_argument(bound_log, args, kwargs, "sync_dist", False)
             bound_log(*args, **kwargs)
 
@@ -260,12 +275,15 @@ class TrialSession:
 class _TrialCallback(Callback):
     """The only callback during a trial: counts batches, runs one validation batch, agrees across ranks."""
 
-    def __init__(self, batches: int, validate: bool, after_training: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, batches: int, validate: bool, after_training: Callable[[], None] | None = None
+    ) -> None:
         self.batches = batches
         self.validate = validate
         self.after_training = after_training  # e.g. read the training steps' peaks, then reset them
         self.batch_sizes: list[int] = []
-        self.shapes: list[tuple[tuple[int, ...], ...]] = []  # each batch's tensor shapes, less the first dimension
+        # each batch's tensor shapes, less the first dimension
+        self.shapes: list[tuple[tuple[int, ...], ...]] = []
         self.dataset_samples: int | None = None  # samples in the trial's training dataset
         self.validated = False
         self.epoch_ended = False  # the trial drew the last batch of an epoch (the data ran out)
@@ -281,7 +299,12 @@ class _TrialCallback(Callback):
 
     @override
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: STEP_OUTPUT,
+        batch: Any,
+        batch_idx: int,
     ) -> None:
         agree_or_raise(trainer)
         if batch_idx + 1 >= trainer.num_training_batches:
@@ -313,7 +336,10 @@ class _TrialCallback(Callback):
 
 
 def agree_or_raise(trainer: pl.Trainer) -> None:
-    """Collective: every rank calls it once per trial batch, a rank that ran out of memory once from its handler."""
+    """Collective: every rank calls it once per trial batch.
+
+    A rank that ran out of memory calls it once from its handler.
+    """
     if trainer.world_size > 1 and not trainer.strategy.reduce_boolean_decision(True, all=True):
         raise PeerFailed
 
@@ -336,18 +362,26 @@ def _shapes(batch: Any) -> tuple[tuple[int, ...], ...]:
 
 # ---------------------------------------------------------------------- batch size
 def has_batch_arg(trainer: pl.Trainer, name: str) -> bool:
-    """Whether the model, its hparams, the datamodule or its hparams has ``name`` (Lightning's own lookup)."""
+    """Whether the model, its hparams, the datamodule or its hparams has ``name``.
+
+    This is Lightning's own lookup.
+    """
     return bool(lightning_hasattr(trainer.lightning_module, name))
 
 
 def batch_arg_in_hparams(trainer: pl.Trainer, name: str) -> bool:
-    """Whether the module's or the datamodule's ``hparams`` (what Lightning logs as hyperparameters) hold ``name``."""
+    """Whether the module's or the datamodule's ``hparams`` hold ``name``.
+
+    The ``hparams`` are what Lightning logs as hyperparameters.
+    """
     module, datamodule = trainer.lightning_module, getattr(trainer, "datamodule", None)
     return any(name in getattr(owner, "hparams", {}) for owner in (module, datamodule) if owner is not None)
 
 
 def require_settable_batch(trainer: pl.Trainer, name: str, owner: str) -> None:
-    """Refuse, before any trial, a fit whose batch size cannot be set: no attribute ``name``, or built dataloaders.
+    """Refuse, before any trial, a fit whose batch size cannot be set.
+
+    That is: no attribute ``name``, or built dataloaders.
 
     Raises:
         AttributeError: neither the module, its hparams, the datamodule nor its hparams has ``name``.
@@ -355,15 +389,15 @@ def require_settable_batch(trainer: pl.Trainer, name: str, owner: str) -> None:
     """
     if not has_batch_arg(trainer, name):
         raise AttributeError(
-            f"`{owner}(batch_arg_name={name!r})`: neither the LightningModule, its hparams, the datamodule nor its"
-            f" hparams has an attribute `{name}`. Add it (and use it in your dataloaders), or pass the name your code"
-            " uses."
+            f"`{owner}(batch_arg_name={name!r})`: neither the LightningModule, its hparams, the datamodule"
+            f" nor its hparams has an attribute `{name}`. Add it (and use it in your dataloaders), or pass"
+            " the name your code uses."
         )
     if not train_source_is_module(trainer):
         raise ValueError(
-            f"{owner} cannot change the batch size of dataloaders passed straight to `trainer.fit(...)`: they are"
-            " built already. Build them in `train_dataloader()` / `val_dataloader()` of your LightningModule or"
-            f" LightningDataModule from `{name}`, or remove the {owner}."
+            f"{owner} cannot change the batch size of dataloaders passed straight to `trainer.fit(...)`:"
+            " they are built already. Build them in `train_dataloader()` / `val_dataloader()` of your"
+            f" LightningModule or LightningDataModule from `{name}`, or remove the {owner}."
         )
 
 
@@ -395,10 +429,11 @@ def apply_batch_size(
     rng: dict[str, Any] | None = None,
     was_loaded: bool | None = None,
 ) -> None:
-    """Set the fit's batch size and re-derive what the fit derived from it, leaving the RNG streams as they were.
+    """Set the fit's batch size and re-derive what the fit derived from it.
 
-    The dataloaders end as they were (built or not) but at the new size; at fit start ``configure_optimizers`` runs
-    again when ``rebuild_optimizers`` (schedulers built from ``estimated_stepping_batches``).
+    The RNG streams are left as they were. The dataloaders end as they were (built or not) but at the new
+    size; at fit start ``configure_optimizers`` runs again when ``rebuild_optimizers`` (schedulers built from
+    ``estimated_stepping_batches``).
     """
     rng = capture_rng(trainer) if rng is None else rng
     was_loaded = dataloaders_loaded(trainer) if was_loaded is None else was_loaded
@@ -421,8 +456,9 @@ def _rebuild_optimizers(trainer: pl.Trainer) -> None:
     strategy = trainer.strategy
     if not keeps_whole_model(strategy):
         rank_zero_warn(
-            f"BatchSizeTuner: `configure_optimizers` was not run again under {type(strategy).__name__}; anything it"
-            " derived from the batch size (e.g. `estimated_stepping_batches`) keeps the initial size's value."
+            f"BatchSizeTuner: `configure_optimizers` was not run again under {type(strategy).__name__};"
+            " anything it derived from the batch size (e.g. `estimated_stepping_batches`) keeps the initial"
+            " size's value."
         )
         return
     strategy.setup_optimizers(trainer)
@@ -430,7 +466,10 @@ def _rebuild_optimizers(trainer: pl.Trainer) -> None:
 
 
 def _drop_trial_references(trainer: pl.Trainer) -> None:
-    """Forget the batch a trial left in the loops' result collections (an OOM skips the batch-end cleanup)."""
+    """Forget the batch a trial left in the loops' result collections.
+
+    An OOM skips the batch-end cleanup.
+    """
     for loop in (trainer.fit_loop.epoch_loop, trainer.fit_loop.epoch_loop.val_loop):
         results = getattr(loop, "_results", None)  # private: `_ResultCollection` of the loop
         if results is not None:

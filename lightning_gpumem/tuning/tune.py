@@ -1,0 +1,126 @@
+"""The tuner's trials: one search and its headroom on the trial bench, and what the allocator counted."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+from lightning_gpumem import keys
+from lightning_gpumem._hw.probe import Probe
+from lightning_gpumem.tuning import bounds
+from lightning_gpumem.tuning.lengths.longest import LongestFirst
+from lightning_gpumem.tuning.lengths.scan import LengthFn
+from lightning_gpumem.tuning.lengths.token_budget import heaviest_batches_first
+from lightning_gpumem.tuning.record import Searched, Shapes
+from lightning_gpumem.tuning.search import (
+    SearchResult,
+    TrialSource,
+    leave_headroom,
+    search_batch_size,
+    until_data_ends,
+)
+from lightning_gpumem.tuning.search.headroom import TUNER_TOLERANCE
+from lightning_gpumem.tuning.trials import loaders
+from lightning_gpumem.tuning.trials import session as _session
+from lightning_gpumem.tuning.trials.bench import TrialBench
+from lightning_gpumem.tuning.trials.measure import BatchCheck
+
+MAX_TRIALS = 25
+
+
+def tune(
+    trainer: pl.Trainer,
+    owner: object,
+    probe: Probe,
+    searched: Searched,
+    *,
+    name: str,
+    init_val: int,
+    upper: int,
+    limit: int | None,
+    headroom: float,
+    steps: int,
+    validate: bool,
+    accumulation_for: Callable[[int], int],
+    length_fn: LengthFn | None,
+) -> tuple[SearchResult, list[Shapes]]:
+    """Search up to ``upper`` under ``limit`` bytes, give up ``headroom``, choose the size for the fit.
+
+    The trials run on the bench (the heaviest batches first where shapes vary: a token budget's, or the
+    longest samples with ``length_fn``), with the allocator capped at ``limit``; ``searched`` gets the run's
+    original size and accumulation, the longest-first order and the allocator's counts when the trials ended.
+    Returns the result (every trial, the size kept) and the training batches' shapes the trials saw.
+    """
+    tokens = searched.tokens
+
+    def search(run: TrialSource, top: int) -> SearchResult:
+        return search_batch_size(
+            run,
+            init_val=init_val,
+            upper=top,
+            limit_bytes=limit,
+            max_trials=MAX_TRIALS,
+            tolerance=TUNER_TOLERANCE,
+        )
+
+    longest = searched.longest = LongestFirst("BatchSizeTuner", length_fn) if length_fn else None
+    drawing = heaviest_batches_first() if tokens else longest.drawing(trainer) if longest else None
+    check = BatchCheck("BatchSizeTuner", name) if not tokens else None
+    bench = TrialBench(
+        trainer,
+        owner,
+        probe,
+        batch_arg_name=name,
+        steps=steps,
+        validate=validate,
+        accumulation_for=accumulation_for,
+        check_batches=check,
+        counts_samples=tokens is None,
+        drawing=drawing,
+        raising=longest.raising if longest is not None else None,
+    )
+    try:
+        with bench:
+            searched.original = bench.session.original
+            with bench.capped(
+                limit
+            ):  # trials run with the allocator capped at the budget, as the fit will be
+                result = until_data_ends(search, bench.run, upper)
+                result = leave_headroom(bench.run, result, headroom, limit, MAX_TRIALS)
+            if result.batch_size is not None:  # applied when the session is left
+                bench.session.choose(result.batch_size, accumulation_for(result.batch_size))
+            shapes = sorted(bench.session.shapes)
+    finally:
+        counters = probe.read(nvml=False, host=False)  # the trials' planned OOMs are not the run's
+        searched.counted = {
+            keys.TRIAL_OOMS.format(): counters.num_ooms,
+            keys.TRIAL_RETRIES.format(): counters.alloc_retries,
+        }
+    return result, shapes
+
+
+def restore(
+    trainer: pl.Trainer, state: dict[str, Any], name: str, keep_effective: bool
+) -> tuple[int, int, Searched]:
+    """Apply the size a checkpoint saved (and its accumulation, where ``keep_effective``) without trials.
+
+    Returns the size, the accumulation and the search's record (its budget, and the token sampler whose keys
+    the size is logged under, where the size is a token budget).
+    """
+    size = int(state["batch_size"])
+    accumulation = state.get("accumulate_grad_batches") if keep_effective else None
+    accumulation = int(accumulation or trainer.accumulate_grad_batches)
+    current = (_session.get_batch_size(trainer, name), trainer.accumulate_grad_batches)
+    rebuild = current != (size, accumulation)
+    _session.apply_batch_size(trainer, name, size, accumulation, rebuild_optimizers=rebuild)
+    budget = state.get("budget_bytes")  # None in checkpoints of versions before it was saved
+    searched = Searched(budget_bytes=None if budget is None else int(budget))
+    searched.tokens = bounds.token_sampler(trainer, loaders.train_loaders(trainer), name)
+    rank_zero_info(
+        f"BatchSizeTuner: {name}={size} restored from the checkpoint; no trials ran (`retune_on_resume=True`"
+        " tunes again)."
+    )
+    return size, accumulation, searched
