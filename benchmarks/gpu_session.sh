@@ -76,6 +76,10 @@ for part in "${parts[@]}"; do
       timeout ${TUNER_LONGVAL_S:-240} python3 benchmarks/tuner.py --models gpt-longval --budget-gib 12 --parallel 10 \
       --finders ours,binsearch --headroom 0.05,0.02 --time-limit 200 --json "$OUT/tuner-12gib-longval.json" \
       > "$OUT/tuner-12gib-longval.log" 2>&1 ;;
+    tuner-order) HF_HUB_OFFLINE=1 timeout ${TUNER_S:-300} python3 benchmarks/tuner.py --models ${TUNER_MODELS:-gpt-longval,hf-gpt2} \
+      --budget-gib 24 --headroom 0.02 --fit-steps 4 --fit-val-batches 1 --true-max none \
+      --finders previous-search,default --previous out/previous --time-limit $(( ${TUNER_S:-300} - 20 )) \
+      --json "$OUT/tuner-order.json" > "$OUT/tuner-order.log" 2>&1 ;;  # the previous search first: order effects
     plan) timeout ${PLAN_S:-330} python3 benchmarks/plan.py --models ${PLAN_MODELS:-gpt124,gpt,resnet,vit,encoder,gpt-ckpt} \
       --json "$OUT/plan.json" > "$OUT/plan.log" 2>&1 ;;
     plan-expandable) timeout ${PLAN_S:-200} python3 benchmarks/plan.py --models gpt124,gpt --expandable \

@@ -990,7 +990,10 @@ def orchestrate(args: argparse.Namespace) -> int:
         # The tuners first, the guide (the first of GUIDES asked for) first of all: it guides the true-max search.
         guide = next((f for f in GUIDES if f in finders), None)
         tuners = [f for f in finders if f in TUNER_FINDERS and f != guide]
-        for name in [guide, *tuners] if guide else []:
+        order = [guide, *tuners] if guide else []
+        if args.true_max == "none":  # nothing to guide: the tuners in the order asked for (order effects)
+            order = [f for f in finders if f in TUNER_FINDERS]
+        for name in order:
             result = entry["finders"][name] = run_finder(runner, model, name, args.headrooms[0])
             if result.get("status") == "ok" and len(result.get("module_trials", [])) != result.get(
                 "num_trials"
