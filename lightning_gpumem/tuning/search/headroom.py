@@ -12,9 +12,8 @@ from dataclasses import replace
 from lightning_gpumem.tuning.search.model import TrialSource, accepted
 from lightning_gpumem.tuning.search.policy import SearchResult
 
-# the tuner's search closes to within this fraction: at most what a 2% headroom gives up
-TUNER_TOLERANCE = 0.02
-SAME_SIZE = 0.005  # sizes this close above the one kept give up as much: one a trial ran is kept instead
+# the tuner's search closes to within this fraction: the sizes left open above what ran stay few
+TUNER_TOLERANCE = 0.01
 # the walk down's first step, a fraction of the size it starts from; it doubles after each failure
 WALK_STEP = 0.01
 
@@ -59,21 +58,14 @@ def leave_headroom(
     """Give up ``headroom`` of the largest size the budget holds, and run the size kept.
 
     The largest size the budget holds is :func:`largest_held`'s. Nothing is given up where memory did not
-    bound the search (it stopped at ``upper``). The size kept is at most the search's result; where a trial
-    of the search accepted a size from it up to 0.5% above it (:data:`SAME_SIZE`), the smallest such size is
-    kept without running again; else :func:`walk_down` runs it (and, where it does not run, the sizes below
+    bound the search (it stopped at ``upper``). The size kept is at most the search's result;
+    :func:`walk_down` runs it where no trial of the search did (and, where it does not run, the sizes below
     it) under the search's trial budget.
     """
     largest = result.batch_size
     if largest is None or result.reason == "upper_bound":
         return result
     size = min(largest, headroom_size(largest_held(result, limit_bytes) or largest, headroom))
-    near = [
-        t.batch_size for t in result.trials if accepted(t, limit_bytes) and size <= t.batch_size <= largest
-    ]
-    near = [b for b in near if b <= size * (1 + SAME_SIZE)]
-    if near:  # a trial ran a size as good as the one kept: kept, not run again
-        return replace(result, batch_size=min(near))
     return walk_down(run_trial, result, start=size, limit_bytes=limit_bytes, max_trials=max_trials)
 
 
