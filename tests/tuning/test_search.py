@@ -899,3 +899,30 @@ def test_planned_search_on_random_curves_never_exceeds_the_truth_and_lands_withi
     assert result.batch_size >= 0.97 * truth or truth - result.batch_size <= 1, (result, truth)
     if not result.note:  # predicted (a fallback is today's search, which the tests above cover)
         assert len(_near_limit(result, cap)) <= 6, [t.batch_size for t in result.trials]
+
+
+def test_the_previous_searchs_trials_on_five_models_are_the_one_searchs():
+    """benchmarks/results/tuner-42*-h100.json: the previous version's `method="search"` on five models (H100, 24 GiB,
+    headroom 0.02). Replayed from their measured peaks, the one search (closing to 1%, then the headroom's own
+    size) tries the very same sizes: its cost on these models is that search's."""
+    from lightning_gpumem.tuning.search import leave_headroom
+
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    replayed = 0
+    for path in sorted(results.glob("tuner-42*-h100.json")):
+        data = json.loads(path.read_text())
+        budget = data["settings"]["budget_bytes"]
+        for workload in data["workloads"].values():
+            finder = workload["finders"]["previous-search"]
+            keys = ("peak_bytes", "allocated_bytes", "train_peak_bytes", "val_peak_bytes", "retries")
+            measured = {
+                t["batch_size"]: tuple(t.get(k) for k in keys) if t["fits"] else None
+                for t in finder["tuner_trials"]
+            }
+            run = _replay(measured)
+            result = search_batch_size(run, init_val=2, upper=16384, limit_bytes=budget)
+            kept = leave_headroom(run, result, 0.02, budget, 25)
+            assert [t.batch_size for t in kept.trials] == list(measured), path.name
+            assert kept.batch_size == finder["batch_size"]
+            replayed += 1
+    assert replayed == 5
