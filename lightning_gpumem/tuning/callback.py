@@ -39,7 +39,7 @@ class BatchSizeTuner(Callback):
     process. Trials run with the allocator capped at the budget
     (``torch.cuda.set_per_process_memory_fraction``), so tuning on an 80 GiB card for a 24 GiB one is exact.
     The search probes ``init_val``, predicts the largest size under the budget from the measured peaks,
-    validates each prediction in a trial and closes in to within 2%; the tuner then gives up at most
+    validates each prediction in a trial and closes in to within 1%; the tuner then gives up at most
     ``headroom`` of the largest size the budget holds (``docs/batch_size_tuner.md``).
 
     A tuned fit equals a fit with the chosen size set by hand (weights, optimizer, schedulers, counters, RNG

@@ -27,8 +27,8 @@ SHAPE_MARGIN = 0.2
 """The budget's fraction trials leave free where shapes vary, with PyTorch's default allocator
 (``shape_margin``)."""
 SHAPE_MARGIN_EXPANDABLE = 0.06
-"""The same with ``expandable_segments:True``, which maps pages instead of caching whole segments. At 0.02 an
-H100 epoch's allocated peak reached 0.97 of the budget; at 0.06, 0.89-0.91 (``docs/benchmarks.md``)."""
+"""The same with ``expandable_segments:True``, which maps pages instead of caching whole segments and
+fragments far less (``docs/benchmarks.md`` has the epochs that chose it)."""
 
 
 def margin_for(shape_margin: float | None, varying: bool) -> float:
