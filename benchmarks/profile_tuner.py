@@ -26,10 +26,10 @@ import _harness as H
 import tuner as bench
 
 from lightning_gpumem._hw import allocator as allocator_module
-from lightning_gpumem.tuning import callback as tuner_module
-from lightning_gpumem.tuning import measure as measure_module
-from lightning_gpumem.tuning import model_state as _state
-from lightning_gpumem.tuning import trials as _session
+from lightning_gpumem.tuning.trials import bench as bench_module
+from lightning_gpumem.tuning.trials import measure as measure_module
+from lightning_gpumem.tuning.trials import model_state as _state
+from lightning_gpumem.tuning.trials import session as _session
 
 STAGES = [  # (owner, attribute, label)
     (_session.TrialSession, "__enter__", "session enter (snapshot)"),
@@ -41,7 +41,7 @@ STAGES = [  # (owner, attribute, label)
     (allocator_module, "start_clean", "clean start (workspaces, empty_cache)"),
     (_session.TrialSession, "run", "trial run (fit loop)"),
     (measure_module, "release_to", "release (before each trial)"),
-    (tuner_module, "release_to", "release (after the search)"),
+    (bench_module, "release_to", "release (after the search)"),
     (measure_module, "gather_named", "peak agreement"),
 ]
 
@@ -66,7 +66,7 @@ def instrument(seconds: dict[str, float], calls: dict[str, int]) -> None:
 
 def watch_releases(releases: list[dict[str, Any]]) -> None:
     """Record, for each ``release_to(probe, baseline)``, the bytes allocated above ``baseline`` before and after it."""
-    original = tuner_module.release_to
+    original = bench_module.release_to
 
     def release(probe: Any, baseline: int | None, *args: Any, **kwargs: Any) -> Any:
         before = probe.allocated_bytes()
@@ -76,7 +76,7 @@ def watch_releases(releases: list[dict[str, Any]]) -> None:
             releases.append({"excess_before": before - baseline, "excess_after": after - baseline})
         return floor
 
-    tuner_module.release_to = release
+    bench_module.release_to = release
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args(argv)
     worker_args = bench._parse(
-        ["--finder-worker", "ours", "--model", args.model, "--headroom", args.headroom]
+        ["--finder-worker", "default", "--model", args.model, "--headroom", args.headroom]
         + ["--budget-bytes", str(int(args.budget_gib * bench.GIB))]
         + (["--quick"] if args.quick else [])
     )
