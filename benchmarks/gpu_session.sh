@@ -43,7 +43,7 @@ failed=0
 parts=("$@")
 declare -A TUNER42_MODELS=([tuner-42a]=gpt,hf-gpt2 [tuner-42b]=resnet [tuner-42c]=gpt-longval,vit)
 TUNER42_ARGS=(--budget-gib 24 --headroom 0.02 --fit-steps 4 --fit-val-batches 1 --true-max fit --parallel 5
-  --finders default,previous-predict,previous-search,binsearch --previous out/previous)
+  --rotate --finders default,previous-predict,previous-search,binsearch --previous out/previous)
 [ ${#parts[@]} -eq 0 ] && parts=(tests monitor microbatch)
 for part in "${parts[@]}"; do
   start=$(date +%s)

@@ -993,6 +993,11 @@ def orchestrate(args: argparse.Namespace) -> int:
         order = [guide, *tuners] if guide else []
         if args.true_max == "none":  # nothing to guide: the tuners in the order asked for (order effects)
             order = [f for f in finders if f in TUNER_FINDERS]
+        if (
+            args.rotate and order
+        ):  # the first process on a model pays for its first kernels: each tuner in turn
+            shift = models.index(model) % len(order)
+            order = order[shift:] + order[:shift]
         for name in order:
             result = entry["finders"][name] = run_finder(runner, model, name, args.headrooms[0])
             if result.get("status") == "ok" and len(result.get("module_trials", [])) != result.get(
@@ -1070,6 +1075,11 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
         default="0.05",
         help="BatchSizeTuner's headroom (every tuner finder runs at the first); further values, comma-separated, run"
         " the guiding tuner (the first of default, predict, ours, previous-predict, previous-search asked for) again",
+    )
+    parser.add_argument(
+        "--rotate",
+        action="store_true",
+        help="rotate the tuners' order from one model to the next (the first process on a model pays 1-2 s more)",
     )
     parser.add_argument("--steps", type=int, default=3, help="training steps of a plain true-max candidate")
     parser.add_argument(
