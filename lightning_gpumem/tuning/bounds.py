@@ -64,6 +64,11 @@ def batches_needed(trainer: pl.Trainer) -> int:
     return 1
 
 
+def batches_run(length: int, limit: int | float) -> float:
+    """The batches of an epoch of ``length`` that ``limit_train_batches`` lets run (Lightning's rule)."""
+    return int(length * limit) if isinstance(limit, float) else min(length, limit)
+
+
 def upper_bound(
     trainer: pl.Trainer, max_val: int | None, length: int | None, drop_last: bool = False
 ) -> int:
@@ -92,8 +97,7 @@ def largest_size_with_batches(samples: int, limit: int | float, need: int, drop_
     """
 
     def batches(size: int) -> float:
-        length = samples // size if drop_last else math.ceil(samples / size)
-        return int(length * limit) if isinstance(limit, float) else min(length, limit)  # Lightning's rule
+        return batches_run(samples // size if drop_last else math.ceil(samples / size), limit)
 
     lo, hi = 1, max(1, samples)
     if batches(hi) >= need:
@@ -127,8 +131,7 @@ def token_bounds(
     need, limit = batches_needed(trainer), trainer.limit_train_batches
 
     def batches(budget: int) -> float:
-        length = len(tokens.plan(budget)) // tokens.num_replicas
-        return int(length * limit) if isinstance(limit, float) else min(length, limit)  # Lightning's rule
+        return batches_run(len(tokens.plan(budget)) // tokens.num_replicas, limit)
 
     if batches(top) >= need or batches(first) < need:
         return first, top

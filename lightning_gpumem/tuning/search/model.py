@@ -371,6 +371,13 @@ class MemoryModel:
                 spread = max(spread, float(abs(last - before)) * max(0.0, float(size) - points[-1][0]))
         return spread + BAND_FLOOR * float(self.reserved(size))
 
+    def backed_off(self, size: int, step: float) -> int | None:
+        """The largest size needing ``step`` (a fraction) less live memory than ``size``.
+
+        Where ``size`` ran out of memory, the next to try (``None``: memory does not bound it).
+        """
+        return self.largest_under(self.need(size) * (1 - step), live_only=True)
+
     def largest_under(
         self, limit: Number, *, live_only: bool = False, anchor: Point | None = None, waste: Number = 0
     ) -> int | None:

@@ -212,8 +212,7 @@ def _back_off(b: Bracket, ev: Evidence) -> Proposal | None:
         return None
     failed = b.last_size if b.last_move is Move.SAFE else b.back_off_from
     step = BACK_OFF_STEP if b.last_move is Move.SAFE else 2 * b.back_off
-    need = ev.model.need(failed)
-    size = ev.model.largest_under(need * (1 - step), live_only=True)
+    size = ev.model.backed_off(failed, step)
     if size is None or not b.lo < size <= b.top:
         return None
     b.back_off, b.back_off_from = step, failed

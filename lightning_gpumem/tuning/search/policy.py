@@ -116,10 +116,10 @@ def search_batch_size(
     bracket = Bracket(lo=size, hi=hi, upper=upper, tolerance=tolerance)
     while True:
         lo = bracket.lo
-        stop = _stop(bracket, trials, limit_bytes, max_trials, tolerance)
+        ev = Evidence(list(trials.values()), limit_bytes)
+        stop = _stop(bracket, ev, len(trials), max_trials, tolerance)
         if stop is not None:
             return SearchResult(lo, tuple(trials.values()), stop)
-        ev = Evidence(list(trials.values()), limit_bytes)
         proposal = next_move(bracket, ev, tolerance)
         move, size = proposal.move, min(max(proposal.size, lo + 1), bracket.top)
         if on_move is not None:
@@ -137,17 +137,15 @@ def search_batch_size(
         bracket.last_move, bracket.last_accepted, bracket.last_size = move, ok, size
 
 
-def _stop(
-    b: Bracket, trials: dict[int, Trial], limit: int | None, max_trials: int, tolerance: float
-) -> StopReason | None:
+def _stop(b: Bracket, ev: Evidence, ran: int, max_trials: int, tolerance: float) -> StopReason | None:
     """Why the search ends now (``None``: it goes on); the one closing rule."""
     if b.lo >= b.top:
         return "bracketed" if b.hi is not None else "upper_bound"
     if b.hi is not None and b.hi - b.lo - 1 <= tolerance * b.lo:
         return "bracketed"
-    if len(trials) >= max_trials:
+    if ran >= max_trials:
         return "max_trials"
-    if b.hi is None and Evidence(list(trials.values()), limit).next_one_crosses(trials[b.lo]):
+    if b.hi is None and ev.next_one_crosses(ev.trial(b.lo)):
         return "predicted"
     return None
 

@@ -75,9 +75,9 @@ def back_off_sizes(model: MemoryModel, size: int, floor: int) -> Iterator[int]:
 
     Only those above ``floor``.
     """
-    need, step = model.need(size), BACK_OFF_STEP
+    step = BACK_OFF_STEP
     while True:
-        smaller = model.largest_under(need * (1 - step), live_only=True)
+        smaller = model.backed_off(size, step)
         if smaller is None or smaller <= floor:
             return
         yield smaller
