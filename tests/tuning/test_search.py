@@ -526,6 +526,32 @@ def test_one_retry_at_the_cap_is_not_a_squeeze_the_gpt_lives_with_its_waste():
     assert result.num_ooms == 1
 
 
+def test_two_probes_on_the_optimizer_steps_plateau_do_not_predict_from_their_slope():
+    """H100, WideMLP (38M parameters, AdamW, ~0.14 MiB a sample), 2 GiB cap (the GPU test's; `on_move` traced in
+    one session). 2, 5 and 12 reserve the same 788 MiB, their live peaks 15-29 KB apart: the optimizer step's
+    temporaries, not activations, set the peak. A line through two of them has a slope of noise, and the safe move
+    took its half-limit size, 32768, then backed off through five more OOMs (14 trials, 7 OOM). On a plateau it
+    jumps through the origin instead, until a point leaves it: 31, then 11379 from the line above it."""
+    measured = {
+        2: (826277888, 824209408, 824209408, 521866240, 0),
+        5: (826277888, 824224256, 824224256, 521991680, 0),
+        12: (826277888, 824252928, 824252928, 522278400, 0),
+        31: (828375040, 824330752, 824330752, 523056640, 0),
+        11379: (2088763392, 1894067712, 1894067712, 988477952, 0),
+        11644: (2126512128, 1920861696, 1920861696, 999582208, 0),
+        11737: (2145386496, 1933445632, 1933445632, 1004159488, 0),
+        **dict.fromkeys([11831, 11882, 12001]),
+    }
+    moves: list[Proposal] = []
+    result = search_batch_size(
+        _replay(measured), init_val=2, upper=32768, limit_bytes=2 * GIB, on_move=moves.append
+    )
+    assert [t.batch_size for t in result.trials] == [2, 5, 12, 31, 11379, 12001, 11882, 11644, 11831, 11737]
+    assert result.batch_size == 11737
+    assert result.num_ooms == 3
+    assert [m.move for m in moves[:4]] == [Move.SAFE] * 4
+
+
 def test_measured_longval_trials_find_the_true_maximum_with_one_oom():
     """H200, GPT-235M validated on 8x longer sequences, 24 GiB cap: validation sets the size; 19 runs, 20 does not.
 

@@ -25,6 +25,7 @@ MAX_GROWTH = Fraction(3, 2)  # reserved grows at most this much faster than live
 FAR = Fraction(95, 100)  # a line's second point is at most this fraction of its first, where one exists
 LARGEST_SIZE = 2**48  # a size past which a line's slope bounds nothing: unbounded
 MIN_INCREMENT = 0.10  # an increment under this fraction of the peak is a plateau, not the per-sample line
+FLAT = 0.005  # two points whose every peak moved less than this fraction, the reserved not at all: a plateau
 PROBE_CEILING = 0.5  # a size chosen to test a line, not to be kept, needs at most this fraction of the limit
 
 Number = int | float | Fraction
@@ -319,6 +320,23 @@ class MemoryModel:
                 if p1 - p0 < MIN_INCREMENT * p1:
                     return False
         return True
+
+    @property
+    def on_plateau(self) -> bool:
+        """Whether the two largest points lie on a plateau.
+
+        The same reserved peak, and live tensors of every stage less than :data:`FLAT` apart: the optimizer
+        step's temporaries hold the peak there, and the slope between the points is noise, not the
+        per-sample memory.
+        """
+        if len(self.probes) < 2:
+            return False
+        low, high = self.probes[-2:]
+        if low.reserved_bytes is None or low.reserved_bytes != high.reserved_bytes:
+            return False
+        pairs = [(low.train_bytes, high.train_bytes), (low.val_bytes, high.val_bytes)]
+        moved = [abs(b - a) >= FLAT * max(a, b) for a, b in pairs if a is not None and b is not None]
+        return bool(moved) and not any(moved)
 
     @property
     def per_sample(self) -> Number:

@@ -125,8 +125,8 @@ class Evidence:
         if self.limit is None or lo.peak_bytes is None or point is None:
             return None
         model = self.model
-        # reserved(b) = reserved(lo) + g * (need(b) - need(lo))
-        if model.measures_live and point.need is not None:
+        # reserved(b) = reserved(lo) + g * (need(b) - need(lo)); not from a plateau's two points
+        if model.measures_live and point.need is not None and not model.on_plateau:
             bound = model.largest_under(self.limit, anchor=point)
             if not model.off_plateau:  # the line may be a plateau's: test it at half the limit first
                 probe = model.largest_under(PROBE_CEILING * self.limit, anchor=point)
