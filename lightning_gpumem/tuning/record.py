@@ -18,6 +18,7 @@ from lightning_gpumem._pl.logging import log_table, log_to_loggers, run_dir
 from lightning_gpumem.tuning.lengths.longest import LongestFirst, margin_tip
 from lightning_gpumem.tuning.lengths.token_budget import TokenBudgetSampler
 from lightning_gpumem.tuning.search import SearchResult, Trial
+from lightning_gpumem.tuning.search.moves import SQUEEZES
 from lightning_gpumem.tuning.trials import session as _session
 
 
@@ -74,6 +75,9 @@ def report(
             f" of the budget and left {searched.margin:.0%} free for the allocator's fragmentation"
             f" (`shape_margin`){margin_tip(shape_margin)}."
         )
+    squeezed = squeeze_warning(name, chosen)
+    if squeezed is not None:
+        rank_zero_warn(squeezed)
     if result.reason == "upper_bound":
         more = (
             "the device could take more."
@@ -98,6 +102,28 @@ def report(
     text = "\n".join(lines)
     log_table(
         trainer, keys.BATCH_SIZE_TRIALS.format(), columns, rows, trainer.global_step, text, "BatchSizeTuner"
+    )
+
+
+def squeeze_warning(name: str, chosen: Trial) -> str | None:
+    """What to say where the size kept ran only by the allocator giving its cache back again and again.
+
+    Its trial met the cap :data:`~lightning_gpumem.tuning.search.moves.SQUEEZES` times or more: the steps
+    ran by flushing the cache, and a later step whose blocks fall differently may not
+    (``docs/batch_size_tuner.md``, "Limits"). ``None``: nothing to say.
+
+    >>> print(squeeze_warning("batch_size", Trial(64, True, retries=3)))
+    BatchSizeTuner: batch_size=64 ran only by the allocator giving its cache back 3 times in the trial; ...
+    >>> squeeze_warning("batch_size", Trial(64, True, retries=1)) is None
+    True
+    """
+    if (chosen.retries or 0) < SQUEEZES:
+        return None
+    return (
+        f"BatchSizeTuner: {name}={chosen.batch_size} ran only by the allocator giving its cache back"
+        f" {chosen.retries} times in the trial; later steps that fragment the cache differently may run out"
+        " of memory. A larger `headroom`, or `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, leaves"
+        " room."
     )
 
 

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 
 from lightning_gpumem import BatchSizeTuner
 from lightning_gpumem._core.units import GIB, MIB
+from lightning_gpumem._hw.probe import MemorySample
 from tests.helpers.fakes import FakeProbe, kept
 from tests.helpers.tuning import (
     CPU_SEARCH,
@@ -570,3 +571,28 @@ def test_with_drop_last_the_size_still_leaves_the_epoch_a_batch_after_limit_trai
     trainer.fit(model)
     assert tuner.optimal_batch_size == 150  # 300 // 150 = 2 batches, half of them is 1
     assert trainer.global_step == 1
+
+
+class SqueezingProbe(FakeProbe):
+    """Every read finds the allocator met the cap twice more: each trial ran by flushing its cache."""
+
+    def read(self, *, nvml: bool = True, host: bool = True) -> MemorySample:
+        self.retries += 2
+        return super().read(nvml=nvml, host=host)
+
+
+def test_a_size_that_ran_only_by_flushing_the_cache_again_and_again_is_kept_with_a_warning():
+    probe = SqueezingProbe(base=2 * GIB, total=80 * GIB)
+    model = MemoryModel(probe, per_sample=300 * MIB, n=100_000)
+    tuner = FakeTuner(probe, budget="24GiB", headroom=0.1, include_validation=False)
+    with pytest.warns(UserWarning, match=r"ran only by the allocator giving its cache back \d+ times"):
+        tuner_trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
+    assert tuner.trials[-1].retries >= 2
+
+
+def test_a_size_whose_trial_never_flushed_the_cache_is_kept_without_that_warning(recwarn):
+    probe = FakeProbe(base=2 * GIB, total=80 * GIB, retries=3)  # a constant counter: 0 retries in each trial
+    model = MemoryModel(probe, per_sample=300 * MIB, n=100_000)
+    tuner = FakeTuner(probe, budget="24GiB", headroom=0.1, include_validation=False)
+    tuner_trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
+    assert not [w for w in recwarn if "giving its cache back" in str(w.message)]
