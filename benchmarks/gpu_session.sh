@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_session.sh [PART]...   (default: tests monitor microbatch)
 #   PART: tests, monitor, microbatch, microbatch-gpt, microbatch-gpt-profile, profile, tuner, tuner-gpt, tuner-resnet,
 #         tuner-resnet-12, tuner-longval, plan, plan-expandable, tuner-predict, tuner-predict-12, tuner-42a, tuner-42b,
-#         tuner-42c, token-budget, ddp2
+#         tuner-42c, tuner-42-all, token-budget, ddp2
 #
 # plan: MemoryPlanner's predictions against measured peaks on six workloads (benchmarks/plan.py) -> plan.json, .log;
 # plan-expandable: the same for the two GPTs with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; tuner-predict:
@@ -21,6 +21,10 @@
 # three parts of about 6-8 minutes each on an H100 (TUNER_MODELS overrides a part's list): tuner-42a: gpt, hf-gpt2
 # (transformers' GPT2LMHeadModel, GPT-2 medium config, random init); tuner-42b: resnet; tuner-42c: gpt-longval, vit
 # -> tuner-42a.json, .log and so on. TUNER_S (default 540) bounds each part; --time-limit is 30 s under it.
+#
+# tuner-42-all: the five workloads of tuner-42a/b/c in one part, without the true-maximum search (the true maxima
+# are the model's and the cap's, measured by the three parts) and without previous-predict: the default, the
+# previous method="search" and binsearch, about 8-9 minutes on an H100 -> tuner-42-all.json, .log.
 #
 # token-budget: TokenBudgetSampler with a tuned max_tokens against BatchSizeFinder, the worst-case batch size and a
 # hand-set budget, one epoch each (benchmarks/token_budget.py; TOKEN_ATTENTION, TOKEN_DATASETS, TOKEN_CONFIGS,
@@ -93,6 +97,10 @@ for part in "${parts[@]}"; do
     tuner-42a|tuner-42b|tuner-42c) HF_HUB_OFFLINE=1 timeout ${TUNER_S:-540} python3 benchmarks/tuner.py \
       --models ${TUNER_MODELS:-${TUNER42_MODELS[$part]}} "${TUNER42_ARGS[@]}" --time-limit $(( ${TUNER_S:-540} - 30 )) \
       --json "$OUT/$part.json" > "$OUT/$part.log" 2>&1 ;;
+    tuner-42-all) HF_HUB_OFFLINE=1 timeout ${TUNER_S:-560} python3 benchmarks/tuner.py \
+      --models ${TUNER_MODELS:-gpt,hf-gpt2,resnet,gpt-longval,vit} --budget-gib 24 --headroom 0.02 --fit-steps 4 \
+      --fit-val-batches 1 --true-max none --rotate --finders default,previous-search,binsearch \
+      --previous out/previous --time-limit $(( ${TUNER_S:-560} - 60 )) --json "$OUT/$part.json" > "$OUT/$part.log" 2>&1 ;;
     token-budget) name=token-budget-${TOKEN_ATTENTION:-sdpa}${TOKEN_EXPANDABLE:+-expandable}${TOKEN_SHAPE_MARGIN:+-margin$TOKEN_SHAPE_MARGIN}
       timeout ${TOKEN_S:-420} python3 benchmarks/token_budget.py --attention ${TOKEN_ATTENTION:-sdpa} \
       --datasets ${TOKEN_DATASETS:-zipf,skewed} --configs ${TOKEN_CONFIGS:-worst,tuned,hand,finder} \
