@@ -1,8 +1,8 @@
 """Private attributes of foreign objects are touched only in the modules CONTRIBUTING lists, each guarded.
 
 A scan of the package's syntax trees finds every private name it reaches on an object that is not its own
-(``x._name`` with ``x`` not ``self``/``cls``, ``getattr(x, "_name")``, ``from torch... import _name``, and private
-names spelt as strings, as patching and state tables do). Each must be listed for its module in CONTRIBUTING's
+(``x._name`` with ``x`` not ``self``/``cls``, ``getattr(x, "_name")``, ``from torch... import _name``, a private
+module's path, ``from torch._x import ...``, and private names spelt as strings, as patching and state tables do). Each must be listed for its module in CONTRIBUTING's
 "Private access" table, and each listed name must appear in ``test_lightning_internals.py``, the test that fails
 loudly when a Lightning or torch upgrade removes it.
 """
@@ -44,6 +44,11 @@ def private_names(source: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             if not node.module.startswith("lightning_gpumem"):
                 found |= {alias.name for alias in node.names if _is_private(alias.name)}
+                found |= {part for part in node.module.split(".") if _is_private(part)}
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if not alias.name.startswith("lightning_gpumem"):
+                    found |= {part for part in alias.name.split(".") if _is_private(part)}
         elif (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Name)
@@ -155,6 +160,8 @@ def test_every_listed_private_name_is_guarded_by_the_internals_test():
             {"_MultiProcessingDataLoaderIter"},
         ),
         ("from lightning_gpumem._core.units import GIB", set()),
+        ("from torch._subclasses.fake_tensor import FakeTensorMode", {"_subclasses"}),
+        ("import torch._dynamo", {"_dynamo"}),
         ("patch(loop, '_on_before_zero_grad', f)", {"_on_before_zero_grad"}),
         ("point._fields; obj.__class__", set()),
         ("NAMES = ('_update_count', '_computed')", {"_update_count", "_computed"}),

@@ -242,6 +242,34 @@ def test_torch_and_torchmetrics_privates_the_package_uses_exist():
     assert set(metric.metric_state) == {"mean_value", "weight"}
 
 
+def test_torch_fake_tensor_privates_the_trace_uses_exist():
+    """_hw/trace.py: torch._subclasses.fake_tensor and torch.utils._python_dispatch, on every supported torch."""
+    import weakref
+
+    import torch
+    from torch._subclasses import fake_tensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    for name in (
+        "FakeTensorMode",
+        "DataDependentOutputException",
+        "DynamicOutputShapeException",
+        "UnsupportedFakeTensorException",
+        "UnsupportedOperatorException",
+    ):
+        assert isinstance(getattr(fake_tensor, name), type), name
+    assert isinstance(TorchDispatchMode, type)
+    assert callable(torch.native_dropout)
+    assert torch.ops.aten.lift_fresh.default is not None
+    assert torch.ops.aten.lift_fresh_copy.default is not None
+    with fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
+        tensor = torch.empty(4)
+        storage = weakref.ref(tensor.untyped_storage())
+        assert storage() is not None  # alive while its tensor is: the trace's frees follow storages
+        del tensor
+    assert storage() is None
+
+
 def test_lightning_private_helpers_the_package_imports_exist():
     from lightning.fabric.utilities.data import _set_sampler_epoch  # tuning/loaders.py
     from lightning.fabric.utilities.optimizer import _optimizers_to_device  # tuning/trials.py

@@ -1,0 +1,764 @@
+"""A training step traced on fake tensors: the allocations and frees it would ask of the CUDA allocator.
+
+Why: the tuner and the planner want a batch size's reserved peak without running the batch on the GPU. The
+ordered stream of requests (``_core/alloc_events.Event``) replayed through a model of the caching allocator
+(``tuning/sources/allocator.py``) gives it, on a machine without a GPU.
+
+How. The module, the optimizer and the batches are copied onto fake tensors (``FakeTensorMode``: shapes,
+dtypes and strides, no memory) and the steps run on the copies under a recording ``TorchDispatchMode``. Each
+op's output whose storage was not seen before is an allocation of the storage's ``nbytes``; its free is the
+death of the storage's Python object (torch keeps one object per storage while the storage lives, so a weak
+reference to it dies with the storage). Views and in-place results share a storage and allocate nothing.
+The steps follow Lightning's automatic optimization: forward, ``zero_grad(set_to_none=True)``, backward,
+``optimizer.step()``; a step's gradients live until the next step's ``zero_grad``, through its forward and
+through validation.
+
+The copies are fake *CPU* tensors: on a CPU-only torch, autograd aborts the process on a fake CUDA tensor (a
+device named in the forward, ``x.cuda()`` or ``device="cuda"``, is taken as the CPU). What CUDA does
+differently is applied by hand, in the forward and in forwards that activation checkpointing recomputes:
+
+- an optimizer whose ``foreach`` is left to torch (``None``) takes the multi-tensor path, as on CUDA, whose
+  temporaries set the peak at small batches; an explicit ``False`` or ``fused`` is kept;
+- with ``autocast_dtype``, CUDA autocast's op lists are applied to torch's Python functions (lower precision,
+  float32, float32 through ``dtype=``, the widest type; a float32 weight is cast once per forward, as
+  autocast caches it). CPU autocast's lists differ: on CUDA ``layer_norm``, ``softmax``, ``pow`` and the
+  losses give float32;
+- ``F.scaled_dot_product_attention`` takes a fused kernel's memory instead of CPU's math path: FlashAttention
+  for half precision without a mask (output, float32 logsumexp; in backward dq, dk, dv and the kernel's
+  float32 ``softmax_d`` and ``dq_accum``), memory-efficient attention otherwise (output, float32 logsumexp
+  padded to 32 rows when gradients are needed, a boolean mask as a bias padded to 16 columns; dq, dk, dv);
+- ``F.dropout`` keeps CUDA's one-byte mask (``native_dropout``) instead of CPU's input-sized one;
+- tensors made from Python data (``torch.tensor``), what is computed from them alone, and 0-d optimizer state
+  are host memory, as the optimizers' step counters are on CUDA.
+
+Not in the stream: what kernels allocate inside themselves besides the attention buffers above (cuBLAS and
+cuDNN workspaces, the memory-efficient attention backward's workspace, embedding backward's sort buffers),
+fused attention's few bytes of RNG state, and what ``GradScaler`` adds. A data-dependent op (``.item()`` on
+a computed value, ``nonzero``, boolean indexing) or an op without a fake kernel ends the trace with
+``cannot_trace`` naming the op and the module it ran in.
+
+Private torch: ``torch._subclasses.fake_tensor`` (``FakeTensorMode`` and the exceptions it raises) and
+``torch.utils._python_dispatch.TorchDispatchMode``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import weakref
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedFakeTensorException,
+    UnsupportedOperatorException,
+)
+from torch.optim import Optimizer
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_gpumem._core.alloc_events import Event
+from lightning_gpumem._core.checks import require_int
+
+Step = Callable[[nn.Module, Any], Any]
+MakeOptimizer = Callable[[Iterable[nn.Parameter]], Optimizer]
+
+# What fake tensors cannot do: read values, give data-dependent shapes, run ops without a fake kernel.
+_UNTRACEABLE = (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    UnsupportedOperatorException,
+    UnsupportedFakeTensorException,
+    NotImplementedError,
+)
+_FROM_DATA = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
+_HALF = (torch.float16, torch.bfloat16)
+_UNTRACKED, _HOST = 0, -1  # a storage's state besides its block: there before the trace, or host memory
+
+# CUDA autocast's op lists (aten/src/ATen/autocast_mode.cpp), by the name of torch's Python function.
+_LOWER = "lower"  # floating arguments cast to the autocast dtype
+_FP32 = "fp32"  # half-precision arguments cast to float32
+_FP32_DTYPE = "fp32_dtype"  # a half-precision input run with dtype=torch.float32
+_PROMOTE = "promote"  # floating arguments cast to the widest among them
+_LOWER_OPS = """linear matmul __matmul__ __rmatmul__ mm mv bmm addmm addmv addr baddbmm addbmm einsum
+    chain_matmul multi_dot linalg_vecdot conv1d conv2d conv3d conv_tbc conv_transpose1d conv_transpose2d
+    conv_transpose3d prelu lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell scaled_dot_product_attention"""
+_FP32_OPS = """acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow __pow__
+    __rpow__ __rdiv__ __rtruediv__ softplus layer_norm group_norm cosine_similarity poisson_nll_loss
+    cosine_embedding_loss nll_loss hinge_embedding_loss kl_div l1_loss smooth_l1_loss huber_loss mse_loss
+    margin_ranking_loss multilabel_margin_loss soft_margin_loss triplet_margin_loss multi_margin_loss
+    binary_cross_entropy_with_logits cross_entropy dist pdist cdist renorm logsumexp"""
+_FP32_DTYPE_OPS = "softmax log_softmax softmin cumsum cumprod sum prod linalg_vector_norm linalg_matrix_norm"
+_PROMOTE_OPS = "addcdiv addcmul atan2 bilinear cross dot vdot grid_sample index_put tensordot scatter_add"
+_AUTOCAST = {
+    name: policy
+    for names, policy in (
+        (_LOWER_OPS, _LOWER),
+        (_FP32_OPS, _FP32),
+        (_FP32_DTYPE_OPS, _FP32_DTYPE),
+        (_PROMOTE_OPS, _PROMOTE),
+    )
+    for name in names.split()
+}
+
+
+@dataclass(frozen=True)
+class Trace:
+    """What a traced training step asked of the allocator.
+
+    Attributes:
+        events: allocations and frees in order, parameters, buffers and optimizer state first; marks
+            ``"train"`` at each training step, ``"optimizer"`` before each ``optimizer.step()``, ``"val"``
+            before validation.
+        cannot_trace: why the trace stopped early (``"cannot trace: aten.nonzero at `head` (Linear)"``), else
+            ``None``; ``events`` then holds what came before.
+    """
+
+    events: list[Event] = field(default_factory=list)
+    cannot_trace: str | None = None
+
+
+def trace_training(
+    module: nn.Module,
+    make_optimizer: MakeOptimizer | Optimizer,
+    step: Step,
+    batch: Any,
+    *,
+    steps: int = 2,
+    validate: Step | None = None,
+    val_batch: Any = None,
+    autocast_dtype: torch.dtype | None = None,
+) -> Trace:
+    """Trace ``steps`` training steps (and a validation step) on fake copies, as they would run on a GPU.
+
+    The module, the optimizer and the batches are untouched: the steps run on fake copies (the module's other
+    attributes are deep-copied, or shared where they are neither tensors, modules nor containers), in the
+    order of Lightning's automatic optimization: forward, ``zero_grad(set_to_none=True)``, backward,
+    ``optimizer.step()``.
+
+    Args:
+        module: the network, on any device; its parameters and buffers are counted as on the GPU.
+        make_optimizer: builds the optimizer from parameters; or an optimizer of ``module``'s parameters,
+            copied with its state (its 0-d state, the step counters, read as numbers).
+        step: ``step(module, batch)`` returns the loss (or a mapping with ``"loss"``).
+        batch: what ``step`` gets; each step has its own copy on the GPU, freed after ``optimizer.step()``.
+        steps: training steps to trace; the second is the first with gradients and optimizer state.
+        validate: ``validate(module, batch)`` after the training steps, in ``eval()`` under
+            ``torch.no_grad()``.
+        val_batch: what ``validate`` gets (``batch`` when ``None``).
+        autocast_dtype: ``torch.float16`` or ``torch.bfloat16`` to run ``step`` and ``validate`` under CUDA's
+            autocast policy, as Lightning's mixed precision does.
+
+    Returns:
+        The :class:`Trace`; a step that cannot be traced gives ``cannot_trace`` rather than raising. Errors
+        of the step's own propagate.
+
+    Example:
+        >>> net = nn.Linear(4, 2)
+        >>> trace = trace_training(net, lambda ps: torch.optim.SGD(ps, lr=0.1), lambda m, x: m(x).sum(),
+        ...                        torch.ones(3, 4))
+        >>> [e.size for e in trace.events[:3]], trace.cannot_trace
+        ([32, 8, 0], None)
+    """
+    require_int("trace_training", "steps", steps, 1)
+    _check_callables(make_optimizer, step, validate)
+    if autocast_dtype is not None and autocast_dtype not in _HALF:
+        raise ValueError(
+            f"`trace_training(autocast_dtype={autocast_dtype!r})` is not valid. Expected torch.float16, "
+            "torch.bfloat16 or None."
+        )
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with torch.device("cpu"):  # the stand-in for the GPU, whatever default device the caller set
+        fake_module, fakes = _fake_module(module, mode)
+        optimizer = _fake_optimizer(make_optimizer, fake_module, fakes, mode)
+        with mode:
+            return _record(
+                fake_module,
+                optimizer,
+                step,
+                _fake_data(batch),
+                steps=steps,
+                validate=validate,
+                val_batch=_fake_data(val_batch),
+                policy=_CudaPolicy(autocast_dtype),
+            )
+
+
+def record_training(
+    module: nn.Module,
+    optimizer: Optimizer,
+    step: Step,
+    batch: Any,
+    *,
+    steps: int = 2,
+    validate: Step | None = None,
+    val_batch: Any = None,
+) -> Trace:
+    """Record the steps :func:`trace_training` runs on the module, optimizer and batches given, as they are.
+
+    On real CPU tensors this is the real step (it trains the module): what the trace is checked against. No
+    copy is made and CUDA's behaviour is not applied (the optimizer's ``foreach`` is as given); tensors made
+    from Python data and 0-d optimizer state are host memory here too.
+
+    Args:
+        module: the network.
+        optimizer: its optimizer.
+        step: as for :func:`trace_training`.
+        batch: as for :func:`trace_training`.
+        steps: as for :func:`trace_training`.
+        validate: as for :func:`trace_training`.
+        val_batch: as for :func:`trace_training`.
+
+    Returns:
+        The :class:`Trace`.
+    """
+    require_int("record_training", "steps", steps, 1)
+    return _record(
+        module,
+        optimizer,
+        step,
+        batch,
+        steps=steps,
+        validate=validate,
+        val_batch=val_batch,
+        policy=None,
+    )
+
+
+def _record(
+    module: nn.Module,
+    optimizer: Optimizer,
+    step: Step,
+    batch: Any,
+    *,
+    steps: int,
+    validate: Step | None,
+    val_batch: Any,
+    policy: _CudaPolicy | None,
+) -> Trace:
+    cuda = contextlib.nullcontext() if policy is None else policy
+    recorder = _Recorder()
+    handles = recorder.follow(module) + ([] if policy is None else policy.follow(module))
+    try:
+        with recorder:
+            recorder.register(module.parameters(), host=False)
+            recorder.register(module.buffers(), host=False)
+            for state in _optimizer_state(optimizer):
+                recorder.register([state], host=state.dim() == 0)
+            for _ in range(steps):
+                recorder.mark("train")
+                module.train()
+                device_batch = _copy_tensors(batch)
+                with cuda:
+                    loss = _loss(step(module, device_batch))
+                if policy is not None:
+                    policy.forward_done()
+                recorder.phase = "optimizer.zero_grad"
+                optimizer.zero_grad(set_to_none=True)
+                recorder.phase = "backward"
+                loss.backward()
+                del loss
+                recorder.mark("optimizer")
+                optimizer.step()
+                del device_batch
+            if validate is not None:
+                recorder.mark("val")
+                module.eval()
+                with torch.no_grad(), cuda:
+                    validate(module, _copy_tensors(batch if val_batch is None else val_batch))
+                module.train()
+    except _CannotTrace as error:
+        return Trace(recorder.close(), str(error))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return Trace(recorder.close())
+
+
+class _CannotTrace(Exception):
+    """A fake tensor could not do what the step asked; the message says what and where."""
+
+
+class _Recorder(TorchDispatchMode):
+    """Records each new output storage as an allocation and its death as a free."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[Event] = []
+        self.phase = "setup"
+        self.modules: list[str] = []  # the forwards running, innermost last
+        self._state: dict[int, int] = {}  # id of a live storage object -> its block, _UNTRACKED or _HOST
+        self._sizes: dict[int, int] = {}  # block -> bytes
+        self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self._next_block = 1
+        self._closed = False
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        states = [self._known(tensor) for tensor in _tensors((args, kwargs))]
+        try:
+            out = func(*args, **kwargs)
+        except _UNTRACEABLE as error:
+            raise _CannotTrace(f"cannot trace: {_op_name(func)} {self._where()}") from error
+        if func in _FROM_DATA:  # a tensor made from Python data (fake: a new one; real: the same)
+            for tensor in _tensors((args, out)):
+                self._see(tensor, host=True)
+            return out
+        host = bool(states) and all(state == _HOST for state in states)
+        for tensor in _tensors(out):
+            self._see(tensor, host=host)
+        return out
+
+    def follow(self, module: nn.Module) -> list[Any]:
+        """Hooks that keep :attr:`modules` the path of the forward running (for ``cannot_trace``)."""
+        handles = []
+        for name, child in module.named_modules():
+            label = f"`{name}` ({type(child).__name__})" if name else f"the module ({type(child).__name__})"
+            handles.append(child.register_forward_pre_hook(partial(self._enter, label)))
+            handles.append(child.register_forward_hook(self._leave, always_call=True))
+        return handles
+
+    def _enter(self, label: str, _module: nn.Module, _args: Any) -> None:
+        self.modules.append(label)
+
+    def _leave(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        self.modules.pop()
+
+    def register(self, tensors: Iterable[Tensor], host: bool) -> None:
+        """Count tensors that exist before the steps (parameters, buffers, optimizer state) as allocated."""
+        for tensor in tensors:
+            self._see(tensor, host=host)
+
+    def mark(self, label: str) -> None:
+        self.phase = {"train": "the step function", "optimizer": "optimizer.step", "val": "validate"}[label]
+        self.events.append(Event("mark", label=label))
+
+    def close(self) -> list[Event]:
+        """Stop recording (frees after the trace, of the copies, are not part of it); the events."""
+        self._closed = True
+        return self.events
+
+    def _where(self) -> str:
+        return f"at {self.modules[-1]}" if self.modules else f"in {self.phase}"
+
+    def _known(self, tensor: Tensor) -> int | None:
+        """An input's state; a storage never seen (made outside the trace) is noted as untracked."""
+        storage = _storage(tensor)
+        if storage is None:
+            return None
+        state = self._state.get(id(storage))
+        if state is None:
+            state = self._track(storage, _UNTRACKED)
+        return state
+
+    def _see(self, tensor: Tensor, host: bool) -> None:
+        storage = _storage(tensor)
+        if storage is None:
+            return
+        if id(storage) in self._state:
+            if host and self._state[id(storage)] == _UNTRACKED:
+                self._state[id(storage)] = _HOST
+            return
+        size = storage.nbytes()
+        if host or size == 0:
+            self._track(storage, _HOST if host else _UNTRACKED)
+            return
+        block = self._track(storage, self._next_block)
+        self._next_block += 1
+        self._sizes[block] = size
+        self.events.append(Event("alloc", block=block, size=size))
+
+    def _track(self, storage: torch.UntypedStorage, state: int) -> int:
+        key = id(storage)
+        self._state[key] = state
+        self._refs[key] = weakref.ref(storage, lambda _ref: self._died(key))
+        return state
+
+    def _died(self, key: int) -> None:
+        self._refs.pop(key, None)
+        block = self._state.pop(key, _UNTRACKED)
+        if block > 0 and not self._closed:
+            self.events.append(Event("free", block=block, size=self._sizes.pop(block)))
+
+
+class _CudaPolicy(TorchFunctionMode):
+    """What CUDA does that CPU does not, in a forward: autocast's lists, fused attention, dropout's mask.
+
+    A GPU named in a call becomes the CPU, the trace's stand-in for it (a fake CUDA tensor would abort a
+    CPU-only torch): ``x.cuda()`` and ``x.to("cuda")`` are then the no-ops they are on a tensor on the GPU.
+    """
+
+    def __init__(self, autocast_dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.autocast_dtype = autocast_dtype
+        self._casts: dict[int, tuple[Tensor, Tensor]] = {}  # autocast's cache: id(weight) -> weight, cast
+        self._forward_done = False  # a module's forward after the step's: checkpointing recomputes it
+        self._reentered: list[bool] = []  # per module forward running: whether it entered the policy again
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        name = getattr(func, "__name__", "")
+        args = tuple(_on_cpu(arg, name == "to") for arg in args)
+        kwargs = {key: _on_cpu(value, key == "device") for key, value in (kwargs or {}).items()}
+        if name == "cuda" and args and isinstance(args[0], Tensor):
+            return args[0]
+        if self.autocast_dtype is not None and name in _AUTOCAST:
+            args, kwargs = self._autocast(_AUTOCAST[name], args, kwargs)
+        if name == "scaled_dot_product_attention":
+            return _attention(func, args, kwargs)
+        if name == "dropout":
+            return _dropout(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def __enter__(self) -> _CudaPolicy:
+        self._forward_done = False
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._casts.clear()  # as autocast's cache is, on leaving its region
+        super().__exit__(*exc)
+
+    def forward_done(self) -> None:
+        """The step's forward is over; a module's forward from now on is recomputed by checkpointing."""
+        self._forward_done = True
+
+    def follow(self, module: nn.Module) -> list[Any]:
+        """Hooks that enter the policy again for a forward recomputed in backward (activation checkpointing).
+
+        The autograd engine runs backward without its caller's function modes; checkpointing runs forwards
+        again there, in autocast's state of the forward (with a cache of its own), and they must see what the
+        forward saw (CUDA's dropout, attention and casts), or their tensors' metadata differ.
+        """
+        handles = []
+        for child in module.modules():
+            handles.append(child.register_forward_pre_hook(self._module_begins))
+            handles.append(child.register_forward_hook(self._module_ends, always_call=True))
+        return handles
+
+    def _module_begins(self, _module: nn.Module, _args: Any) -> None:
+        again = self._forward_done and not any(self._reentered)
+        self._reentered.append(again)
+        if again:
+            super().__enter__()
+
+    def _module_ends(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        if self._reentered.pop():
+            self.__exit__(None, None, None)
+
+    def _autocast(
+        self, policy: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        floating = [tensor for tensor in _tensors((args, kwargs)) if tensor.is_floating_point()]
+        if not floating:
+            return args, kwargs
+        if policy == _FP32_DTYPE:
+            has_dtype = "dtype" in kwargs or any(isinstance(arg, torch.dtype) for arg in args)
+            if floating[0].dtype in _HALF and not has_dtype:
+                kwargs = {**kwargs, "dtype": torch.float32}
+            return args, kwargs
+        if policy == _PROMOTE:
+            target = floating[0].dtype
+            for tensor in floating[1:]:
+                target = torch.promote_types(target, tensor.dtype)
+        else:
+            target = self.autocast_dtype if policy == _LOWER else torch.float32  # type: ignore[assignment]
+
+        def cast(value: Any) -> Any:
+            if isinstance(value, (list, tuple)):
+                return type(value)(cast(item) for item in value)
+            if isinstance(value, Tensor) and _casts_to(value, policy, target):
+                return self._cast(value, target)
+            return value
+
+        return tuple(cast(arg) for arg in args), {key: cast(value) for key, value in kwargs.items()}
+
+    def _cast(self, tensor: Tensor, dtype: torch.dtype) -> Tensor:
+        """``tensor.to(dtype)``; a float32 weight's cast made once in the region, as autocast caches it."""
+        cacheable = dtype == self.autocast_dtype and tensor.dtype == torch.float32
+        if not (cacheable and tensor.requires_grad and tensor.is_leaf):
+            return tensor.to(dtype)
+        cached = self._casts.get(id(tensor))
+        if cached is None:
+            cached = self._casts[id(tensor)] = (tensor, tensor.to(dtype))
+        return cached[1]
+
+
+def _casts_to(tensor: Tensor, policy: str, target: torch.dtype) -> bool:
+    """Whether autocast casts an argument (floating; not float64, except to promote; to float32 if half)."""
+    if not tensor.is_floating_point() or tensor.dtype == target:
+        return False
+    if policy == _FP32:
+        return tensor.dtype in _HALF
+    return policy == _PROMOTE or tensor.dtype != torch.float64
+
+
+def _on_cpu(value: Any, names_device: bool) -> Any:
+    """A GPU device named in a call, as the CPU; a string only where it names a device."""
+    if isinstance(value, torch.device) and value.type not in ("cpu", "meta"):
+        return torch.device("cpu")
+    if names_device and isinstance(value, str) and value.split(":")[0] not in ("cpu", "meta"):
+        try:
+            torch.device(value)
+        except RuntimeError:
+            return value
+        return "cpu"
+    return value
+
+
+def _attention(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``F.scaled_dot_product_attention`` with the memory of the fused kernel CUDA would pick."""
+    query, key, value = (
+        args[i] if len(args) > i else kwargs[name] for i, name in enumerate(("query", "key", "value"))
+    )
+    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+    shapes_fit = query.dim() == key.dim() == value.dim() == 4
+    if not shapes_fit or query.dtype == torch.float64 or (isinstance(mask, Tensor) and mask.requires_grad):
+        return func(*args, **kwargs)
+    head_dim = query.shape[-1]
+    flash = (
+        query.dtype in _HALF
+        and mask is None
+        and head_dim <= 256
+        and head_dim % 8 == 0
+        and value.shape[-1] == head_dim
+    )
+    if isinstance(mask, Tensor):  # a boolean mask becomes a bias; its rows are padded to 16 elements
+        bias = mask if mask.is_floating_point() else torch.empty_like(mask, dtype=query.dtype)
+        if bias.shape[-1] % 16:
+            padded = bias.new_empty((*bias.shape[:-1], _round_up(bias.shape[-1], 16)))
+            bias = padded[..., : bias.shape[-1]]
+        mask = bias
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    return _FusedAttention.apply(query, key, value, mask, flash, needs_grad)
+
+
+class _FusedAttention(torch.autograd.Function):
+    """The buffers of FlashAttention or memory-efficient attention on CUDA; values are not computed."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        bias: Tensor | None,
+        flash: bool,
+        needs_grad: bool,
+    ) -> Tensor:
+        batch, heads, length, _ = query.shape
+        # the kernels write (batch, length, heads, dim) and return it transposed
+        out = query.new_empty((batch, length, heads, value.shape[-1])).transpose(1, 2)
+        logsumexp = None
+        if flash or needs_grad:
+            rows = length if flash else _round_up(length, 32)
+            logsumexp = query.new_empty((batch, heads, rows), dtype=torch.float32)
+        ctx.flash = flash
+        ctx.save_for_backward(query, key, value, bias, out, logsumexp)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        query, key, value, _, _, _ = ctx.saved_tensors
+        grads = [_like_transposed(tensor) for tensor in (query, key, value)]
+        if ctx.flash:  # flash_api.cpp's mha_bwd: softmax_d and dq_accum (and GQA's expanded dk, dv)
+            batch, heads, length, dim = query.shape
+            rows = _round_up(length, 128)
+            softmax_d = query.new_empty((batch, heads, rows), dtype=torch.float32)
+            accum = query.new_empty(
+                (batch, rows, heads, _round_up(dim, 32 if dim <= 128 else 64)), dtype=torch.float32
+            )
+            expanded = []
+            if key.shape[1] != heads:
+                expanded = [query.new_empty((batch, key.shape[2], heads, dim)) for _ in range(2)]
+            del expanded, accum, softmax_d
+        return (*grads, None, None, None)
+
+
+def _dropout(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Dropout as CUDA runs it: ``native_dropout``, whose mask is one byte an element."""
+    names = ("input", "p", "training", "inplace")  # F.dropout's; torch.dropout's are (input, p, train)
+    bound = {**dict(zip(names, args, strict=False)), **kwargs}
+    training = bound.get("training", bound.get("train", True))
+    p = bound.get("p", 0.5)
+    tensor = bound.get("input")
+    if bound.get("inplace", False) or not training or not 0 < p < 1 or not isinstance(tensor, Tensor):
+        return func(*args, **kwargs)
+    return torch.native_dropout(tensor, p, True)[0]
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _like_transposed(tensor: Tensor) -> Tensor:
+    """A (batch, heads, length, dim) tensor laid out (batch, length, heads, dim), as the kernels make it."""
+    batch, heads, length, dim = tensor.shape
+    return tensor.new_empty((batch, length, heads, dim)).transpose(1, 2)
+
+
+def _fake_module(module: nn.Module, mode: FakeTensorMode) -> tuple[nn.Module, dict[int, Tensor]]:
+    """A copy of ``module`` on fake CPU tensors; the fakes by id of the real parameters and buffers.
+
+    Its attributes and their containers' items (hooks' dictionaries) are copied if tensors (as fakes, not
+    counted: an attribute is not moved to the device), modules or containers, and shared otherwise (a config,
+    a trainer, a hook): a deep copy would reach far.
+    """
+    fakes: dict[int, Tensor] = {}
+    memo: dict[int, Any] = {}
+    containers = (nn.Module, dict, list, tuple, set)
+    with mode:
+        for tensor in (*module.parameters(), *module.buffers()):
+            fakes[id(tensor)] = memo[id(tensor)] = _fake_like(tensor)
+        for child in module.modules():
+            for value in vars(child).values():
+                items = value.values() if isinstance(value, dict) else value
+                for item in items if isinstance(value, (dict, list, tuple, set)) else [value]:
+                    if isinstance(item, Tensor) and id(item) not in memo:
+                        memo[id(item)] = _fake_like(item)
+                    elif not isinstance(item, (Tensor, *containers)):
+                        memo[id(item)] = item
+    return copy.deepcopy(module, memo), fakes  # outside the mode: a real tensor further down is copied as is
+
+
+def _fake_optimizer(
+    make: MakeOptimizer | Optimizer, module: nn.Module, fakes: dict[int, Tensor], mode: FakeTensorMode
+) -> Optimizer:
+    """The optimizer of the fake module, its ``foreach`` left to torch set as CUDA would."""
+    if isinstance(make, Optimizer):
+        # 0-d state (the step counters) is read: the optimizer computes with its value
+        numbers = {
+            id(value): value.item()
+            for values in make.state.values()
+            for value in values.values()
+            if isinstance(value, Tensor) and value.dim() == 0 and value.device.type != "meta"
+        }
+        with mode:
+            for param in (p for group in make.param_groups for p in group["params"] if id(p) not in fakes):
+                fakes[id(param)] = _fake_like(param)  # a parameter outside the module
+            groups = [
+                {**group, "params": [fakes[id(p)] for p in group["params"]]} for group in make.param_groups
+            ]
+            state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
+            for group, fake_group in zip(make.param_groups, groups, strict=True):
+                for param, fake in zip(group["params"], fake_group["params"], strict=True):
+                    if param in make.state:
+                        state[fake] = {key: _fake_state(v, numbers) for key, v in make.state[param].items()}
+        optimizer = type(make).__new__(type(make))
+        optimizer.__setstate__({"defaults": dict(make.defaults), "state": state, "param_groups": groups})
+    else:
+        with mode:
+            optimizer = make(module.parameters())
+    for group in optimizer.param_groups:
+        if (
+            "foreach" in group
+            and group["foreach"] is None
+            and not group.get("fused")
+            and not group.get("differentiable")
+        ):
+            group["foreach"] = True
+    return optimizer
+
+
+def _fake_state(value: Any, numbers: dict[int, Any]) -> Any:
+    if not isinstance(value, Tensor):
+        return copy.deepcopy(value)
+    if id(value) in numbers:
+        return torch.tensor(numbers[id(value)], dtype=value.dtype)  # made from data: a host constant
+    return _fake_like(value)
+
+
+def _fake_like(tensor: Tensor) -> Tensor:
+    fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
+    if isinstance(tensor, nn.Parameter):
+        return nn.Parameter(fake, requires_grad=tensor.requires_grad)
+    return fake.requires_grad_(tensor.requires_grad)
+
+
+def _fake_data(data: Any) -> Any:
+    return _map_tensors(data, _fake_like)
+
+
+def _copy_tensors(data: Any) -> Any:
+    """The batch as the step gets it: a copy on the device, allocated when the step starts."""
+    return _map_tensors(data, lambda tensor: tensor.clone())
+
+
+def _map_tensors(data: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    if isinstance(data, Tensor):
+        return fn(data)
+    if isinstance(data, Mapping):
+        return type(data)({key: _map_tensors(value, fn) for key, value in data.items()})  # type: ignore[call-arg]
+    if isinstance(data, tuple) and hasattr(data, "_fields"):
+        return type(data)(*(_map_tensors(value, fn) for value in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(_map_tensors(value, fn) for value in data)
+    return data
+
+
+def _optimizer_state(optimizer: Optimizer) -> Iterator[Tensor]:
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for value in optimizer.state.get(param, {}).values():
+                if isinstance(value, Tensor):
+                    yield value
+
+
+def _loss(output: Any) -> Tensor:
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if not isinstance(loss, Tensor):
+        raise TypeError(
+            f"`trace_training(step=...)` returned {type(output).__name__}. Expected the loss: a tensor, or "
+            "a mapping with one under 'loss'."
+        )
+    return loss
+
+
+def _tensors(value: Any) -> Iterator[Tensor]:
+    """The tensors in an op's arguments or outputs (tensors, lists and tuples of them, kwargs)."""
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def _storage(tensor: Tensor) -> torch.UntypedStorage | None:
+    try:
+        return tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse, nested: no one storage
+        return None
+
+
+def _op_name(func: Any) -> str:
+    return str(func).removesuffix(".default")
+
+
+def _check_callables(make_optimizer: object, step: object, validate: object) -> None:
+    if not (isinstance(make_optimizer, Optimizer) or callable(make_optimizer)):
+        raise TypeError(
+            f"`trace_training(make_optimizer={make_optimizer!r})` is not valid. Expected an optimizer or a "
+            "callable that builds one from parameters."
+        )
+    if not callable(step):
+        raise TypeError(
+            f"`trace_training(step={step!r})` is not valid. Expected a callable (module, batch)."
+        )
+    if validate is not None and not callable(validate):
+        raise TypeError(
+            f"`trace_training(validate={validate!r})` is not valid. Expected a callable (module, batch) or "
+            "None."
+        )
