@@ -24,7 +24,7 @@
 #
 # tuner-42-all: the five workloads of tuner-42a/b/c in one part, without the true-maximum search (the true maxima
 # are the model's and the cap's, measured by the three parts) and without previous-predict: the default, the
-# previous method="search" and binsearch, about 8-9 minutes on an H100 -> tuner-42-all.json, .log.
+# previous method="search" and binsearch (TUNER42_FINDERS overrides), about 8-9 minutes on an H100 -> tuner-42-all.json, .log.
 #
 # token-budget: TokenBudgetSampler with a tuned max_tokens against BatchSizeFinder, the worst-case batch size and a
 # hand-set budget, one epoch each (benchmarks/token_budget.py; TOKEN_ATTENTION, TOKEN_DATASETS, TOKEN_CONFIGS,
@@ -99,7 +99,7 @@ for part in "${parts[@]}"; do
       --json "$OUT/$part.json" > "$OUT/$part.log" 2>&1 ;;
     tuner-42-all) HF_HUB_OFFLINE=1 timeout ${TUNER_S:-560} python3 benchmarks/tuner.py \
       --models ${TUNER_MODELS:-gpt,hf-gpt2,resnet,gpt-longval,vit} --budget-gib 24 --headroom 0.02 --fit-steps 4 \
-      --fit-val-batches 1 --true-max none --rotate --finders default,previous-search,binsearch \
+      --fit-val-batches 1 --true-max none --rotate --finders ${TUNER42_FINDERS:-default,previous-search,binsearch} \
       --previous out/previous --time-limit $(( ${TUNER_S:-560} - 60 )) --json "$OUT/$part.json" > "$OUT/$part.log" 2>&1 ;;
     token-budget) name=token-budget-${TOKEN_ATTENTION:-sdpa}${TOKEN_EXPANDABLE:+-expandable}${TOKEN_SHAPE_MARGIN:+-margin$TOKEN_SHAPE_MARGIN}
       timeout ${TOKEN_S:-420} python3 benchmarks/token_budget.py --attention ${TOKEN_ATTENTION:-sdpa} \
