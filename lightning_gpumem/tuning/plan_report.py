@@ -55,7 +55,7 @@ def report_plan(
     if device.largest is not None:
         scalars[keys.PLAN_LARGEST.format()] = float(device.largest)
     log_to_loggers(trainer, scalars, step=trainer.global_step)
-    columns = ["budget GiB", "limit GiB", "peak GiB", "band GiB", "fits", f"largest {name}", "validated"]
+    columns = ["budget GiB", "limit GiB", "peak GiB", "band GiB", "fits", f"largest {name}", "how"]
     rows = [
         [
             f"{p.budget / GIB:.1f}",
@@ -64,7 +64,7 @@ def report_plan(
             f"{p.band / GIB:.2f}",
             "yes" if p.fits else "no",
             "unbounded" if p.largest is None else p.largest,
-            "yes" if p.validated else "no",
+            p.how,
         ]
         for p in predictions
     ]

@@ -166,6 +166,8 @@ class Prediction:
             ``peak + band``).
         band: half-width of the band, in bytes.
         fits: the batch size asked about fits (its predicted peak plus the band is at most ``limit``).
+        traced: the figures come from the step traced on fake tensors and replayed through the allocator
+            model, not from real probes.
     """
 
     budget: int
@@ -175,6 +177,12 @@ class Prediction:
     peak: float
     band: float
     fits: bool
+    traced: bool = False
+
+    @property
+    def how(self) -> str:
+        """How ``largest`` is known: ``"validated"``, ``"traced"`` or ``"predicted"``."""
+        return "validated" if self.validated else "traced" if self.traced else "predicted"
 
 
 @dataclass
@@ -261,6 +269,6 @@ def plan_table(plan: Plan, size: int, predictions: list[Prediction], name: str =
         )
         lines.append(
             f"| {p.budget / gib:.1f} | {p.limit / gib:.2f} | {p.peak / gib:.2f} +- {p.band / gib:.2f}"
-            f" | {'yes' if p.fits else 'no'} | {largest} | {'validated' if p.validated else 'predicted'} |"
+            f" | {'yes' if p.fits else 'no'} | {largest} | {p.how} |"
         )
     return "\n".join(lines)

@@ -1,0 +1,167 @@
+"""Trials without a GPU: the training step traced at a size, replayed through the allocator model.
+
+A :class:`TracedSource` is a :class:`~lightning_gpumem.tuning.search.model.TrialSource`: the search and the
+plan ask it for a size's trial as they ask real trials, and it answers from the step traced on fake tensors
+(``_hw/trace.py``) replayed through the model of the caching allocator (``sources/allocator.py``). A size's
+trace is kept, so asking again under another limit only replays it (milliseconds).
+
+What the trace cannot see is added as fixed bytes: the cuBLAS workspaces a first matmul creates through the
+allocator (:data:`WORKSPACE_BYTES`), and, for a card, the memory outside PyTorch (:data:`CONTEXT_BYTES`, the
+CUDA context and the libraries' handles).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from lightning_gpumem._core.alloc_events import Event
+from lightning_gpumem._core.units import GIB, MIB
+from lightning_gpumem._hw.trace import Trace
+from lightning_gpumem.tuning.search.model import Trial
+from lightning_gpumem.tuning.search.plan import Prediction
+from lightning_gpumem.tuning.search.policy import search_batch_size
+from lightning_gpumem.tuning.sources.allocator import Replay, replay
+
+# cuBLAS/cuBLASLt workspaces of the first matmul, allocated through the caching allocator and kept:
+# 2 x 32 MiB + 1 MiB after a first training step (see tests/tuning/test_callback_gpu.py)
+WORKSPACE_BYTES = 65 * MIB
+# memory a CUDA process holds outside PyTorch's allocator: the context, cuBLAS/cuDNN handles, loaded
+# kernels (docs/memory_planner.md, "Without a GPU", has where the figure comes from)
+CONTEXT_BYTES = 3 * GIB // 4
+TRAIN_PHASES = ("train", "optimizer")
+
+
+class CannotTrace(Exception):
+    """The step cannot be traced: the reason names the op and where it ran."""
+
+
+@dataclass
+class TracedSource:
+    """Trials from traces: ``source(size) -> Trial``, the replay of the step traced at ``size``.
+
+    Attributes:
+        trace_at: traces the training (and validation) step at a batch size.
+        limit_bytes: the allocator's cap in the replay (``None``: no cap, the peaks as they come).
+        expandable_segments: replay through the ``expandable_segments:True`` allocator.
+        fixed_bytes: allocations the trace cannot see, made before the first step.
+    """
+
+    trace_at: Callable[[int], Trace]
+    limit_bytes: int | None = None
+    expandable_segments: bool = False
+    fixed_bytes: int = WORKSPACE_BYTES
+    traces: dict[int, list[Event]] = field(default_factory=dict)
+
+    def __call__(self, size: int, /) -> Trial:
+        """The trial of ``size``: its replay's peaks, or an OOM where the replay met the cap.
+
+        Raises:
+            CannotTrace: where the step cannot be traced (an op without a fake kernel, a data-dependent op).
+        """
+        return trial_of(size, self.replay(size))
+
+    def replay(self, size: int) -> Replay:
+        """The replay of ``size``'s trace under :attr:`limit_bytes` (traced once per size)."""
+        events = self.traces.get(size)
+        if events is None:
+            trace = self.trace_at(size)
+            if trace.cannot_trace is not None:
+                raise CannotTrace(trace.cannot_trace)
+            fixed = [Event("alloc", block=-1, size=self.fixed_bytes)] if self.fixed_bytes > 0 else []
+            events = self.traces[size] = [*fixed, *trace.events]
+        return replay(events, limit_bytes=self.limit_bytes, expandable_segments=self.expandable_segments)
+
+    def under(self, limit_bytes: int | None) -> TracedSource:
+        """The same source (its traces shared) replaying under another cap."""
+        return TracedSource(
+            self.trace_at, limit_bytes, self.expandable_segments, self.fixed_bytes, traces=self.traces
+        )
+
+
+def trial_of(size: int, replayed: Replay) -> Trial:
+    """A replay as a trial: reserved and live peaks, the training and validation phases' live peaks.
+
+    >>> from lightning_gpumem.tuning.sources.allocator import replay
+    >>> # 3 MiB opens a 20 MiB segment, and 5 MiB more fit in it
+    >>> events = [Event("alloc", 1, 3 * MIB), Event("mark", label="train"), Event("alloc", 2, 5 * MIB)]
+    >>> trial = trial_of(4, replay(events))
+    >>> trial.fits, trial.peak_bytes // MIB, trial.allocated_bytes // MIB, trial.train_peak_bytes // MIB
+    (True, 20, 8, 8)
+    """
+    if not replayed.fits:
+        return Trial(size, fits=False, retries=replayed.retries, samples=size)
+    phases = replayed.phase_peaks
+    train = [phases[label][0] for label in TRAIN_PHASES if label in phases]
+    val = phases["val"][0] if "val" in phases else None
+    return Trial(
+        size,
+        fits=True,
+        peak_bytes=replayed.peak_reserved,
+        allocated_bytes=replayed.peak_allocated,
+        train_peak_bytes=max(train) if train else replayed.peak_allocated,
+        val_peak_bytes=val,
+        retries=replayed.retries,
+        samples=size,
+    )
+
+
+# the fraction of a limit a traced plan leaves free for what the trace does not see (kernels' workspaces
+# besides cuBLAS's, the allocator's address order): a margin chosen, not measured, until the fidelity
+# benchmark measures the trace's error on GPUs (docs/memory_planner.md, "Without a GPU")
+TRACE_MARGIN = 0.03
+
+
+@dataclass(frozen=True)
+class TracedPlan:
+    """A plan from traces: the points traced and one prediction per budget.
+
+    Attributes:
+        points: the trials traced, in the order the searches asked for them.
+        predictions: per budget (largest first), the run's peak and the largest size that fits.
+        seconds: wall time of the tracing and the replays.
+    """
+
+    points: tuple[Trial, ...]
+    predictions: tuple[Prediction, ...]
+    seconds: float
+
+
+def plan_by_trace(
+    source: TracedSource,
+    size: int,
+    budgets: Sequence[int],
+    *,
+    upper: int,
+    init_val: int = 2,
+    outside: int = CONTEXT_BYTES,
+    margin: float = TRACE_MARGIN,
+) -> TracedPlan:
+    """For each budget, the run's traced peak and the largest size whose traced reserved peak fits.
+
+    The budget less ``outside`` is the allocator's limit; the largest size is the one search's
+    (:func:`~lightning_gpumem.tuning.search.policy.search_batch_size`, to 1%) on traced trials under that
+    limit less ``margin`` of it, so it is never above what the replay says fits. The peak at ``size`` is its
+    replay without a cap, with ``margin`` of it as the band.
+
+    Raises:
+        CannotTrace: where the step cannot be traced.
+    """
+    start = time.perf_counter()
+    peak_trial = source.under(None)(size)
+    peak = float(peak_trial.peak_bytes or 0)
+    band = margin * peak
+    predictions = []
+    asked: list[Trial] = [peak_trial]
+    for budget in budgets:
+        limit = max(0, budget - outside)
+        capped = math.floor((1.0 - margin) * limit)
+        found = search_batch_size(
+            source.under(capped), init_val=init_val, upper=upper, limit_bytes=capped, tolerance=0.01
+        )
+        asked += found.trials
+        fits = peak + band <= limit
+        predictions.append(Prediction(budget, limit, found.batch_size, False, peak, band, fits, traced=True))
+    return TracedPlan(tuple(asked), tuple(predictions), time.perf_counter() - start)

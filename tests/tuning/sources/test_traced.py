@@ -1,0 +1,101 @@
+"""Trials from traces: the step traced at a size, replayed through the allocator model; the traced plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_gpumem._core.units import MIB
+from lightning_gpumem._hw.trace import Trace, trace_training
+from lightning_gpumem.tuning.sources.allocator import replay
+from lightning_gpumem.tuning.sources.traced import CannotTrace, TracedSource, plan_by_trace
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 10)
+    )
+
+
+def _tracer(net: nn.Module, calls: list[int] | None = None):
+    def trace_at(size: int) -> Trace:
+        if calls is not None:
+            calls.append(size)
+        return trace_training(
+            net,
+            lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+            lambda m, x: m(x).square().mean(),
+            torch.zeros(size, 256),
+            validate=lambda m, x: m(x),
+        )
+
+    return trace_at
+
+
+def test_a_traced_trial_is_its_replay_and_each_size_is_traced_once():
+    calls: list[int] = []
+    source = TracedSource(_tracer(_mlp(), calls), fixed_bytes=0)
+    trial = source(64)
+    again = source.under(8 * MIB)(64)  # another cap replays the same trace
+    assert calls == [64]
+    direct = replay(_tracer(_mlp())(64).events)
+    assert trial.fits
+    assert trial.peak_bytes == direct.peak_reserved
+    assert trial.allocated_bytes == direct.peak_allocated
+    assert trial.train_peak_bytes == max(direct.phase_peaks["train"][0], direct.phase_peaks["optimizer"][0])
+    assert trial.val_peak_bytes == direct.phase_peaks["val"][0]
+    assert not again.fits  # 8 MiB holds less than the parameters and AdamW's state (~20 MiB)
+
+
+def test_fixed_bytes_count_before_the_step():
+    net = _mlp()
+    bare = TracedSource(_tracer(net), fixed_bytes=0)(16)
+    with_workspace = TracedSource(_tracer(net), fixed_bytes=64 * MIB)(16)
+    assert with_workspace.allocated_bytes == bare.allocated_bytes + 64 * MIB
+
+
+def test_a_step_that_cannot_be_traced_says_why():
+    class Item(nn.Module):
+        def forward(self, x):
+            return x * float(x.sum().item())
+
+    def trace_at(size: int) -> Trace:
+        return trace_training(
+            Item(), lambda ps: torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1),
+            lambda m, x: m(x).sum(), torch.zeros(size, 4, requires_grad=True),
+        )  # fmt: skip
+
+    with pytest.raises(CannotTrace, match="_local_scalar_dense"):
+        TracedSource(trace_at)(4)
+
+
+@pytest.mark.parametrize("budget_mib", [48, 96, 160])
+def test_the_traced_plans_largest_size_is_never_above_what_the_replay_fits_and_within_one_percent(
+    budget_mib,
+):
+    source = TracedSource(_tracer(_mlp()), fixed_bytes=0)
+    plan = plan_by_trace(source, 32, [budget_mib * MIB], upper=1 << 16, outside=0, margin=0.0)
+    (prediction,) = plan.predictions
+    largest = prediction.largest
+    assert largest is not None
+    assert prediction.traced
+    assert prediction.how == "traced"
+    limit = budget_mib * MIB
+    assert source.under(limit)(largest).fits
+    assert source.under(limit)(largest).peak_bytes <= limit
+    above = largest + max(1, largest // 100) + 1  # the search closes to within 1%
+    assert not source.under(limit)(above).fits or source.under(limit)(above).peak_bytes > limit
+
+
+def test_the_margin_and_the_memory_outside_pytorch_lower_the_largest_size():
+    source = TracedSource(_tracer(_mlp()), fixed_bytes=0)
+    bare = plan_by_trace(source, 32, [200 * MIB], upper=1 << 16, outside=0, margin=0.0).predictions[0]
+    kept = plan_by_trace(source, 32, [200 * MIB], upper=1 << 16, outside=40 * MIB, margin=0.05).predictions[
+        0
+    ]
+    assert kept.limit == 160 * MIB
+    assert kept.largest < bare.largest
+    assert kept.band == pytest.approx(0.05 * kept.peak)
+    assert kept.fits == (kept.peak + kept.band <= kept.limit)
