@@ -30,6 +30,7 @@ from lightning_gpumem.tuning.plan_report import report_plan
 from lightning_gpumem.tuning.search.model import Point, accepted
 from lightning_gpumem.tuning.search.plan import Plan, Prediction
 from lightning_gpumem.tuning.search.probes import back_off_sizes, probe_until_line
+from lightning_gpumem.tuning.traced_plan import plan_traced
 from lightning_gpumem.tuning.trials import loaders
 from lightning_gpumem.tuning.trials import session as _session
 from lightning_gpumem.tuning.trials.bench import TrialBench
@@ -172,14 +173,11 @@ class MemoryPlanner(Callback):
             return
         probe = make_probe(trainer.strategy.root_device, self)
         total = probe.total_bytes()
-        if not probe.has_allocator or total is None:
-            rank_zero_warn(
-                f"MemoryPlanner: `{probe.device}` has no memory allocator to measure, so there is nothing to"
-                " plan; run it on the GPU the plan is for (or a larger one)."
-            )
+        size = _session.get_batch_size(trainer, self.batch_arg_name)
+        if not probe.has_allocator or total is None:  # no allocator to measure: trace the step
+            self._plan_traced(trainer, size, length)
             return
         start = time.perf_counter()
-        size = _session.get_batch_size(trainer, self.batch_arg_name)
         budgets = bounds.planner_budgets(self.budgets, trainer, total)
         upper = max(1, length) if length is not None else 2**20
         longest = LongestFirst("MemoryPlanner", self.length_fn) if self.length_fn is not None else None
@@ -225,6 +223,17 @@ class MemoryPlanner(Callback):
         report_plan(
             trainer, plan, size, self.predictions, self.batch_arg_name, self.shape_margin, self.seconds
         )
+
+    def _plan_traced(self, trainer: pl.Trainer, size: int, length: int | None) -> None:
+        """The plan of the step traced on fake tensors, where no allocator can be measured."""
+        upper = max(1, length) if length is not None else 2**20
+        plan, predictions, seconds = plan_traced(
+            trainer, self.budgets, size, upper, self.init_val, self.include_validation
+        )
+        self.plan, self.predictions, self.seconds = plan, predictions, seconds
+        self.probe_seconds = seconds
+        if plan is not None:
+            report_plan(trainer, plan, size, predictions, self.batch_arg_name, self.shape_margin, seconds)
 
     # ------------------------------------------------------------------ helpers
     def _probe(

@@ -123,12 +123,15 @@ def test_probes_off_a_line_say_so_and_predict_no_size(recwarn):
     assert any("not on a line" in str(w.message) for w in recwarn)
 
 
-def test_on_a_cpu_the_planner_warns_and_the_fit_runs():
+def test_on_a_cpu_the_planner_traces_the_step_and_the_fit_runs():
+    # was: a warning and no plan; tests/tuning/test_traced_planner.py has what the traced plan says
     model = OOMModel()
-    trainer = tuner_trainer(MemoryPlanner(), max_steps=2)
-    with pytest.warns(UserWarning, match="no memory allocator to measure"):
-        trainer.fit(model)
+    planner = MemoryPlanner()
+    trainer = tuner_trainer(planner, max_steps=2)
+    trainer.fit(model)
     assert trainer.global_step == 2
+    assert planner.predictions
+    assert all(p.traced and not p.validated for p in planner.predictions)
 
 
 def test_a_fit_after_planning_equals_the_fit_without_the_planner():
@@ -264,8 +267,7 @@ def test_default_budgets_that_validate_the_same_size_give_a_plan():
 def test_stop_ends_the_fit_on_a_cpu_too():
     # was: a warning, then the whole fit (a dry run that trained)
     trainer = tuner_trainer(MemoryPlanner(stop=True), max_epochs=3)
-    with pytest.warns(UserWarning, match="no memory allocator to measure"):
-        trainer.fit(OOMModel(n=4096))
+    trainer.fit(OOMModel(n=4096))
     assert trainer.global_step == 0
     assert trainer.current_epoch == 0
 

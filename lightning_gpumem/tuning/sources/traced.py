@@ -150,11 +150,12 @@ def plan_by_trace(
         CannotTrace: where the step cannot be traced.
     """
     start = time.perf_counter()
-    peak_trial = source.under(None)(size)
-    peak = float(peak_trial.peak_bytes or 0)
+    uncapped = source.under(None)
+    # the run's size and two more, uncapped: the plan's lines have points even where no budget fits one
+    asked: list[Trial] = [uncapped(s) for s in sorted({init_val, size, 2 * size})]
+    peak = float(uncapped(size).peak_bytes or 0)
     band = margin * peak
     predictions = []
-    asked: list[Trial] = [peak_trial]
     for budget in budgets:
         limit = max(0, budget - outside)
         capped = math.floor((1.0 - margin) * limit)

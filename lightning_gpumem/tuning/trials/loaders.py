@@ -312,6 +312,20 @@ def token_sampler(loaders: Any) -> Any:
     return sampler if isinstance(sampler, TokenBudgetSampler) else None
 
 
+def first_batch(loaders: Any) -> Any:
+    """The first batch of the first of ``loaders`` (``None``: it makes none)."""
+    loader = _first_loader(loaders)
+    if loader is None:
+        return None
+    return next(iter(loader), None)
+
+
+def val_loaders(trainer: pl.Trainer) -> Any:
+    """The user's validation dataloaders, built by their hook now (``None``: there are none)."""
+    source = trainer.fit_loop.epoch_loop.val_loop._data_source  # private, as the training one's
+    return source.dataloader() if source.is_defined() else None
+
+
 def train_loaders(trainer: pl.Trainer) -> Any:
     """The user's training dataloaders, built by their hook now (``None``: they cannot be built)."""
     return trainer.fit_loop._data_source.dataloader()  # private, see `train_source_is_module`

@@ -1,0 +1,94 @@
+"""The planner without a GPU: the user's training step traced on fake tensors, for the budgets asked.
+
+On a CPU Trainer (or any device without an allocator to measure), the planner's probes cannot run. The step
+is traced instead (``sources/lightning_step.py``: the user's ``training_step``, optimizer and precision on
+fake copies at any batch size) and replayed through the model of the caching allocator
+(``sources/traced.py``); the one search finds each budget's largest size on those traced trials.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+from lightning_gpumem._core.units import GIB, parse_budget
+from lightning_gpumem._hw.allocator import expandable_segments
+from lightning_gpumem.tuning.bounds import CARDS_GIB
+from lightning_gpumem.tuning.search.model import Point
+from lightning_gpumem.tuning.search.plan import Plan, Prediction, Terms
+from lightning_gpumem.tuning.sources.lightning_step import lightning_tracer
+from lightning_gpumem.tuning.sources.traced import (
+    CONTEXT_BYTES,
+    CannotTrace,
+    TracedSource,
+    plan_by_trace,
+)
+from lightning_gpumem.tuning.trials import loaders
+from lightning_gpumem.tuning.trials.measure import module_bytes
+
+
+def traced_budgets(budgets: Sequence[int | float | str] | None) -> list[int]:
+    """The budgets in bytes, largest first; ``None``: the common cards (16 to 80 GiB).
+
+    Raises:
+        ValueError: for a fraction of the device (there is no device to take it of here).
+    """
+    if budgets is None:
+        return sorted((gib * GIB for gib in CARDS_GIB), reverse=True)
+    parsed = [parse_budget(b, None, "MemoryPlanner", "budgets") for b in budgets]
+    return sorted(dict.fromkeys(int(b) for b in parsed), reverse=True)
+
+
+def plan_traced(
+    trainer: pl.Trainer,
+    budgets: Sequence[int | float | str] | None,
+    size: int,
+    upper: int,
+    init_val: int,
+    include_validation: bool,
+) -> tuple[Plan | None, list[Prediction], float]:
+    """Trace the fit's training step and plan the budgets from it.
+
+    Returns the plan of the traced points (``None``, with a warning, where the step cannot be traced or the
+    data makes no batch), the predictions (marked traced) and the seconds it took.
+    """
+    built = loaders.train_loaders(trainer)
+    batch = loaders.first_batch(built)
+    del built
+    if batch is None:
+        rank_zero_warn("MemoryPlanner: the training dataloader made no batch to trace; no plan.")
+        return None, [], 0.0
+    val_batch = None
+    if include_validation and trainer.limit_val_batches != 0:
+        val_batch = loaders.first_batch(loaders.val_loaders(trainer))
+    module = trainer.lightning_module
+    trace_at = lightning_tracer(trainer, module, batch, val_batch=val_batch)
+    source = TracedSource(trace_at, expandable_segments=expandable_segments())
+    try:
+        traced = plan_by_trace(source, size, traced_budgets(budgets), upper=upper, init_val=init_val)
+    except CannotTrace as error:
+        rank_zero_warn(
+            f"MemoryPlanner: {error}, so there is no plan without a GPU. Run the planner on a GPU (its real"
+            " probes need no trace), or make the step traceable (no `.item()` or data-dependent shapes)."
+        )
+        return None, [], 0.0
+    points = sorted({p.size: p for t in traced.points if (p := t.point) is not None}.values(), key=_size)
+    if len(points) < 2:
+        rank_zero_warn("MemoryPlanner: fewer than two sizes could be traced; no plan.")
+        return None, [], traced.seconds
+    parameters, gradients = module_bytes(module)
+    plan = Plan(points, "settled", CONTEXT_BYTES)
+    plan.terms = Terms(
+        parameters=parameters,
+        gradients=gradients,
+        other_fixed=float(plan.lines[0].intercept) - parameters - gradients,
+        per_sample=float(plan.per_sample),
+        outside=CONTEXT_BYTES,
+    )
+    return plan, list(traced.predictions), traced.seconds
+
+
+def _size(point: Point) -> int:
+    return point.size

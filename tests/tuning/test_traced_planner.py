@@ -1,0 +1,116 @@
+"""MemoryPlanner without a GPU: the user's step traced on fake tensors, the budgets planned from the replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_gpumem import MemoryPlanner
+from lightning_gpumem._core.units import MIB
+from lightning_gpumem.tuning.sources.lightning_step import lightning_tracer
+from lightning_gpumem.tuning.sources.traced import CONTEXT_BYTES, TRACE_MARGIN, TracedSource
+from tests.helpers.trainer import quiet_trainer
+
+
+class Wide(LightningModule):
+    def __init__(self, batch_size: int = 16, item: bool = False) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.item = item
+        self.net = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 10))
+        self.data = TensorDataset(torch.randn(4096, 512), torch.randint(0, 10, (4096,)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("loss", loss)
+        if self.item and loss.item() < 0:  # a data-dependent branch: cannot be traced
+            return loss * 2
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        return DataLoader(self.data, batch_size=self.batch_size)
+
+    def val_dataloader(self):
+        return DataLoader(self.data, batch_size=self.batch_size)
+
+
+class Spy(MemoryPlanner):
+    """Also replays its own trace of the same step, at fit start (the optimizer has no state yet), at the sizes
+    each budget's answer must fit and those 1% above it must not."""
+
+    def on_fit_start(self, trainer, pl_module):
+        batch = next(iter(pl_module.train_dataloader()))
+        val_batch = next(iter(pl_module.val_dataloader()))  # its own copy on the device, as in a fit
+        source = TracedSource(lightning_tracer(trainer, pl_module, batch, val_batch=val_batch))
+        super().on_fit_start(trainer, pl_module)
+        self.peak = source.under(None)(16).peak_bytes  # the run's size, uncapped
+        self.checks = []
+        for p in self.predictions:
+            limit = int((1 - TRACE_MARGIN) * p.limit)
+            above = p.largest + p.largest // 100 + 1  # the search closes to within 1%
+            self.checks.append((p, limit, source.under(limit)(p.largest), source.under(limit)(above)))
+
+
+def _fit(planner: MemoryPlanner, model: LightningModule, **kwargs) -> object:
+    trainer = quiet_trainer(
+        accelerator="cpu", max_steps=2, limit_val_batches=1, **kwargs, callbacks=[planner]
+    )
+    trainer.fit(model)
+    return trainer
+
+
+def test_each_budgets_largest_size_fits_its_replay_and_one_percent_more_does_not():
+    planner = Spy(budgets=[CONTEXT_BYTES + 200 * MIB, CONTEXT_BYTES + 150 * MIB])
+    trainer = _fit(planner, Wide())
+    assert trainer.global_step == 2  # the fit ran as it would have
+    assert [p.budget for p in planner.predictions] == sorted([p.budget for p in planner.predictions])[::-1]
+    assert len(planner.checks) == 2
+    for p, limit, kept, above in planner.checks:
+        assert p.traced
+        assert p.how == "traced"
+        assert p.limit == p.budget - CONTEXT_BYTES
+        assert kept.fits
+        assert kept.peak_bytes <= limit
+        assert not above.fits or above.peak_bytes > limit
+    assert planner.checks[0][0].largest > planner.checks[1][0].largest  # 50 MiB more holds more
+    assert planner.predictions[0].peak == planner.peak
+    assert planner.plan is not None
+    assert planner.plan.verdict == "settled"
+
+
+def test_the_plan_is_printed_with_its_rows_marked_traced(caplog):
+    _fit(MemoryPlanner(budgets=["2GiB"]), Wide())
+    table = "\\n".join(r.getMessage() for r in caplog.records if "MemoryPlanner" in r.getMessage())
+    assert "| traced |" in table
+
+
+def test_a_step_that_cannot_be_traced_warns_naming_the_op_and_the_fit_runs():
+    planner = MemoryPlanner(budgets=["2GiB"])
+    with pytest.warns(UserWarning, match=r"_local_scalar_dense.*no plan without a GPU"):
+        trainer = _fit(planner, Wide(item=True))
+    assert trainer.global_step == 2
+    assert planner.plan is None
+    assert planner.predictions == []
+
+
+def test_a_fraction_of_the_device_is_refused_without_a_device():
+    with pytest.raises(ValueError, match="no device memory is known"):
+        _fit(MemoryPlanner(budgets=[0.5]), Wide())
+
+
+def test_stop_makes_the_traced_plan_a_dry_run():
+    planner = MemoryPlanner(budgets=["24GiB"], stop=True)
+    trainer = _fit(planner, Wide())
+    assert trainer.global_step == 0
+    assert planner.predictions[0].largest is not None
