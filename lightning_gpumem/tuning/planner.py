@@ -1,9 +1,10 @@
 """MemoryPlanner: "will it fit?" answered before step 1, from a few real training steps at small batch sizes.
 
-Why real steps and not a trace: what decides a fit is the allocator (its blocks, its fragmentation), the
-optimizer step's temporaries and the kernels' workspaces, which only a real step shows; small batch sizes
-cost milliseconds. The probes run on the trial bench the tuner uses (``trials/bench.py``: nothing left
-behind) and the plan is the pure :class:`~lightning_gpumem.tuning.search.plan.Plan` of the one memory model.
+Why real steps where a GPU is present: what decides a fit is the allocator (its blocks, its fragmentation),
+the optimizer step's temporaries and the kernels' workspaces, which a real step shows exactly; small batch
+sizes cost milliseconds. Without one, the step is traced on fake tensors instead (``traced_plan.py``). The
+probes run on the trial bench the tuner uses (``trials/bench.py``: nothing left behind) and the plan is the
+pure :class:`~lightning_gpumem.tuning.search.plan.Plan` of the one memory model.
 """
 
 from __future__ import annotations
@@ -61,13 +62,15 @@ class MemoryPlanner(Callback):
     dry run, to ask on any card whether a run fits a smaller one.
 
     Where the probes are not on a line (batches whose shapes vary, data-dependent padding, routing), the plan
-    says so and predicts nothing; on a device without an allocator to measure (CPU) the planner warns and
-    plans nothing (``stop=True`` still ends the fit). A ``TokenBudgetSampler``'s budget is not a batch size:
-    it is refused at fit start (``BatchSizeTuner`` tunes it). For variable-length data, ``length_fn`` makes
-    every probe and trial draw the longest samples first (as ``BatchSizeTuner(length_fn=...)`` does, see
-    ``docs/variable_length.md``): the plan is then the plan of the heaviest batches the data can make, and
-    each budget's allocator limit leaves ``shape_margin`` free for the fragmentation of an epoch of varying
-    shapes.
+    says so and predicts nothing. On a device without an allocator to measure (a CPU) it traces the training
+    step on fake tensors instead and replays it through a model of the caching allocator: the rows are
+    marked *traced* (``docs/memory_planner.md``, "Without a GPU"); a step that cannot be traced gives one
+    warning naming the op (``stop=True`` still ends the fit). A ``TokenBudgetSampler``'s budget is not a
+    batch size: it is refused at fit start (``BatchSizeTuner`` tunes it). For variable-length data,
+    ``length_fn`` makes every probe and trial draw the longest samples first (as
+    ``BatchSizeTuner(length_fn=...)`` does, see ``docs/variable_length.md``): the plan is then the plan of
+    the heaviest batches the data can make, and each budget's allocator limit leaves ``shape_margin`` free
+    for the fragmentation of an epoch of varying shapes.
 
     **Logged metrics** (from :mod:`lightning_gpumem.keys`):
 

@@ -114,3 +114,46 @@ def test_stop_makes_the_traced_plan_a_dry_run():
     trainer = _fit(planner, Wide())
     assert trainer.global_step == 0
     assert planner.predictions[0].largest is not None
+
+
+CLI_SCRIPT = """
+import os
+
+os.environ["JSONARGPARSE_DEPRECATION_WARNINGS"] = "off"
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+from torch.utils.data import DataLoader
+
+
+class Model(BoringModel):
+    def __init__(self, batch_size: int = 8) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+
+    def train_dataloader(self):
+        return DataLoader(RandomDataset(32, 4096), batch_size=self.batch_size)
+
+
+cli = LightningCLI(Model, save_config_callback=None, args=[
+    "fit", "--trainer.accelerator=cpu", "--trainer.logger=false", "--trainer.enable_checkpointing=false",
+    f"--trainer.default_root_dir={os.environ['ROOT_DIR']}",
+    "--trainer.callbacks+=lightning_gpumem.MemoryPlanner",
+    '--trainer.callbacks.budgets=["24GiB","80GiB"]', "--trainer.callbacks.stop=true",
+])
+planner = cli.trainer.callbacks[0]
+print("plan", cli.trainer.global_step, [(p.budget >> 30, p.how) for p in planner.predictions])
+"""
+
+
+def test_a_lightning_cli_user_plans_on_a_cpu_with_no_code_change(tmp_path):
+    """The command docs/memory_planner.md ("Without a GPU") shows, in a fresh interpreter."""
+    pytest.importorskip("jsonargparse")
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ROOT_DIR": str(tmp_path)}
+    command = [sys.executable, "-c", CLI_SCRIPT]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "plan 0 [(80, 'traced'), (24, 'traced')]" in result.stdout, result.stdout[-3000:]
