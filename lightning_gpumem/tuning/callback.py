@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from lightning_gpumem import keys
 from lightning_gpumem._core.checks import require_trainer
+from lightning_gpumem._core.units import parse_budget
 from lightning_gpumem._hw.probe import make_probe
 from lightning_gpumem._pl.compat import Callback, either
 from lightning_gpumem.tuning import bounds
@@ -26,7 +27,7 @@ from lightning_gpumem.tuning.lengths.scan import LengthFn
 from lightning_gpumem.tuning.record import Searched, Shapes, SizeLog, refuse_none, report, warn_shapes
 from lightning_gpumem.tuning.search import SearchResult, Trial
 from lightning_gpumem.tuning.trials import session as _session
-from lightning_gpumem.tuning.tune import restore, tune
+from lightning_gpumem.tuning.tune import restore, tune, tune_traced
 
 
 @keys.document
@@ -237,6 +238,8 @@ class BatchSizeTuner(Callback):
             return None
         _session.require_settable_batch(trainer, self.batch_arg_name, "BatchSizeTuner")
         probe = make_probe(trainer.strategy.root_device, self)
+        if not probe.has_allocator and isinstance(self.budget, (int, str)):  # bytes: trace the step
+            return self._scale_traced(trainer, parse_budget(self.budget, None, "BatchSizeTuner"))
         # a CPU smoke test: no search bounded by nothing
         if not probe.has_allocator and self.max_val is None:
             size = _session.get_batch_size(trainer, self.batch_arg_name)
@@ -281,6 +284,16 @@ class BatchSizeTuner(Callback):
         return result.batch_size
 
     # ------------------------------------------------------------------ helpers
+    def _scale_traced(self, trainer: pl.Trainer, budget: int) -> int | None:
+        """No allocator to measure: the size the traced step fits in ``budget`` (no trials)."""
+        size = _session.get_batch_size(trainer, self.batch_arg_name)
+        self.searched = Searched(original=(size, trainer.accumulate_grad_batches))
+        kept = tune_traced(trainer, budget, self, accumulation_for=self._accumulation_for)
+        if kept is not None:
+            self.optimal_batch_size, self._accumulation = kept, trainer.accumulate_grad_batches
+            self._record(trainer)
+        return kept
+
     def _apply(self, trainer: pl.Trainer, result: SearchResult, shapes: list[Shapes]) -> None:
         """Keep the size found (the session applied it), or say why there is none."""
         self.optimal_batch_size = refuse_none(result, self.budget_bytes)

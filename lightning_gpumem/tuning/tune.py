@@ -6,9 +6,10 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_gpumem import keys
+from lightning_gpumem._core.units import format_gib
 from lightning_gpumem._hw.probe import Probe
 from lightning_gpumem.tuning import bounds
 from lightning_gpumem.tuning.lengths.longest import LongestFirst
@@ -22,7 +23,8 @@ from lightning_gpumem.tuning.search import (
     search_batch_size,
     until_data_ends,
 )
-from lightning_gpumem.tuning.search.headroom import TUNER_TOLERANCE
+from lightning_gpumem.tuning.search.headroom import TUNER_TOLERANCE, headroom_size
+from lightning_gpumem.tuning.traced_plan import plan_traced
 from lightning_gpumem.tuning.trials import loaders
 from lightning_gpumem.tuning.trials import session as _session
 from lightning_gpumem.tuning.trials.bench import TrialBench
@@ -124,3 +126,40 @@ def restore(
         " tunes again)."
     )
     return size, accumulation, searched
+
+
+def tune_traced(
+    trainer: pl.Trainer, budget: int, tuner: Any, *, accumulation_for: Callable[[int], int]
+) -> int | None:
+    """Without an allocator to measure: the size the traced step fits in ``budget``, less the headroom.
+
+    ``tuner`` is the ``BatchSizeTuner`` (its ``batch_arg_name``, ``init_val``, ``max_val``, ``headroom`` and
+    ``include_validation``). The size is applied to the fit with one info line; ``None`` (with the planner's
+    warning) where the step cannot be traced, and with a warning where no size fits or the size is a token
+    budget.
+    """
+    name = tuner.batch_arg_name
+    size = _session.get_batch_size(trainer, name)
+    init_val, upper, tokens = bounds.search_bounds(trainer, name, tuner.init_val, tuner.max_val)
+    if tokens is not None:
+        rank_zero_warn("BatchSizeTuner: a token budget is not traced; kept as it is (tune it on a GPU).")
+        return None
+    validate = tuner.include_validation
+    _, predictions, seconds = plan_traced(trainer, [budget], size, upper, init_val, validate)
+    if not predictions:
+        return None
+    largest = predictions[0].largest
+    if largest is None or largest < 1:
+        rank_zero_warn(
+            f"BatchSizeTuner: the traced step does not fit {format_gib(budget)} at any {name}; kept"
+            f" {name}={size}."
+        )
+        return None
+    kept = headroom_size(largest, tuner.headroom)
+    _session.apply_batch_size(trainer, name, kept, accumulation_for(kept), rebuild_optimizers=True)
+    rank_zero_info(
+        f"BatchSizeTuner: {trainer.strategy.root_device} has no memory allocator to measure: {name}={kept},"
+        f" traced for {format_gib(budget)} (the traced step fits up to {largest}; not run on a GPU;"
+        f" {seconds:.1f} s)."
+    )
+    return kept

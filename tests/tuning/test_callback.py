@@ -127,9 +127,10 @@ def test_no_oom_on_cpu_stops_at_the_dataset_size_with_a_warning():
     assert tuner.result.reason == "upper_bound"
 
 
-def test_a_budget_on_a_cpu_says_once_that_it_is_not_applied():
-    tuner = BatchSizeTuner(budget="1000GiB", max_val=8)
-    with pytest.warns(UserWarning, match=r"`budget='1000GiB'` is not applied on `cpu`") as record:
+def test_a_fraction_of_the_device_on_a_cpu_says_once_that_it_is_not_applied():
+    # a budget in bytes is traced instead (tests/tuning/test_traced_planner.py)
+    tuner = BatchSizeTuner(budget=0.5, max_val=8)
+    with pytest.warns(UserWarning, match=r"`budget=0.5` is not applied on `cpu`") as record:
         tuner_trainer(tuner).fit(OOMModel())
     assert sum("is not applied" in str(w.message) for w in record) == 1
 
@@ -534,8 +535,9 @@ def test_a_size_kept_that_a_trial_of_the_search_ran_is_not_run_again():
 
 def test_on_a_cpu_without_max_val_the_size_is_kept_with_one_warning():
     # was: real CPU trials up to the dataset's size (more than 10 minutes on 100,000 samples)
+    # with a budget in bytes the step is traced instead (tests/tuning/test_traced_planner.py)
     model = OOMModel(batch_size=8, n=100_000)
-    tuner = BatchSizeTuner(budget="24GiB")
+    tuner = BatchSizeTuner()
     trainer = tuner_trainer(tuner, max_steps=2, limit_val_batches=0)
     start = time.perf_counter()
     with pytest.warns(UserWarning, match=r"kept `batch_size=8`. Pass `max_val`") as record:

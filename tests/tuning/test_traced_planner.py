@@ -8,9 +8,10 @@ from lightning.pytorch import LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gpumem import MemoryPlanner
+from lightning_gpumem import BatchSizeTuner, MemoryPlanner
 from lightning_gpumem._core.units import MIB
 from lightning_gpumem.tuning.sources.lightning_step import lightning_tracer
+from lightning_gpumem.tuning.search.headroom import headroom_size
 from lightning_gpumem.tuning.sources.traced import CONTEXT_BYTES, TRACE_MARGIN, TracedSource
 from tests.helpers.trainer import quiet_trainer
 
@@ -157,3 +158,33 @@ def test_a_lightning_cli_user_plans_on_a_cpu_with_no_code_change(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "plan 0 [(80, 'traced'), (24, 'traced')]" in result.stdout, result.stdout[-3000:]
+
+
+def test_on_a_cpu_the_tuner_sets_the_traced_size_less_the_headroom_with_one_line_and_no_trials(caplog):
+    budget = CONTEXT_BYTES + 150 * MIB
+    planner = Spy(budgets=[budget])  # the same plan, for the size to expect
+    torch.manual_seed(0)
+    tuned = Wide()
+    tuner = BatchSizeTuner(budget=budget, headroom=0.05)
+    trainer = quiet_trainer(accelerator="cpu", max_steps=2, limit_val_batches=1, callbacks=[planner, tuner])
+    trainer.fit(tuned)
+    largest = planner.predictions[0].largest
+    assert tuner.optimal_batch_size == tuned.batch_size == headroom_size(largest, 0.05)
+    assert tuner.trials == ()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("BatchSizeTuner:")]
+    assert len(lines) == 1
+    assert f"batch_size={tuned.batch_size}, traced for" in lines[0]
+    torch.manual_seed(0)
+    by_hand = Wide(batch_size=tuned.batch_size)
+    quiet_trainer(accelerator="cpu", max_steps=2, limit_val_batches=1).fit(by_hand)
+    for (name, a), (_, b) in zip(tuned.state_dict().items(), by_hand.state_dict().items()):
+        assert torch.equal(a, b), name  # the same fit as with that size set by hand
+
+
+def test_on_a_cpu_a_step_the_tuner_cannot_trace_keeps_the_size_with_the_warning():
+    model = Wide(item=True)
+    tuner = BatchSizeTuner(budget="2GiB")
+    with pytest.warns(UserWarning, match="_local_scalar_dense"):
+        quiet_trainer(accelerator="cpu", max_steps=1, limit_val_batches=0, callbacks=[tuner]).fit(model)
+    assert model.batch_size == 16
+    assert tuner.optimal_batch_size is None
