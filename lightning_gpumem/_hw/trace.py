@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -61,6 +62,7 @@ from torch._subclasses.fake_tensor import (
     UnsupportedFakeTensorException,
     UnsupportedOperatorException,
 )
+from torch.nn import functional as F
 from torch.optim import Optimizer
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -95,7 +97,7 @@ _FP32_OPS = """acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal r
     __rpow__ __rdiv__ __rtruediv__ softplus layer_norm group_norm cosine_similarity poisson_nll_loss
     cosine_embedding_loss nll_loss hinge_embedding_loss kl_div l1_loss smooth_l1_loss huber_loss mse_loss
     margin_ranking_loss multilabel_margin_loss soft_margin_loss triplet_margin_loss multi_margin_loss
-    binary_cross_entropy_with_logits cross_entropy dist pdist cdist renorm logsumexp"""
+    binary_cross_entropy_with_logits dist pdist cdist renorm logsumexp"""
 _FP32_DTYPE_OPS = "softmax log_softmax softmin cumsum cumprod sum prod linalg_vector_norm linalg_matrix_norm"
 _PROMOTE_OPS = "addcdiv addcmul atan2 bilinear cross dot vdot grid_sample index_put tensordot scatter_add"
 _AUTOCAST = {
@@ -419,6 +421,8 @@ class _CudaPolicy(TorchFunctionMode):
             return _attention(func, args, kwargs)
         if name == "dropout":
             return _dropout(func, args, kwargs)
+        if name == "cross_entropy" and self.autocast_dtype is not None:
+            return _cross_entropy(func, args, kwargs)
         return func(*args, **kwargs)
 
     def __enter__(self) -> _CudaPolicy:
@@ -492,6 +496,36 @@ class _CudaPolicy(TorchFunctionMode):
         if cached is None:
             cached = self._casts[id(tensor)] = (tensor, tensor.to(dtype))
         return cached[1]
+
+
+def _cross_entropy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``F.cross_entropy`` under CUDA's autocast: not a listed op, it runs as its parts there.
+
+    ``cross_entropy_loss`` calls ``log_softmax(input, dim, input.dtype)``: with its dtype given, autocast
+    leaves it in half precision; then ``nll_loss`` (listed float32) casts those log-probabilities to float32.
+    Class-index targets without label smoothing; otherwise the logits cast to float32.
+    """
+    bound = inspect.signature(F.cross_entropy).bind(*args, **kwargs)
+    bound.apply_defaults()
+    given = bound.arguments
+    logits, target = given["input"], given["target"]
+    if not isinstance(logits, Tensor) or logits.dtype not in _HALF:
+        return func(*args, **kwargs)
+    if target.is_floating_point() or given["label_smoothing"] != 0.0:
+        given["input"] = logits.float()
+        return func(*bound.args, **bound.kwargs)
+    log_probs = F.log_softmax(logits, 0 if logits.dim() == 1 else 1, dtype=logits.dtype)
+    weight = given["weight"]
+    weight = weight.float() if isinstance(weight, Tensor) and weight.dtype in _HALF else weight
+    return F.nll_loss(
+        log_probs.float(),
+        target,
+        weight,
+        given["size_average"],
+        given["ignore_index"],
+        given["reduce"],
+        given["reduction"],
+    )
 
 
 def _casts_to(tensor: Tensor, policy: str, target: torch.dtype) -> bool:

@@ -10,8 +10,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpumem import BatchSizeTuner, MemoryPlanner
 from lightning_gpumem._core.units import MIB
-from lightning_gpumem.tuning.sources.lightning_step import lightning_tracer
 from lightning_gpumem.tuning.search.headroom import headroom_size
+from lightning_gpumem.tuning.sources.lightning_step import lightning_tracer
 from lightning_gpumem.tuning.sources.traced import CONTEXT_BYTES, TRACE_MARGIN, TracedSource
 from tests.helpers.trainer import quiet_trainer
 

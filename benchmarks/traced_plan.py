@@ -1,0 +1,156 @@
+"""The traced plan on a CPU against the truth measured on a GPU: the largest batch size under a cap, and the peaks.
+
+Runs on any machine (no GPU): each workload of ``benchmarks/tuner.py`` (``_tuner_models.py``: the same model, data,
+loss, AdamW and bf16 autocast as its Lightning runs) is traced on fake tensors (``lightning_gpumem/_hw/trace.py``,
+two training steps and a validation step, Lightning's order) and replayed through the allocator model
+(``tuning/sources/allocator.py``); the one search finds the largest size whose replay fits each cap. The truth is
+read from a ``benchmarks/tuner.py --true-max fit`` JSON measured on a GPU under the same cap: the largest size whose
+4-step fit and validation batch ran in a fresh process, and the peaks measured there::
+
+    python benchmarks/traced_plan.py --models gpt,gpt-longval --caps 24 \\
+        --truth benchmarks/results/tuner-42a-h100.json,benchmarks/results/tuner-42c-h100.json \\
+        --json benchmarks/results/traced-plan-cpu.json
+
+A cap is what the allocator may reserve (``set_per_process_memory_fraction``, as the GPU runs set it): the memory
+outside PyTorch is not subtracted. ``--margin`` is the fraction of the cap left free (the planner's default 3%, and
+0 to see the replay's own answer). ``--quick``: the tiny workloads, for CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _tuner_models as M
+
+from lightning_gpumem._hw.trace import Trace, trace_training
+from lightning_gpumem.tuning.search import search_batch_size
+from lightning_gpumem.tuning.sources.traced import TRACE_MARGIN, TracedSource
+
+GIB = 2**30
+
+
+def tracer(w: M.Workload, model: torch.nn.Module) -> Any:
+    dataset, val_dataset = M.build_dataset(w), M.build_val_dataset(w)
+
+    def trace_at(size: int) -> Trace:
+        return trace_training(
+            model,
+            M.make_optimizer(model),
+            lambda m, b: M.compute_loss(w, m, b),
+            M.first_batch(w, dataset, size),
+            validate=lambda m, b: M.compute_loss(w, m, b, validation=True),
+            val_batch=M.first_batch(w, val_dataset, size),
+            autocast_dtype=torch.bfloat16,
+        )
+
+    return trace_at
+
+
+def truths(paths: list[str]) -> dict[str, dict[str, Any]]:
+    found: dict[str, dict[str, Any]] = {}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        budget = data["settings"].get("budget_gib")
+        for name, workload in data["workloads"].items():
+            true = workload.get("true_max") or {}
+            if true.get("true_max") is None:
+                continue
+            probes = {p["batch_size"]: p for p in true.get("probes", [])}
+            found[name] = {
+                "cap_gib": budget,
+                "true_max": true["true_max"],
+                "peaks": probes.get(true["true_max"]),
+                "device": data.get("device"),
+                "file": path,
+            }
+    return found
+
+
+def run(
+    name: str, caps: list[float], margin: float, truth: dict[str, Any] | None, quick: bool
+) -> dict[str, Any]:
+    # --quick's tiny workloads simulate OOMs for the tuner's CPU runs; a trace never runs out of memory
+    w = dataclasses.replace(M.workload(name, quick), simulated_oom_above=None, simulated_val_oom_above=None)
+    torch.manual_seed(0)
+    model = M.build_model(w)
+    source = TracedSource(tracer(w, model))
+    start = time.perf_counter()
+    cells = []
+    for cap in caps:
+        limit = int(cap * GIB)
+        capped = int((1.0 - margin) * limit)
+        found = search_batch_size(
+            source.under(capped), init_val=2, upper=w.search_upper, limit_bytes=capped, tolerance=0.01
+        )
+        cell: dict[str, Any] = {
+            "cap_gib": cap,
+            "largest": found.batch_size,
+            "traced_sizes": len(source.traces),
+        }
+        if truth is not None and truth["cap_gib"] == cap:
+            cell["true_max"] = truth["true_max"]
+            cell["ratio"] = round(found.batch_size / truth["true_max"], 4) if found.batch_size else None
+        cells.append(cell)
+    seconds = time.perf_counter() - start
+    entry: dict[str, Any] = {
+        "model": name,
+        "describe": M.describe(w),
+        "cells": cells,
+        "plan_seconds": round(seconds, 2),
+    }
+    if truth is not None and truth.get("peaks"):
+        size = truth["true_max"]
+        replayed = source.replay(size)
+        real = truth["peaks"]
+        entry["peaks_at_true_max"] = {
+            "size": size,
+            "real_reserved": real["peak_reserved"],
+            "traced_reserved": replayed.peak_reserved,
+            "reserved_error": round(replayed.peak_reserved / real["peak_reserved"] - 1, 4),
+            "real_allocated": real["peak_allocated"],
+            "traced_allocated": replayed.peak_allocated,
+            "allocated_error": round(replayed.peak_allocated / real["peak_allocated"] - 1, 4),
+        }
+    return entry
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="gpt,gpt-longval")
+    parser.add_argument("--caps", default="24", help="GiB, comma-separated")
+    parser.add_argument("--margin", type=float, default=TRACE_MARGIN)
+    parser.add_argument(
+        "--truth", default="", help="benchmarks/tuner.py JSONs with --true-max fit, comma-separated"
+    )
+    parser.add_argument("--json", default="")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    known = truths([p for p in args.truth.split(",") if p])
+    caps = [float(c) for c in args.caps.split(",")]
+    report = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "margin": args.margin,
+        "workloads": [],
+    }
+    for name in args.models.split(","):
+        entry = run(name, caps, args.margin, known.get(name), args.quick)
+        report["workloads"].append(entry)
+        print(json.dumps(entry), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
