@@ -66,12 +66,19 @@ def plan_traced(
     module = trainer.lightning_module
     trace_at = lightning_tracer(trainer, module, batch, val_batch=val_batch)
     source = TracedSource(trace_at, expandable_segments=expandable_segments())
+    asked = traced_budgets(budgets)  # a bad budget is the user's error: it raises
     try:
-        traced = plan_by_trace(source, size, traced_budgets(budgets), upper=upper, init_val=init_val)
+        traced = plan_by_trace(source, size, asked, upper=upper, init_val=init_val)
     except CannotTrace as error:
         rank_zero_warn(
             f"MemoryPlanner: {error}, so there is no plan without a GPU. Run the planner on a GPU (its real"
             " probes need no trace), or make the step traceable (no `.item()` or data-dependent shapes)."
+        )
+        return None, [], 0.0
+    except Exception as error:  # the fit itself runs the real step: a real error shows there, not here
+        rank_zero_warn(
+            f"MemoryPlanner: the step could not be traced on fake tensors ({type(error).__name__}: {error});"
+            " no plan without a GPU. Run the planner on a GPU (its real probes need no trace)."
         )
         return None, [], 0.0
     points = sorted({p.size: p for t in traced.points if (p := t.point) is not None}.values(), key=_size)

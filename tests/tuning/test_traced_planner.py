@@ -188,3 +188,29 @@ def test_on_a_cpu_a_step_the_tuner_cannot_trace_keeps_the_size_with_the_warning(
         quiet_trainer(accelerator="cpu", max_steps=1, limit_val_batches=0, callbacks=[tuner]).fit(model)
     assert model.batch_size == 16
     assert tuner.optimal_batch_size is None
+
+
+class FailsOnFakes(Wide):
+    """A step that runs on real tensors and raises on fake ones (an op without a fake kernel of its own kind)."""
+
+    def training_step(self, batch, batch_idx):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if isinstance(batch[0], FakeTensor):
+            raise RuntimeError("no fake kernel for this op")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_trace_that_fails_otherwise_warns_and_never_stops_the_fit():
+    planner = MemoryPlanner(budgets=["2GiB"])
+    tuner = BatchSizeTuner(budget="2GiB")
+    with pytest.warns(
+        UserWarning, match="could not be traced on fake tensors .RuntimeError: no fake kernel"
+    ):
+        trainer = _fit(planner, FailsOnFakes())
+    assert trainer.global_step == 2
+    assert planner.plan is None
+    model = FailsOnFakes()
+    with pytest.warns(UserWarning, match="could not be traced"):
+        quiet_trainer(accelerator="cpu", max_steps=1, limit_val_batches=0, callbacks=[tuner]).fit(model)
+    assert model.batch_size == 16
