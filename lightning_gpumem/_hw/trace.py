@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import weakref
 from collections import defaultdict
@@ -737,6 +738,10 @@ def _map_tensors(data: Any, fn: Callable[[Tensor], Tensor]) -> Any:
         return type(data)(*(_map_tensors(value, fn) for value in data))
     if isinstance(data, (list, tuple)):
         return type(data)(_map_tensors(value, fn) for value in data)
+    if dataclasses.is_dataclass(data) and not isinstance(data, type):  # a batch as a dataclass instance
+        fields = [f.name for f in dataclasses.fields(data) if f.init]
+        changes = {name: _map_tensors(getattr(data, name), fn) for name in fields}
+        return dataclasses.replace(data, **changes)
     return data
 
 

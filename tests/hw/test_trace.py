@@ -390,3 +390,26 @@ def test_cross_entropy_under_autocast_keeps_cudas_half_log_probabilities_and_cas
         elif event.action == "alloc" and event.size in (batch * classes * 2, batch * classes * 4):
             phases.setdefault(phase, []).append("bf16" if event.size == batch * classes * 2 else "fp32")
     assert phases["val"] == ["bf16", "bf16", "fp32"]  # logits, log-probabilities, nll_loss's float32 cast
+
+
+def test_a_dataclass_batch_is_copied_to_the_device_like_a_tuple():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Batch:
+        x: torch.Tensor
+        y: torch.Tensor
+
+    net = nn.Linear(64, 8)
+
+    def step(module, data):
+        x, y = (data.x, data.y) if isinstance(data, Batch) else data
+        return nn.functional.cross_entropy(module(x), y)
+
+    x, y = torch.zeros(33, 64), torch.zeros(33, dtype=torch.long)
+    sizes = {}
+    for name, data in (("tuple", (x, y)), ("dataclass", Batch(x, y))):
+        trace = trace_training(net, lambda ps: torch.optim.SGD(ps, lr=0.1), step, data)
+        sizes[name] = [e.size for e in trace.events if e.action == "alloc"]
+    assert sizes["dataclass"] == sizes["tuple"]
+    assert 33 * 64 * 4 in sizes["dataclass"]  # the batch's own copy on the device
