@@ -238,8 +238,10 @@ class BatchSizeTuner(Callback):
             return None
         _session.require_settable_batch(trainer, self.batch_arg_name, "BatchSizeTuner")
         probe = make_probe(trainer.strategy.root_device, self)
-        if not probe.has_allocator and isinstance(self.budget, (int, str)):  # bytes: trace the step
-            return self._scale_traced(trainer, parse_budget(self.budget, None, "BatchSizeTuner"))
+        # no allocator: a budget in bytes is planned by trace, unless `max_val` asks for real steps up to it
+        budget = self.budget
+        if not probe.has_allocator and isinstance(budget, (int, str)) and self.max_val is None:
+            return self._scale_traced(trainer, parse_budget(budget, None, "BatchSizeTuner"))
         # a CPU smoke test: no search bounded by nothing
         if not probe.has_allocator and self.max_val is None:
             size = _session.get_batch_size(trainer, self.batch_arg_name)

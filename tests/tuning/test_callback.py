@@ -127,6 +127,15 @@ def test_no_oom_on_cpu_stops_at_the_dataset_size_with_a_warning():
     assert tuner.result.reason == "upper_bound"
 
 
+def test_with_max_val_a_budget_in_bytes_on_a_cpu_searches_with_real_steps_and_says_once_it_is_not_applied():
+    # without max_val it is traced instead (tests/tuning/test_traced_planner.py)
+    tuner = BatchSizeTuner(budget="1000GiB", max_val=8)
+    with pytest.warns(UserWarning, match=r"`budget='1000GiB'` is not applied on `cpu`") as record:
+        tuner_trainer(tuner).fit(OOMModel())
+    assert sum("is not applied" in str(w.message) for w in record) == 1
+    assert tuner.trials  # real trials ran
+
+
 def test_a_fraction_of_the_device_on_a_cpu_says_once_that_it_is_not_applied():
     # a budget in bytes is traced instead (tests/tuning/test_traced_planner.py)
     tuner = BatchSizeTuner(budget=0.5, max_val=8)
