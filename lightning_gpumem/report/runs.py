@@ -1,9 +1,12 @@
-"""Find the runs under a log directory, read their scalars (TensorBoard event files, ``CSVLogger`` CSVs).
+"""Find the runs under a log directory, read their scalars: every logger of Lightning's that writes files.
 
 A *run* is one directory holding event files (``events.out.tfevents.*``) and/or a ``metrics.csv``, as
 Lightning's ``TensorBoardLogger`` and ``CSVLogger`` write them (``<save_dir>/<name>/version_<n>/``). When
 both loggers write to the same directory, the event files' values are kept and the CSV adds only the keys
-they lack.
+they lack. ``MLFlowLogger``'s runs are read from a local tracking store (:mod:`._mlflow`: the file
+store's run directories, a SQLite store's file) and ``WandbLogger``'s from each run's ``run-<id>.wandb``
+(:mod:`._wandb`), neither needing its logger's package; those runs are named as their store names them
+(``experiment/run``, ``project/run``).
 """
 
 from __future__ import annotations
@@ -13,13 +16,14 @@ import io
 import math
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lightning_gpumem import keys
-from lightning_gpumem.report import _reading
+from lightning_gpumem.report import _mlflow, _reading, _wandb
 from lightning_gpumem.report._events import CorruptEventFile, read_scalars
-from lightning_gpumem.report._reading import read_log_file
+from lightning_gpumem.report._reading import StoreRun, Table, read_log_file
 from lightning_gpumem.report._text import printable
 
 PREFIX = keys.PREFIX
@@ -40,8 +44,10 @@ class Run:
     """The ``gpumem/`` scalars of one run: ``{key: [(step, value), ...]}`` sorted by step.
 
     Attributes:
-        name: the run's directory relative to the log directory (its own name where it is the log directory).
-        path: the run's directory.
+        name: the run's directory relative to the log directory (its own name where it is the log directory);
+            for an MLflow run ``<experiment>/<run name or id>``, for a W&B run ``<project>/<run name or id>``
+            (followed by `` (<path>)`` where another run has the same name).
+        path: the run's directory (a SQLite MLflow store's file, for its runs).
         series: every ``gpumem/`` key logged, with its ``(step, value)`` points in step order, one per step
             (the last written where a step was logged twice, as by a run resumed from a checkpoint).
         sources: the files read.
@@ -93,8 +99,9 @@ def load_runs(logdir: str | os.PathLike[str]) -> LoadResult:
     """Read every run under ``logdir``.
 
     Args:
-        logdir: a directory written by Lightning's ``TensorBoardLogger`` and/or ``CSVLogger`` (any level: the
-            ``save_dir``, a ``name`` directory or one ``version_<n>``).
+        logdir: a directory written by Lightning's ``TensorBoardLogger``, ``CSVLogger``, ``MLFlowLogger``
+            (a local store) or ``WandbLogger``, any level: the ``save_dir``, a ``name`` or ``version_<n>``
+            directory, an MLflow store or one run's directory, ``wandb/`` or one run's directory.
 
     Returns:
         The runs with ``gpumem/`` metrics, in path order, and the files skipped (corrupt or unreadable) with
@@ -121,7 +128,30 @@ def load_runs(logdir: str | os.PathLike[str]) -> LoadResult:
     def not_searched(error: OSError) -> None:
         skipped.append(f"directory {_shown(error.filename)}: {error.strerror or error} (not searched)")
 
-    for directory, _, names in sorted(os.walk(root, onerror=not_searched)):
+    owned: set[Path] = set()  # an MLflow run's own folders: its metrics are no other logger's files
+    store_files: set[Path] = set()
+    from_stores: list[Run] = []
+    for directory, dirnames, names in sorted(os.walk(root, onerror=not_searched)):
+        path = Path(directory)
+        if owned and any(folder in owned for folder in (path, *path.parents)):
+            continue
+        found: list[StoreRun | None] = []
+        if _mlflow.is_run_directory(path, names, dirnames):
+            owned.update(path / folder for folder in _mlflow.OWN_FOLDERS)
+            found.append(_mlflow.read_run_directory(path, skipped, inputs))
+        for name in sorted(names, key=_natural):
+            if _mlflow.is_sqlite_name(name):
+                found.extend(_mlflow.read_sqlite_store(Path(directory, name), skipped, inputs))
+            elif _wandb.is_run_log(name):
+                inputs.append(Path(directory, name))
+                found.append(_wandb.read_run_log(Path(directory, name), skipped))
+        for store_run in found:
+            if store_run is not None:
+                run = _from_store(store_run, skipped)
+                store_files.update(run.sources)
+                if run.series:
+                    runs.append(run)
+                    from_stores.append(run)
         events = sorted(
             (name for name in names if EVENT_FILE_MARK in name and name.startswith("events.out")),
             key=_natural,
@@ -131,7 +161,6 @@ def load_runs(logdir: str | os.PathLike[str]) -> LoadResult:
             files.append(Path(directory, CSV_NAME))
         if not files:
             continue
-        path = Path(directory)
         name = str(path.relative_to(root)) if path != root else (root.resolve().name or str(root))
         run = Run(name=name, path=path)
         for file in files:
@@ -145,11 +174,11 @@ def load_runs(logdir: str | os.PathLike[str]) -> LoadResult:
                 # The event files' values first; a CSV beside them adds only the keys they lack.
                 if key.startswith(PREFIX) and (file.name != CSV_NAME or key not in run.series):
                     run.series.setdefault(key, []).extend(points)
-        for key, points in run.series.items():
-            # One value per step, the last written: a run resumed from a checkpoint logs its steps again.
-            run.series[key] = sorted(dict(points).items())
+        _one_per_step(run)
         if run.series:
             runs.append(run)
+    files_read += len(store_files)
+    _tell_apart(runs, from_stores, root)
     if not runs:
         if skipped:
             raise ReportError(
@@ -158,10 +187,41 @@ def load_runs(logdir: str | os.PathLike[str]) -> LoadResult:
             )
         raise ReportError(
             f"No `gpumem/` metrics under '{_shown(root)}' ({files_read} readable log file(s)). Log with"
-            " `MemoryMonitor` (and a TensorBoardLogger or CSVLogger) first; point LOGDIR at the logger's"
-            " save_dir or a version directory."
+            " `MemoryMonitor` (and a TensorBoardLogger, CSVLogger, WandbLogger or MLFlowLogger with a local"
+            " store) first; point LOGDIR at the logger's save_dir or a run's directory."
         )
     return LoadResult(runs=runs, skipped=skipped, files_read=files_read, inputs=inputs)
+
+
+def _from_store(found: StoreRun, skipped: list[str]) -> Run:
+    """A tracking store's run, its values checked as an event file's are."""
+    run = Run(name=found.name, path=found.path)
+    for file, table, bad in found.tables:
+        run.sources.append(file)
+        _name_left_out(file, [*bad, *_drop_out_of_range(table)], skipped)
+        for key, points in table.items():
+            if key.startswith(PREFIX):
+                run.series.setdefault(key, []).extend(points)
+    _one_per_step(run)
+    return run
+
+
+def _one_per_step(run: Run) -> None:
+    """One value per step, the last written: a run resumed from a checkpoint logs its steps again."""
+    for key, points in run.series.items():
+        run.series[key] = sorted(dict(points).items())
+
+
+def _tell_apart(runs: list[Run], from_stores: list[Run], root: Path) -> None:
+    """A store's run whose name another run has too is followed by its path: `` (mlruns/1/<id>)``.
+
+    The other runs are named by their directories, which differ.
+    """
+    counts = Counter(run.name for run in runs)
+    for run in from_stores:
+        if counts[run.name] > 1:
+            where = run.path.relative_to(root) if run.path.is_relative_to(root) else run.path
+            run.name = f"{run.name} ({where})"
 
 
 def _natural(name: str) -> list[str | int]:
@@ -208,20 +268,29 @@ def _read_file(file: Path, skipped: list[str]) -> dict[str, Series] | None:
                 f"{printable(str(error))}; the rest of the file is skipped ({kept} scalars before it are"
                 " kept)"
             )
-        for key, points in table.items():
-            bad.extend(
-                f"{key} at step {step} = {value!r} is out of range (beyond ±{MAX_MAGNITUDE:g}; value left"
-                " out)"
-                for step, value in points
-                if math.isfinite(value) and not in_range(value)
-            )
-            table[key] = [
-                (step, value) for step, value in points if not math.isfinite(value) or in_range(value)
-            ]
+        bad.extend(_drop_out_of_range(table))
+    _name_left_out(file, bad, skipped)
+    return table
+
+
+def _drop_out_of_range(table: Table) -> list[str]:
+    """Leave out of ``table`` the finite values beyond :data:`MAX_MAGNITUDE`; returns them, described."""
+    bad: list[str] = []
+    for key, points in table.items():
+        bad.extend(
+            f"{key} at step {step} = {value!r} is out of range (beyond ±{MAX_MAGNITUDE:g}; value left out)"
+            for step, value in points
+            if math.isfinite(value) and not in_range(value)
+        )
+        table[key] = [(step, value) for step, value in points if not math.isfinite(value) or in_range(value)]
+    return bad
+
+
+def _name_left_out(file: Path, bad: list[str], skipped: list[str]) -> None:
+    """Name the first :data:`NOTICES_PER_FILE` values left out of ``file`` in ``skipped``, count the rest."""
     skipped.extend(f"{_shown(file)}, {printable(what)}" for what in bad[:NOTICES_PER_FILE])
     if len(bad) > NOTICES_PER_FILE:
         skipped.append(f"{_shown(file)}: {len(bad) - NOTICES_PER_FILE} more values left out, as above")
-    return table
 
 
 def _read_csv(data: bytes, bad: list[str] | None = None) -> dict[str, Series]:
