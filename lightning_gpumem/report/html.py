@@ -115,6 +115,14 @@ def timeline_svg(run: Run) -> str:
         finite = [(s, v) for s, v in points if math.isfinite(v)]
         if not finite:
             continue
+        if line.limit:  # a level logged once: across the whole panel, at its last value
+            level, value = y(finite[-1][1]), finite[-1][1]
+            parts.append(
+                f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{level:.1f}" y2="{level:.1f}"'
+                f' stroke="{line.color}" stroke-dasharray="6,4">'
+                f"<title>{markup(line.label)}: {value:.2f} GiB</title></line>"
+            )
+            continue
         if line.points_only or len(finite) == 1:  # one point draws no line: a marker
             parts.extend(
                 f'<circle cx="{x(s):.1f}" cy="{y(v):.1f}" r="3"'

@@ -17,7 +17,7 @@ from lightning_gpumem._core.files import write_atomic
 from lightning_gpumem.report._output import PNG_MARK, PNG_SOFTWARE, check_output
 from lightning_gpumem.report._text import escape, printable
 from lightning_gpumem.report.runs import ReportError, Run
-from lightning_gpumem.report.timeline import RELEASE_COLOR, lines, release_steps, tuned
+from lightning_gpumem.report.timeline import MARKS, RELEASE_COLOR, lines, release_steps, tuned
 
 WIDTH_IN, RUN_HEIGHT_IN, DPI = 10.0, 4.0, 100  # each run adds a 1000 x 400 pixel panel
 # panels in one picture (24 x 400 px = 9600 px high); the HTML page and the tables hold every run
@@ -87,16 +87,24 @@ def _figure(runs: Sequence[Run]) -> Any:
         for line, points in lines(run):
             steps, values = [s for s, _ in points], [v for _, v in points]
             highest = max([highest, *(v for v in values if math.isfinite(v))])
-            if line.points_only or len(points) == 1:  # one point draws no line: a marker
+            if line.limit:  # a level logged once: across the whole panel, at its last value
+                ax.axhline(values[-1], color=line.color, label=line.label, linewidth=1.2, linestyle="--")
+            elif line.points_only or len(points) == 1:  # one point draws no line: a marker
                 ax.plot(steps, values, "o", color=line.color, label=line.label, markersize=4)
             else:
+                wide = line.width > 1.2  # drawn underneath, translucent, so what coincides shows on it
                 ax.plot(
                     steps,
                     values,
                     color=line.color,
                     label=line.label,
-                    linewidth=1.2,
-                    linestyle="--" if line.dashed else "-",
+                    linewidth=line.width,
+                    alpha=0.45 if wide else 1.0,
+                    zorder=1.5 if wide else 2.0,
+                    linestyle="--" if line.dashed else line.linestyle,
+                    marker=line.marker or None,
+                    markersize=5,
+                    markevery=max(1, len(points) // MARKS),
                     drawstyle="steps-post" if line.dashed else "default",
                 )
         for i, step in enumerate(release_steps(run)):

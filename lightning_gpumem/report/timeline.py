@@ -10,23 +10,34 @@ from lightning_gpumem.report.runs import Run, Series
 
 @dataclass(frozen=True)
 class Line:
-    """One curve: the key it draws, its legend label, colour and dash style."""
+    """One curve: the key it draws, its legend label, colour and dash style.
+
+    ``width``, ``marker`` and ``linestyle`` keep curves that coincide (a peak equal to what stays allocated)
+    apart in the PNG: the widest underneath, translucent, the others on top with their own markers.
+    ``limit``: a level logged once (the tuner's budget), drawn across the whole panel.
+    """
 
     key: str
     label: str
     color: str
     dashed: bool = False
     points_only: bool = False
+    width: float = 1.2
+    marker: str = ""
+    linestyle: str = "-"
+    limit: bool = False
 
 
 LINES = (
-    Line(keys.PEAK_ALLOCATED.format("train"), "per-batch peak allocated", "#d62728"),
-    Line(keys.ALLOCATED.format("train"), "allocated (batch end)", "#1f77b4"),
-    Line(keys.RESERVED.format("train"), "reserved (batch end)", "#2ca02c"),
-    Line(keys.NVML_PROCESS.format(), "NVML, this process", "#9467bd"),
+    Line(keys.PEAK_ALLOCATED.format("train"), "per-batch peak allocated", "#d62728", width=4.0),
+    Line(keys.ALLOCATED.format("train"), "allocated (batch end)", "#1f77b4", marker="s"),
+    Line(keys.RESERVED.format("train"), "reserved (batch end)", "#2ca02c", marker="^", linestyle="-."),
+    Line(keys.NVML_PROCESS.format(), "NVML, this process", "#9467bd", marker="d", linestyle=":"),
     Line(keys.BUDGET.format(), "budget", "#000000", dashed=True),
+    Line(keys.TUNED_BUDGET.format(), "the tuner's budget", "#e377c2", dashed=True, limit=True),
     Line(keys.PEAK_ALLOCATED.format("val"), "validation peak allocated", "#ff7f0e", points_only=True),
 )
+MARKS = 12  # markers per curve, evenly spaced: enough to tell curves apart, few enough to read
 HOST_LINE = Line(keys.HOST_RSS.format(), "host RSS (no device memory logged)", "#8c564b")
 RELEASE_COLOR = "#7f7f7f"
 

@@ -565,3 +565,37 @@ def test_no_budget_no_step_peak_row(tmp_path):
     (run,) = load_runs(tmp_path).runs
     assert summarize(run).step_peaks_over_budget is None
     assert "step peak reserved / budget" not in dict(rows(summarize(run)))
+
+
+def test_curves_that_coincide_stay_apart_and_the_tuners_budget_spans_the_panel(tmp_path):
+    """A peak equal to what stays allocated and reserved (three curves on one line) is still three curves: the
+    peak wide and translucent underneath, the others with their own markers and dashes; the tuner's budget,
+    logged once, is a line across the panel."""
+    pytest.importorskip("matplotlib")
+    from lightning_gpumem.report.plot import _figure
+    from lightning_gpumem.report.runs import Run
+
+    same = [(step, 2.0) for step in range(0, 100, 5)]
+    series = {
+        "gpumem/train_peak_allocated_gib": same,
+        "gpumem/train_allocated_gib": same,
+        "gpumem/train_reserved_gib": same,
+        "gpumem/batch_size_budget_gib": [(0, 3.0)],
+    }
+    figure = _figure([Run(name="same", path=tmp_path, series=series)])
+    (ax,) = figure.axes
+    drawn = {line.get_label(): line for line in ax.get_lines()}
+    styles = {
+        label: (line.get_linestyle(), line.get_marker(), line.get_linewidth())
+        for label, line in drawn.items()
+        if label in ("per-batch peak allocated", "allocated (batch end)", "reserved (batch end)")
+    }
+    assert len(styles) == 3
+    assert len(set(styles.values())) == 3  # each drawn its own way
+    peak = drawn["per-batch peak allocated"]
+    assert peak.get_linewidth() > max(w for _, _, w in styles.values() if w != peak.get_linewidth())
+    assert peak.get_zorder() < drawn["allocated (batch end)"].get_zorder()  # underneath
+    budget = drawn["the tuner's budget"]
+    assert list(budget.get_ydata()) == [3.0, 3.0]
+    assert list(budget.get_xdata()) == [0, 1]  # axes coordinates: the whole width
+    assert write_png([Run(name="same", path=tmp_path, series=series)], tmp_path / "same.png").stat().st_size
