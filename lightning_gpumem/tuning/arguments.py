@@ -7,6 +7,7 @@ from typing import Any
 
 from lightning.fabric.utilities.rank_zero import rank_zero_deprecation
 
+from lightning_gpumem._core.cards import card_bytes
 from lightning_gpumem._core.checks import require_flags, require_fraction, require_int, require_length_fn
 from lightning_gpumem._core.units import check_budget
 
@@ -65,10 +66,12 @@ def check_planner(
         if isinstance(budgets, (str, bytes)) or not isinstance(budgets, Sequence) or not budgets:
             raise ValueError(
                 f"`MemoryPlanner(budgets={budgets!r})` is not valid. Expected None or a non-empty list of"
-                ' budgets (bytes, a fraction of the device, or a string such as "24GiB").'
+                ' budgets (bytes, a fraction of the device, a string such as "24GiB", or a card such as'
+                ' "A100-40GB").'
             )
         for budget in budgets:  # type and format now; the size against the device at fit
-            check_budget(budget, "MemoryPlanner", "budgets")
+            if card_bytes(budget) is None:  # a card's name ("H100-80GB") is a budget too
+                check_budget(budget, "MemoryPlanner", "budgets")
     require_flags("MemoryPlanner", **flags)
     require_int("MemoryPlanner", "init_val", init_val, 1)
     require_int("MemoryPlanner", "steps_per_trial", steps_per_trial, 1)

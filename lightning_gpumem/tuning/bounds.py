@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from lightning_gpumem._core.batching import batch_cost
+from lightning_gpumem._core.cards import card_bytes
 from lightning_gpumem._core.units import GIB, format_gib, parse_budget
 from lightning_gpumem._hw.probe import Probe
 from lightning_gpumem._pl.peers import budget_bytes
@@ -157,7 +158,7 @@ def planner_budgets(
         own = budget_bytes(trainer) or total
         cards = [gib * GIB for gib in CARDS_GIB if gib * GIB < own]
         return sorted({own, *cards}, reverse=True)
-    parsed = [parse_budget(b, total, "MemoryPlanner", "budgets") for b in budgets]
+    parsed = [card_bytes(b) or parse_budget(b, total, "MemoryPlanner", "budgets") for b in budgets]
     return sorted(dict.fromkeys(int(b) for b in parsed), reverse=True)
 
 

@@ -78,9 +78,10 @@ class MemoryPlanner(Callback):
 
     Args:
         budgets: the cards or budgets to answer for: sizes in bytes (``int``), strings such as ``"24GiB"``,
-            or fractions of the device in (0, 1]; ``None`` for the device (or a
+            cards by name (``"H100-80GB"``, ``"A100-80GB"``, ``"A100-40GB"``, ``"RTX4090"``: the memory torch
+            reports for them), or fractions of the device in (0, 1]; ``None`` for the device (or a
             :class:`~lightning_gpumem.MemoryBudget`'s budget) and the common card sizes up to it (16, 24, 40,
-            48, 80 GiB).
+            48, 80 GiB; on a CPU, all of them).
         validate: run each budget's largest size in a trial under that budget.
         stop: end the fit after planning (a dry run).
         init_val: the first probe's batch size.

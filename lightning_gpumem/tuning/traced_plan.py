@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import lightning.pytorch as pl
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
+from lightning_gpumem._core.cards import card_bytes
 from lightning_gpumem._core.units import GIB, parse_budget
 from lightning_gpumem._hw.allocator import expandable_segments
 from lightning_gpumem.tuning.bounds import CARDS_GIB
@@ -37,7 +38,7 @@ def traced_budgets(budgets: Sequence[int | float | str] | None) -> list[int]:
     """
     if budgets is None:
         return sorted((gib * GIB for gib in CARDS_GIB), reverse=True)
-    parsed = [parse_budget(b, None, "MemoryPlanner", "budgets") for b in budgets]
+    parsed = [card_bytes(b) or parse_budget(b, None, "MemoryPlanner", "budgets") for b in budgets]
     return sorted(dict.fromkeys(int(b) for b in parsed), reverse=True)
 
 

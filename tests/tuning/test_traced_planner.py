@@ -139,7 +139,7 @@ cli = LightningCLI(Model, save_config_callback=None, args=[
     "fit", "--trainer.accelerator=cpu", "--trainer.logger=false", "--trainer.enable_checkpointing=false",
     f"--trainer.default_root_dir={os.environ['ROOT_DIR']}",
     "--trainer.callbacks+=lightning_gpumem.MemoryPlanner",
-    '--trainer.callbacks.budgets=["24GiB","80GiB"]', "--trainer.callbacks.stop=true",
+    '--trainer.callbacks.budgets=["24GiB","A100-40GB"]', "--trainer.callbacks.stop=true",
 ])
 planner = cli.trainer.callbacks[0]
 print("plan", cli.trainer.global_step, [(p.budget >> 30, p.how) for p in planner.predictions])
@@ -157,7 +157,7 @@ def test_a_lightning_cli_user_plans_on_a_cpu_with_no_code_change(tmp_path):
     command = [sys.executable, "-c", CLI_SCRIPT]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "plan 0 [(80, 'traced'), (24, 'traced')]" in result.stdout, result.stdout[-3000:]
+    assert "plan 0 [(39, 'traced'), (24, 'traced')]" in result.stdout, result.stdout[-3000:]
 
 
 def test_on_a_cpu_the_tuner_sets_the_traced_size_less_the_headroom_with_one_line_and_no_trials(caplog):
@@ -214,3 +214,14 @@ def test_a_trace_that_fails_otherwise_warns_and_never_stops_the_fit():
     with pytest.warns(UserWarning, match="could not be traced"):
         quiet_trainer(accelerator="cpu", max_steps=1, limit_val_batches=0, callbacks=[tuner]).fit(model)
     assert model.batch_size == 16
+
+
+def test_budgets_may_name_cards_and_a_name_that_is_no_card_is_refused_naming_it():
+    from lightning_gpumem._core.cards import CARDS_GIB, card_bytes
+
+    planner = MemoryPlanner(budgets=["A100-40GB", "rtx 4090"], stop=True)
+    _fit(planner, Wide())
+    assert [p.budget for p in planner.predictions] == [card_bytes("A100-40GB"), card_bytes("RTX4090")]
+    assert [round(p.budget / 2**30, 2) for p in planner.predictions] == [CARDS_GIB["A100-40GB"], 23.65]
+    with pytest.raises(ValueError, match=r"MemoryPlanner\(budgets='Z100'\)"):
+        MemoryPlanner(budgets=["Z100"])

@@ -1,0 +1,34 @@
+"""Cards by name, for the planner's budgets: the memory torch reports for each.
+
+The figures are ``torch.cuda.get_device_properties(0).total_memory`` as torch's out-of-memory messages print
+it ("GPU 0 has a total capacity of 79.18 GiB"): measured on this project's H100 (``NVIDIA H100 80GB HBM3``),
+and as widely reported for the others. A card whose figure varies between reports (the L4, the A10G) is left
+out: pass its size (``"22GiB"``).
+"""
+
+from __future__ import annotations
+
+from lightning_gpumem._core.units import GIB
+
+CARDS_GIB = {
+    "H100-80GB": 79.18,
+    "A100-80GB": 79.15,
+    "A100-40GB": 39.39,
+    "RTX4090": 23.65,
+}
+
+
+def card_bytes(value: object) -> int | None:
+    """The memory of the card ``value`` names, in bytes (``None``: not a card's name).
+
+    Case, spaces and underscores do not matter.
+
+    >>> card_bytes("h100-80gb") == int(79.18 * GIB), card_bytes("RTX 4090") == int(23.65 * GIB)
+    (True, True)
+    >>> card_bytes("24GiB") is None
+    True
+    """
+    if not isinstance(value, str):
+        return None
+    gib = CARDS_GIB.get(value.strip().upper().replace(" ", "").replace("_", "-"))
+    return None if gib is None else int(gib * GIB)
