@@ -7,13 +7,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_gpumem.cli import main
 from lightning_gpumem.report import load_runs, summarize
 from lightning_gpumem.report.check import Limits, check_runs, exit_status, parse_fraction, parse_size, peak
 from lightning_gpumem.report.json_report import document
-from tests.report.test_report import _fit, _run_cli
+from tests.report.test_report import _fit, _logged, _run_cli
 
 
 @pytest.fixture(scope="module")
@@ -22,15 +22,6 @@ def logs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("logs")
     _fit([TensorBoardLogger(root, name="tb")])
     return root
-
-
-def _logged(root: Path, name: str, rows: list[dict[str, float]]) -> Path:
-    """A run written by Lightning's CSVLogger, one `log_metrics` call a row."""
-    logger = CSVLogger(root, name=name)
-    for step, row in enumerate(rows):
-        logger.log_metrics(row, step=step)
-    logger.save()
-    return Path(logger.log_dir)
 
 
 def _peaks(root: Path, name: str, allocated: float, reserved: float, **more: float) -> Path:

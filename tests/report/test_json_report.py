@@ -14,7 +14,7 @@ from lightning_gpumem import keys
 from lightning_gpumem.cli import main
 from lightning_gpumem.report import load_runs, summarize
 from lightning_gpumem.report.json_report import MARK, SCHEMA, document, dumps
-from tests.report.test_report import _fit, _run_cli
+from tests.report.test_report import _fit, _logged, _run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 TYPES = {
@@ -31,15 +31,6 @@ def logs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("logs")
     _fit([TensorBoardLogger(root, name="tb"), CSVLogger(root, name="csv")])
     return root
-
-
-def _logged(root: Path, name: str, rows: list[dict[str, float]]) -> Path:
-    """A run written by Lightning's CSVLogger, one `log_metrics` call a row (step = the row's index)."""
-    logger = CSVLogger(root, name=name)
-    for step, row in enumerate(rows):
-        logger.log_metrics(row, step=step)
-    logger.save()
-    return Path(logger.log_dir)
 
 
 # ----------------------------------------------------------------- a validator for the JSON Schema subset SCHEMA uses

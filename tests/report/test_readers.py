@@ -21,11 +21,9 @@ from pathlib import Path
 import pytest
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_gpumem._core.units import GIB
 from lightning_gpumem.cli import main
 from lightning_gpumem.report import ReportError, _wandb, load_runs
-from tests.helpers.fakes import FakeMonitor, FakeProbe, FakeRelease, SpikeModel
-from tests.helpers.trainer import quiet_trainer
+from tests.report.test_report import _fit
 
 ROOT = Path(__file__).resolve().parents[2]
 PEAK = "gpumem/train_peak_allocated_gib"
@@ -33,24 +31,6 @@ PEAK = "gpumem/train_peak_allocated_gib"
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The ``noload`` loader strategy is deprecated:DeprecationWarning"
 )
-
-
-def _fit(loggers: list) -> None:
-    """8 training batches on a fake 24 GiB allocator (1 GiB base, a 2 GiB spike at step 3), as test_report's."""
-    probe = FakeProbe(base=GIB)
-    trainer = quiet_trainer(
-        max_epochs=1,
-        limit_train_batches=8,
-        limit_val_batches=2,
-        num_sanity_val_steps=0,
-        logger=loggers,
-        callbacks=[
-            FakeMonitor(probe, nvml_host_interval_s=0),
-            FakeRelease(probe, threshold=2.5 / 24, min_steps_between=1),
-        ],
-        log_every_n_steps=1,
-    )
-    trainer.fit(SpikeModel(probe, train_spikes={3: 2 * GIB}, val_spike=GIB))
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:

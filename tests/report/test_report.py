@@ -44,6 +44,15 @@ def _fit(loggers, steps: int = 8) -> FakeProbe:
     return probe
 
 
+def _logged(root: Path, name: str, rows: list[dict[str, float]]) -> Path:
+    """A run written by Lightning's CSVLogger, one `log_metrics` call a row (step = the row's index)."""
+    logger = CSVLogger(root, name=name)
+    for step, row in enumerate(rows):
+        logger.log_metrics(row, step=step)
+    logger.save()
+    return Path(logger.log_dir)
+
+
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("logs")
