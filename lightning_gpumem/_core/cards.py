@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from lightning_gpumem._core.units import GIB
 
-CARDS_GIB = {
+CARD_MEMORY_GIB = {
     "H100-80GB": 79.18,
     "A100-80GB": 79.15,
     "A100-40GB": 39.39,
@@ -30,5 +30,5 @@ def card_bytes(value: object) -> int | None:
     """
     if not isinstance(value, str):
         return None
-    gib = CARDS_GIB.get(value.strip().upper().replace(" ", "").replace("_", "-"))
+    gib = CARD_MEMORY_GIB.get(value.strip().upper().replace(" ", "").replace("_", "-"))
     return None if gib is None else int(gib * GIB)

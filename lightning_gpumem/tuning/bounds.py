@@ -148,16 +148,20 @@ CARDS_GIB = (16, 24, 40, 48, 80)
 
 
 def planner_budgets(
-    budgets: Sequence[int | float | str] | None, trainer: pl.Trainer, total: int
+    budgets: Sequence[int | float | str] | None, trainer: pl.Trainer, total: int | None
 ) -> list[int]:
     """The planner's budgets in bytes, largest first.
 
-    The device's (or a ``MemoryBudget``'s) and the common cards below it where ``budgets`` is ``None``.
+    The device's (or a ``MemoryBudget``'s) and the common cards below it where ``budgets`` is ``None``;
+    without a device (``total`` ``None``, the plan is traced) every common card.
+
+    Raises:
+        ValueError: on a budget that is not valid, or a fraction of the device where there is none.
     """
     if budgets is None:
         own = budget_bytes(trainer) or total
-        cards = [gib * GIB for gib in CARDS_GIB if gib * GIB < own]
-        return sorted({own, *cards}, reverse=True)
+        cards = [gib * GIB for gib in CARDS_GIB if own is None or gib * GIB < own]
+        return sorted({*cards, *([own] if own is not None else [])}, reverse=True)
     parsed = [card_bytes(b) or parse_budget(b, total, "MemoryPlanner", "budgets") for b in budgets]
     return sorted(dict.fromkeys(int(b) for b in parsed), reverse=True)
 

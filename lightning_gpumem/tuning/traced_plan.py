@@ -13,10 +13,8 @@ from collections.abc import Sequence
 import lightning.pytorch as pl
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
-from lightning_gpumem._core.cards import card_bytes
-from lightning_gpumem._core.units import GIB, parse_budget
 from lightning_gpumem._hw.allocator import expandable_segments
-from lightning_gpumem.tuning.bounds import CARDS_GIB
+from lightning_gpumem.tuning import bounds
 from lightning_gpumem.tuning.search.model import Point
 from lightning_gpumem.tuning.search.plan import Plan, Prediction, Terms
 from lightning_gpumem.tuning.sources.lightning_step import lightning_tracer
@@ -28,18 +26,6 @@ from lightning_gpumem.tuning.sources.traced import (
 )
 from lightning_gpumem.tuning.trials import loaders
 from lightning_gpumem.tuning.trials.measure import module_bytes
-
-
-def traced_budgets(budgets: Sequence[int | float | str] | None) -> list[int]:
-    """The budgets in bytes, largest first; ``None``: the common cards (16 to 80 GiB).
-
-    Raises:
-        ValueError: for a fraction of the device (there is no device to take it of here).
-    """
-    if budgets is None:
-        return sorted((gib * GIB for gib in CARDS_GIB), reverse=True)
-    parsed = [card_bytes(b) or parse_budget(b, None, "MemoryPlanner", "budgets") for b in budgets]
-    return sorted(dict.fromkeys(int(b) for b in parsed), reverse=True)
 
 
 def plan_traced(
@@ -67,7 +53,7 @@ def plan_traced(
     module = trainer.lightning_module
     trace_at = lightning_tracer(trainer, module, batch, val_batch=val_batch)
     source = TracedSource(trace_at, expandable_segments=expandable_segments())
-    asked = traced_budgets(budgets)  # a bad budget is the user's error: it raises
+    asked = bounds.planner_budgets(budgets, trainer, None)  # a bad budget is the user's error: it raises
     try:
         traced = plan_by_trace(source, size, asked, upper=upper, init_val=init_val)
     except CannotTrace as error:

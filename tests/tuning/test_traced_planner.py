@@ -217,11 +217,11 @@ def test_a_trace_that_fails_otherwise_warns_and_never_stops_the_fit():
 
 
 def test_budgets_may_name_cards_and_a_name_that_is_no_card_is_refused_naming_it():
-    from lightning_gpumem._core.cards import CARDS_GIB, card_bytes
+    from lightning_gpumem._core.cards import CARD_MEMORY_GIB, card_bytes
 
     planner = MemoryPlanner(budgets=["A100-40GB", "rtx 4090"], stop=True)
     _fit(planner, Wide())
     assert [p.budget for p in planner.predictions] == [card_bytes("A100-40GB"), card_bytes("RTX4090")]
-    assert [round(p.budget / 2**30, 2) for p in planner.predictions] == [CARDS_GIB["A100-40GB"], 23.65]
+    assert [round(p.budget / 2**30, 2) for p in planner.predictions] == [CARD_MEMORY_GIB["A100-40GB"], 23.65]
     with pytest.raises(ValueError, match=r"MemoryPlanner\(budgets='Z100'\)"):
         MemoryPlanner(budgets=["Z100"])
