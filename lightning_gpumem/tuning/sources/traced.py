@@ -153,7 +153,7 @@ def plan_by_trace(
     uncapped = source.under(None)
     # the run's size and two more, uncapped: the plan's lines have points even where no budget fits one
     asked: list[Trial] = [uncapped(s) for s in sorted({init_val, size, 2 * size})]
-    peak = float(uncapped(size).peak_bytes or 0)
+    peak = float(next(t for t in asked if t.batch_size == size).peak_bytes or 0)
     band = margin * peak
     predictions = []
     for budget in budgets:
