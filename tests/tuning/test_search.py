@@ -530,7 +530,7 @@ def test_two_probes_on_the_optimizer_steps_plateau_do_not_predict_from_their_slo
     """H100, WideMLP (38M parameters, AdamW, ~0.14 MiB a sample), 2 GiB cap (the GPU test's; `on_move` traced in
     one session). 2, 5 and 12 reserve the same 788 MiB, their live peaks 15-29 KB apart: the optimizer step's
     temporaries, not activations, set the peak. A line through two of them has a slope of noise, and the safe move
-    took its half-limit size, 32768, then backed off through five more OOMs (14 trials, 7 OOM). On a plateau it
+    took its half-limit size, 32768, then backed off through five more OOMs (12 trials, 6 OOM in gpu-tests-h100-2pct.log). On a plateau it
     jumps through the origin instead, until a point leaves it: 31, then 11379 from the line above it."""
     measured = {
         2: (826277888, 824209408, 824209408, 521866240, 0),
