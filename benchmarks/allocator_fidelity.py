@@ -52,10 +52,19 @@ WORKER_TIMEOUT_S = 600
 
 
 # ------------------------------------------------------------------------------------------------ on the GPU
-def record(out: Path) -> int:
-    """Run every case in its own process, then compare; the exit status of :func:`check`."""
+def record(out: Path, gpt: list[int] | None = None, cap_gib: float = 24.0) -> int:
+    """Run every case in its own process, then compare; the exit status of :func:`check`.
+
+    ``gpt``: instead of the small models, ``benchmarks/tuner.py``'s 236M GPT at these batch sizes under a cap
+    of ``cap_gib`` (the default allocator, bf16 autocast, two training steps and a validation step in the order
+    of ``trace_training``): the real streams the traced plan is measured against.
+    """
     out.mkdir(parents=True, exist_ok=True)
     failed = 0
+    if gpt:
+        for batch in gpt:
+            failed += not _spawn(out, "gpt", batch, "native", int(cap_gib * 2**30))
+        return check(out) or (1 if failed else 0)
     for model, batches in MODELS.items():
         for batch in batches:
             for mode in MODES:
@@ -147,6 +156,9 @@ def worker(model_name: str, batch: int, mode: str, limit: int | None, out: Path)
     torch.manual_seed(0)
     oom = False
     try:
+        if model_name == "gpt":
+            _gpt_case(torch, batch, mark)
+            raise StopIteration
         mark("setup")
         net, inputs, target, loss_fn = _build(torch, model_name, batch)
         optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
@@ -160,6 +172,8 @@ def worker(model_name: str, batch: int, mode: str, limit: int | None, out: Path)
             optimizer.zero_grad(set_to_none=True)
             del loss
         torch.cuda.synchronize()
+    except StopIteration:
+        pass
     except RuntimeError as error:  # torch.OutOfMemoryError, also when autograd re-raises it from backward
         if "out of memory" not in str(error):
             raise
@@ -199,6 +213,36 @@ def worker(model_name: str, batch: int, mode: str, limit: int | None, out: Path)
     with gzip.open(path, "wt", encoding="utf-8") as file:
         json.dump(data, file, separators=(",", ":"))
     print(f"{path}: {len(events)} events, {path.stat().st_size // 1024} KiB", file=sys.stderr)
+
+
+def _gpt_case(torch: Any, batch: int, mark: Any) -> None:
+    """The tuner benchmark's GPT: two training steps and a validation step, as ``trace_training`` orders them."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _tuner_models as M
+
+    w = M.workload("gpt", False)
+    mark("setup")
+    net = M.build_model(w).cuda()
+    optimizer = M.make_optimizer(net)
+    cpu_batch = M.first_batch(w, M.build_dataset(w), batch)
+    for _ in range(STEPS):
+        mark("forward")
+        gpu_batch = [t.cuda() for t in cpu_batch]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = M.compute_loss(w, net, gpu_batch)
+        optimizer.zero_grad(set_to_none=True)
+        mark("backward")
+        loss.backward()
+        mark("optimizer")
+        optimizer.step()
+        del loss, gpu_batch
+    mark("validation")
+    net.eval()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        gpu_batch = [t.cuda() for t in cpu_batch]
+        M.compute_loss(w, net, gpu_batch, validation=True)
+    del gpu_batch
+    torch.cuda.synchronize()
 
 
 def _build(torch: Any, name: str, batch: int) -> tuple[Any, Any, Any, Any]:
@@ -383,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--check", type=Path, metavar="DIR", help="replay the streams saved in DIR, compare (no GPU)"
     )
+    parser.add_argument("--gpt", default="", help="batch sizes: the 236M GPT's real streams under --cap-gib")
+    parser.add_argument("--cap-gib", type=float, default=24.0)
     parser.add_argument("--worker", nargs=3, metavar=("MODEL", "BATCH", "MODE"), help=argparse.SUPPRESS)
     parser.add_argument("--limit", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -393,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.check is not None and args.out is None:
         return check(args.check)
     if args.out is not None and not args.worker:
-        return record(args.out)
+        sizes = [int(text) for text in args.gpt.split(",") if text]
+        return record(args.out, sizes, args.cap_gib)
     parser.error("give one of --out DIR (on a CUDA machine) or --check DIR")
     return 2
 

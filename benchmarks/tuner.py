@@ -974,19 +974,17 @@ def orchestrate(args: argparse.Namespace) -> int:
         "device": device,
         "workloads": {},
     }
-    if (
-        not args.quick
-    ):  # the first process on a machine loads the CUDA libraries from disk: not a finder's cost
-        warm = runner.run(runner.argv(models[0], "--probe-worker", "--batch-size", "1"), "warm_up")
-        report["warm_up_seconds"] = round(warm.seconds, 2)
-        H.log(
-            f"warm-up: one plain step of {models[0]} at batch size 1 in a process of its own, {warm.seconds:.1f} s"
-        )
     for model in models:
         w = M.workload(model, args.quick)
         H.log(f"{model}: {M.describe(w)}")
         entry: dict[str, Any] = {"workload": M.describe(w), "finders": {}}
         report["workloads"][model] = entry
+        if not args.quick:  # the first process of a model loads its kernels from disk: no finder's cost
+            warm = runner.run(runner.argv(model, "--probe-worker", "--batch-size", "1"), "warm_up")
+            entry["warm_up_seconds"] = round(warm.seconds, 2)
+            H.log(
+                f"warm-up: one plain step of {model} at batch size 1 in a process of its own, {warm.seconds:.1f} s"
+            )
         # The tuners first, the guide (the first of GUIDES asked for) first of all: it guides the true-max search.
         guide = next((f for f in GUIDES if f in finders), None)
         tuners = [f for f in finders if f in TUNER_FINDERS and f != guide]
