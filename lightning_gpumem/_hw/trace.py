@@ -112,6 +112,11 @@ _AUTOCAST = {
     for name in names.split()
 }
 
+# Python functions of torch.nn.functional whose inner calls of that module's functions the mode must see, and
+# the inner calls routed through the policy while they run.
+_COMPOSITES = frozenset({"multi_head_attention_forward"})
+_ROUTED = (*_AUTOCAST, "scaled_dot_product_attention", "dropout", "cross_entropy")
+
 
 @dataclass(frozen=True)
 class Trace:
@@ -416,6 +421,8 @@ class _CudaPolicy(TorchFunctionMode):
         kwargs = {key: _on_cpu(value, key == "device") for key, value in (kwargs or {}).items()}
         if name == "cuda" and args and isinstance(args[0], Tensor):
             return args[0]
+        if name in _COMPOSITES:
+            return self._composite(func, args, kwargs)
         if self.autocast_dtype is not None and name in _AUTOCAST:
             args, kwargs = self._autocast(_AUTOCAST[name], args, kwargs)
         if name == "scaled_dot_product_attention":
@@ -425,6 +432,25 @@ class _CudaPolicy(TorchFunctionMode):
         if name == "cross_entropy" and self.autocast_dtype is not None:
             return _cross_entropy(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _composite(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run a Python function of ``torch.nn.functional`` with its calls of that module through the policy.
+
+        A handler runs with the mode off, so the calls inside ``F.multi_head_attention_forward``
+        (``linear``, ``scaled_dot_product_attention``, ``dropout``, ``softmax``) would take CPU's kernels:
+        while it runs, those names in its module resolve to this policy's handling of them.
+        """
+        namespace = func.__globals__
+        saved = {name: namespace[name] for name in _ROUTED if callable(namespace.get(name))}
+
+        def route(original: Any) -> Any:
+            return lambda *a, **k: self.__torch_function__(original, (), a, k)
+
+        namespace.update({name: route(original) for name, original in saved.items()})
+        try:
+            return func(*args, **kwargs)
+        finally:
+            namespace.update(saved)
 
     def __enter__(self) -> _CudaPolicy:
         self._forward_done = False

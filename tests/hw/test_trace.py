@@ -413,3 +413,24 @@ def test_a_dataclass_batch_is_copied_to_the_device_like_a_tuple():
         sizes[name] = [e.size for e in trace.events if e.action == "alloc"]
     assert sizes["dataclass"] == sizes["tuple"]
     assert 33 * 64 * 4 in sizes["dataclass"]  # the batch's own copy on the device
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_multihead_attention_inside_an_encoder_layer_takes_the_fused_kernel_and_cudas_casts(dtype):
+    batch, length, dim, heads = 2, 200, 64, 4
+    layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.1, batch_first=True)
+    trace = trace_training(
+        layer,
+        sgd,
+        lambda m, x: m(x).float().sum(),
+        torch.randn(batch, length, dim),
+        autocast_dtype=dtype,
+    )
+    train = allocs(phases(trace.events)[1][1])
+    # F.multi_head_attention_forward's SDPA: no attention matrix (nor its dropout mask) on CUDA
+    for element in (1, 2, FLOAT):
+        assert batch * heads * length * length * element not in train
+    rows = length if dtype else 224
+    assert batch * heads * rows * FLOAT in train  # the fused kernel's logsumexp
+    if dtype:  # its in-projection is cast: a bf16 (batch, length, 3 * dim) output
+        assert batch * length * 3 * dim * 2 in train
