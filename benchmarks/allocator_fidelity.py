@@ -44,7 +44,8 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MIB = 2**20
-MODELS = {"mlp": (64, 512), "transformer": (8, 32), "conv": (16, 128)}  # model -> its two batch sizes
+# model -> its two batch sizes; "lm", "lm-bf16": tests/tuning/sources/test_traced_gpu.py's Tiny, fp32 and bf16 autocast
+MODELS = {"mlp": (64, 512), "transformer": (8, 32), "conv": (16, 128), "lm": (4, 16), "lm-bf16": (4, 16)}
 MODES = ("native", "expandable")
 STEPS = 2
 MAX_ENTRIES = 2_000_000  # the history's ring buffer; a case that fills it is reported as truncated
@@ -164,7 +165,8 @@ def worker(model_name: str, batch: int, mode: str, limit: int | None, out: Path)
         optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
         for _ in range(STEPS):
             mark("forward")
-            loss = loss_fn(net(inputs), target)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=model_name == "lm-bf16"):
+                loss = loss_fn(net(inputs), target)
             mark("backward")
             loss.backward()
             mark("optimizer")
@@ -276,11 +278,28 @@ def _build(torch: Any, name: str, batch: int) -> tuple[Any, Any, Any, Any]:
         inputs = torch.randn(batch, 3, 64, 64, device=device)
         target = torch.randint(0, 10, (batch,), device=device)
         return net.to(device), inputs, target, nn.functional.cross_entropy
+    if name in ("lm", "lm-bf16"):
+        vocab = 8192
+        layer = nn.TransformerEncoderLayer(512, 8, 2048, dropout=0.1, batch_first=True, norm_first=True)
+        net = nn.Sequential(
+            nn.Embedding(vocab, 512),
+            nn.TransformerEncoder(layer, 2, enable_nested_tensor=False),
+            nn.Linear(512, vocab),
+        )
+        tokens = torch.randint(0, vocab, (batch, 257), device=device)
+
+        def lm_loss(logits: Any, target: Any) -> Any:
+            return nn.functional.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1))
+
+        return net.to(device), tokens[:, :-1], tokens[:, 1:], lm_loss
     raise ValueError(f"`--worker {name}` is not valid. Expected one of {sorted(MODELS)}.")
 
 
 def _to_stream(trace: list[dict[str, Any]], labels: list[str]) -> tuple[list[list[Any]], dict[str, Any]]:
-    """The trace as a compact stream: ``["a", block, size, stream]``, ``["f", block]``, ``["m", label]``.
+    """The trace as a compact stream: ``["a", block, size, stream, address]``, ``["f", block]``, ``["m", label]``.
+
+    And the device's side: ``["s", address, size]`` where a segment was allocated (or pages mapped), ``["u",
+    address, size]`` where it was freed (or unmapped); the replay reads only ``a``, ``f`` and ``m``.
 
     Streams are numbered in the order they appear (the default stream, 0, stays 0). Also returns what the
     trace says on its own: entries, frees of blocks allocated before recording (unmatched), marks found, and
@@ -297,7 +316,7 @@ def _to_stream(trace: list[dict[str, Any]], labels: list[str]) -> tuple[list[lis
             block += 1
             live[entry["addr"]] = block
             stream = streams.setdefault(entry.get("stream", 0), len(streams))
-            events.append(["a", block, entry["size"], stream])
+            events.append(["a", block, entry["size"], stream, entry["addr"]])
         elif action == "free_completed":
             freed = live.pop(entry["addr"], None)
             if freed is None:
@@ -310,9 +329,11 @@ def _to_stream(trace: list[dict[str, Any]], labels: list[str]) -> tuple[list[lis
                 events.append(["m", label])
                 marks += 1
         elif action in ("segment_alloc", "segment_map"):
+            events.append(["s", entry["addr"], entry["size"]])
             reserved += entry["size"]
             peak_reserved = max(peak_reserved, reserved)
         elif action in ("segment_free", "segment_unmap"):
+            events.append(["u", entry["addr"], entry["size"]])
             reserved -= entry["size"]
     about = {
         "entries": len(trace),
@@ -348,7 +369,7 @@ def check(directory: Path) -> int:
     rows = []
     for path in paths:
         data = _load(path)
-        events = [_event(Event, item) for item in data["events"]]
+        events = [_event(Event, item) for item in data["events"] if item[0] in "afm"]
         result = replay(events, limit_bytes=data["limit_bytes"], expandable_segments=data["expandable"])
         real = data["real"]
         row: dict[str, Any] = {"case": data["case"], "events": len(events), "torch": data["torch"]}
