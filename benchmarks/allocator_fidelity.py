@@ -335,6 +335,8 @@ def _to_stream(trace: list[dict[str, Any]], labels: list[str]) -> tuple[list[lis
         elif action in ("segment_free", "segment_unmap"):
             events.append(["u", entry["addr"], entry["size"]])
             reserved -= entry["size"]
+        elif action == "oom":  # a request refused (its size rounded); the caller may have caught it
+            events.append(["o", entry["size"], streams.setdefault(entry.get("stream", 0), len(streams))])
     about = {
         "entries": len(trace),
         "unmatched_frees": unmatched,
@@ -369,9 +371,8 @@ def check(directory: Path) -> int:
     rows = []
     for path in paths:
         data = _load(path)
-        events = [_event(Event, item) for item in data["events"] if item[0] in "afm"]
+        events, real = replayable(Event, data)
         result = replay(events, limit_bytes=data["limit_bytes"], expandable_segments=data["expandable"])
-        real = data["real"]
         row: dict[str, Any] = {"case": data["case"], "events": len(events), "torch": data["torch"]}
         for key in (*COLUMNS, *COUNTS):
             model_value = getattr(result, key)
@@ -388,6 +389,30 @@ def check(directory: Path) -> int:
     _print(rows)
     (directory / "summary.json").write_text(json.dumps(rows, indent=1), encoding="utf-8")
     return 0 if all(row["peak_reserved"][0] == row["peak_reserved"][1] for row in rows) else 1
+
+
+def replayable(event_type: Any, data: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    """A saved case's stream as events to replay, and its real counters as the replay can match them.
+
+    A refused request (``o``) that ended the steps becomes the alloc it was (the replay must refuse it too);
+    one the caller caught and went on from (cuDNN asks for workspaces it can do without) is left out, and the
+    real retries and OOMs are counted without it (each such request made one retry and one OOM).
+    """
+    items = data["events"]
+    refused = [at for at, item in enumerate(items) if item[0] == "o"]
+    fatal = refused[-1] if data["oom"] and refused else None
+    block = 1 + max((item[1] for item in items if item[0] == "a"), default=0)
+    events = [
+        event_type("alloc", block, item[1], item[2]) if at == fatal else _event(event_type, item)
+        for at, item in enumerate(items)
+        if item[0] in "afm" or at == fatal
+    ]
+    caught = len(refused) - (fatal is not None)
+    real = dict(data["real"])
+    if refused:
+        real["retries"] -= caught
+        real["ooms"] -= caught
+    return events, real
 
 
 def _event(event_type: Any, item: list[Any]) -> Any:
