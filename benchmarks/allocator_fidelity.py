@@ -53,25 +53,34 @@ WORKER_TIMEOUT_S = 600
 
 
 # ------------------------------------------------------------------------------------------------ on the GPU
-def record(out: Path, gpt: list[int] | None = None, cap_gib: float = 24.0) -> int:
+def record(
+    out: Path,
+    gpt: list[int] | None = None,
+    cap_gib: float = 24.0,
+    models: list[str] | None = None,
+    modes: list[str] | None = None,
+) -> int:
     """Run every case in its own process, then compare; the exit status of :func:`check`.
 
     ``gpt``: instead of the small models, ``benchmarks/tuner.py``'s 236M GPT at these batch sizes under a cap
     of ``cap_gib`` (the default allocator, bf16 autocast, two training steps and a validation step in the order
-    of ``trace_training``): the real streams the traced plan is measured against.
+    of ``trace_training``): the real streams the traced plan is measured against. ``models``, ``modes``: only
+    these of ``MODELS`` and ``MODES``.
     """
+    chosen = {name: MODELS[name] for name in models or MODELS}
+    modes = modes or list(MODES)
     out.mkdir(parents=True, exist_ok=True)
     failed = 0
     if gpt:
         for batch in gpt:
             failed += not _spawn(out, "gpt", batch, "native", int(cap_gib * 2**30))
         return check(out) or (1 if failed else 0)
-    for model, batches in MODELS.items():
+    for model, batches in chosen.items():
         for batch in batches:
-            for mode in MODES:
+            for mode in modes:
                 failed += not _spawn(out, model, batch, mode, None)
-    for model, batches in MODELS.items():
-        for mode in MODES:
+    for model, batches in chosen.items():
+        for mode in modes:
             path = out / f"{_name(model, batches[-1], mode, capped=False)}.json.gz"
             if not path.exists():
                 continue
@@ -475,6 +484,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--gpt", default="", help="batch sizes: the 236M GPT's real streams under --cap-gib")
     parser.add_argument("--cap-gib", type=float, default=24.0)
+    parser.add_argument(
+        "--models", default="", help=f"comma-separated, of {','.join(MODELS)} (default: all)"
+    )
+    parser.add_argument("--modes", default="", help="comma-separated, of native,expandable (default: both)")
     parser.add_argument("--worker", nargs=3, metavar=("MODEL", "BATCH", "MODE"), help=argparse.SUPPRESS)
     parser.add_argument("--limit", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -486,7 +499,12 @@ def main(argv: list[str] | None = None) -> int:
         return check(args.check)
     if args.out is not None and not args.worker:
         sizes = [int(text) for text in args.gpt.split(",") if text]
-        return record(args.out, sizes, args.cap_gib)
+        models = [name for name in args.models.split(",") if name]
+        modes = [mode for mode in args.modes.split(",") if mode]
+        unknown = sorted({*models} - {*MODELS} | {*modes} - {*MODES})
+        if unknown:
+            parser.error(f"unknown models or modes: {unknown}")
+        return record(args.out, sizes, args.cap_gib, models, modes)
     parser.error("give one of --out DIR (on a CUDA machine) or --check DIR")
     return 2
 
