@@ -20,14 +20,12 @@ from lightning_gpumem._core.checks import require_trainer
 from lightning_gpumem._core.units import parse_budget
 from lightning_gpumem._hw.probe import make_probe
 from lightning_gpumem._pl.compat import Callback, either
-from lightning_gpumem.tuning import bounds
 from lightning_gpumem.tuning.arguments import check_tuner
-from lightning_gpumem.tuning.lengths.longest import margin_for
 from lightning_gpumem.tuning.lengths.scan import LengthFn
 from lightning_gpumem.tuning.record import Searched, Shapes, SizeLog, refuse_none, report, warn_shapes
 from lightning_gpumem.tuning.search import SearchResult, Trial
 from lightning_gpumem.tuning.trials import session as _session
-from lightning_gpumem.tuning.tune import restore, tune, tune_traced
+from lightning_gpumem.tuning.tune import restore, tune_traced, tune_with
 
 
 @keys.document
@@ -251,37 +249,13 @@ class BatchSizeTuner(Callback):
                 " up to it anyway (every size tried runs real steps)."
             )
             return None
-        self.searched = searched = Searched(
-            original=(_session.get_batch_size(trainer, self.batch_arg_name), 1)
-        )
-        init_val, upper, searched.tokens = bounds.search_bounds(
-            trainer, self.batch_arg_name, self.init_val, self.max_val
-        )
-        limit = searched.budget_bytes = bounds.budget_of(self.budget, probe, trainer, "BatchSizeTuner")
-        varying = searched.tokens is not None or self.length_fn is not None
-        searched.margin = margin_for(self.shape_margin, varying) if limit else 0.0
-        if limit is not None:  # trials leave the margin free for the fragmentation of shapes that vary
-            limit = int(limit * (1.0 - searched.margin))
+        self.searched = Searched(original=(_session.get_batch_size(trainer, self.batch_arg_name), 1))
         start = time.perf_counter()
-        result, shapes = tune(
-            trainer,
-            self,
-            probe,
-            searched,
-            name=self.batch_arg_name,
-            init_val=init_val,
-            upper=upper,
-            limit=limit,
-            headroom=self.headroom,
-            steps=self.steps_per_trial,
-            validate=self.include_validation,
-            accumulation_for=self._accumulation_for,
-            length_fn=self.length_fn,
-        )
+        result, shapes, upper = tune_with(trainer, self, probe, self.searched)
         self.result = result
         self._apply(trainer, result, shapes)
         seconds = time.perf_counter() - start
-        report(trainer, self.batch_arg_name, result, searched, seconds, upper, self.shape_margin)
+        report(trainer, self.batch_arg_name, result, self.searched, seconds, upper, self.shape_margin)
         self._record(trainer)
         return result.batch_size
 

@@ -12,7 +12,7 @@ from lightning_gpumem import keys
 from lightning_gpumem._core.units import format_gib
 from lightning_gpumem._hw.probe import Probe
 from lightning_gpumem.tuning import bounds
-from lightning_gpumem.tuning.lengths.longest import LongestFirst
+from lightning_gpumem.tuning.lengths.longest import LongestFirst, margin_for
 from lightning_gpumem.tuning.lengths.scan import LengthFn
 from lightning_gpumem.tuning.lengths.token_budget import heaviest_batches_first
 from lightning_gpumem.tuning.record import Searched, Shapes
@@ -31,6 +31,39 @@ from lightning_gpumem.tuning.trials.bench import TrialBench
 from lightning_gpumem.tuning.trials.measure import BatchCheck
 
 MAX_TRIALS = 25
+
+
+def tune_with(
+    trainer: pl.Trainer, tuner: Any, probe: Probe, searched: Searched
+) -> tuple[SearchResult, list[Shapes], int]:
+    """:func:`tune` with a ``BatchSizeTuner``'s arguments: its bounds, and its budget less the shape margin.
+
+    Returns the result, the shapes the trials saw, and the largest size the search could try.
+    """
+    init_val, upper, searched.tokens = bounds.search_bounds(
+        trainer, tuner.batch_arg_name, tuner.init_val, tuner.max_val
+    )
+    limit = searched.budget_bytes = bounds.budget_of(tuner.budget, probe, trainer, "BatchSizeTuner")
+    varying = searched.tokens is not None or tuner.length_fn is not None
+    searched.margin = margin_for(tuner.shape_margin, varying) if limit else 0.0
+    if limit is not None:  # trials leave the margin free for the fragmentation of shapes that vary
+        limit = int(limit * (1.0 - searched.margin))
+    result, shapes = tune(
+        trainer,
+        tuner,
+        probe,
+        searched,
+        name=tuner.batch_arg_name,
+        init_val=init_val,
+        upper=upper,
+        limit=limit,
+        headroom=tuner.headroom,
+        steps=tuner.steps_per_trial,
+        validate=tuner.include_validation,
+        accumulation_for=tuner._accumulation_for,
+        length_fn=tuner.length_fn,
+    )
+    return result, shapes, upper
 
 
 def tune(
