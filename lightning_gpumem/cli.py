@@ -1,7 +1,8 @@
-"""``python -m lightning_gpumem report|check LOGDIR ...``, also installed as ``gpumem``.
+"""``python -m lightning_gpumem report|check|plan ...``, also installed as ``gpumem``.
 
 ``gpumem report LOGDIR [--png FILE] [--html FILE] [--json [FILE|-]] [--run GLOB]``: the tables, the timeline
-and the figures as JSON; ``gpumem check LOGDIR --max-peak 20GiB ...``: a memory gate (exit 0, 1 or 2).
+and the figures as JSON; ``gpumem check LOGDIR --max-peak 20GiB ...``: a memory gate (exit 0, 1 or 2);
+``gpumem plan [--budget SIZE]... SCRIPT fit [ARGS]...``: a LightningCLI script's plan on a CPU (by trace).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TextIO
 
-from lightning_gpumem import __version__
+from lightning_gpumem import __version__, plan_command
 from lightning_gpumem.report import (
     ReportError,
     Run,
@@ -110,6 +111,28 @@ def _parser() -> argparse.ArgumentParser:
         help="how much the peak and the peak reserved may exceed the baseline's: 5%% or 0.05",
     )
     _run_option(check)
+    plan = commands.add_parser(
+        "plan",
+        help="plan a LightningCLI script's batch size for cards you may not have, on this machine's CPU",
+        description=(
+            "Run SCRIPT's fit (a LightningCLI script) on a CPU Trainer with MemoryPlanner added, stop=true:"
+            " the training step is traced on fake tensors and the caching allocator replayed, and the plan"
+            " (the peak at the configured size, the largest size per budget) is printed; no step runs."
+        ),
+        epilog="exit status: the script's (0 when the plan was made); 2 on a bad argument",
+    )
+    plan.add_argument(
+        "--budget",
+        action="append",
+        metavar="SIZE",
+        help="a budget to plan for: 24GiB, 16GB, or a card (H100-80GB, A100-80GB, A100-40GB, RTX4090);"
+        f" repeatable; default: {', '.join(plan_command.DEFAULT_BUDGETS)}",
+    )
+    plan.add_argument("--batch-arg-name", metavar="NAME", help="the attribute holding the batch size")
+    plan.add_argument("script", metavar="SCRIPT", help="the LightningCLI script (train.py)")
+    plan.add_argument(
+        "args", nargs=argparse.REMAINDER, metavar="fit [ARGS]", help="its subcommand, fit, and its arguments"
+    )
     return parser
 
 
@@ -318,6 +341,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         try:
+            if args.command == "plan":
+                try:
+                    argv = plan_command.plan_argv(args.script, args.args, args.budget, args.batch_arg_name)
+                except plan_command.PlanUsageError as error:
+                    raise UsageError(str(error)) from None
+                _say("gpumem plan: " + " ".join(argv[1:]), sys.stderr)
+                sys.stderr.flush()
+                return plan_command.run_plan(argv)
             if args.command == "check":
                 limits = gate.Limits(args.max_peak, args.max_reserved, args.no_leak, args.max_increase)
                 status = check(args.logdir, limits, args.baseline, args.run)

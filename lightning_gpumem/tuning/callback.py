@@ -251,7 +251,7 @@ class BatchSizeTuner(Callback):
             return None
         self.searched = Searched(original=(_session.get_batch_size(trainer, self.batch_arg_name), 1))
         start = time.perf_counter()
-        result, shapes, upper = tune_with(trainer, self, probe, self.searched)
+        result, shapes, upper = tune_with(trainer, self, probe, self.searched, self._accumulation_for)
         self.result = result
         self._apply(trainer, result, shapes)
         seconds = time.perf_counter() - start

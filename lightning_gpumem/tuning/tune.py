@@ -34,7 +34,11 @@ MAX_TRIALS = 25
 
 
 def tune_with(
-    trainer: pl.Trainer, tuner: Any, probe: Probe, searched: Searched
+    trainer: pl.Trainer,
+    tuner: Any,
+    probe: Probe,
+    searched: Searched,
+    accumulation_for: Callable[[int], int],
 ) -> tuple[SearchResult, list[Shapes], int]:
     """:func:`tune` with a ``BatchSizeTuner``'s arguments: its bounds, and its budget less the shape margin.
 
@@ -60,7 +64,7 @@ def tune_with(
         headroom=tuner.headroom,
         steps=tuner.steps_per_trial,
         validate=tuner.include_validation,
-        accumulation_for=tuner._accumulation_for,
+        accumulation_for=accumulation_for,
         length_fn=tuner.length_fn,
     )
     return result, shapes, upper

@@ -2,7 +2,8 @@
 
 Floors, bottom up: ``keys`` and ``_core/`` (stdlib only), ``_hw/`` (the hardware: torch, NVML), ``_pl/`` (Lightning
 glue), then the features (``monitor/``, ``tuning/``, ``microbatch/``, the small callbacks, ``report/``), each its
-own room. The package's front door (``__init__``, ``cli``, ``__main__``) may import any of them.
+own room. The package's front door (``__init__``, ``cli``, ``plan_command``, ``__main__``) may import any of
+them.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_gpumem"
 FLOORS = {"keys": 0, "_core": 0, "_hw": 1, "_pl": 2}
 FEATURE = 3
-FRONT_DOOR = {"__init__", "cli", "__main__"}
+FRONT_DOOR = {"__init__", "cli", "__main__", "plan_command"}
 CALLBACKS = ["monitor", "release", "budget", "snapshot", "layers", "tuning", "microbatch"]
 # Loaded in a fresh interpreter, each leaves neither torch nor Lightning in `sys.modules`.
 PURE = [
     "keys.py",
+    "plan_command.py",
     *sorted(str(path.relative_to(PACKAGE)) for path in (PACKAGE / "_core").glob("*.py")),
     "monitor/peak_window.py",
     "monitor/metrics.py",
