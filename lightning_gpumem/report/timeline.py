@@ -9,7 +9,7 @@ from lightning_gpumem.report.runs import Run, Series
 
 
 @dataclass(frozen=True)
-class Line:
+class Curve:
     """One curve: the key it draws, its legend label, colour and dash style.
 
     ``width``, ``marker`` and ``linestyle`` keep curves that coincide (a peak equal to what stays allocated)
@@ -28,25 +28,25 @@ class Line:
     limit: bool = False
 
 
-LINES = (
-    Line(keys.PEAK_ALLOCATED.format("train"), "per-batch peak allocated", "#d62728", width=4.0),
-    Line(keys.ALLOCATED.format("train"), "allocated (batch end)", "#1f77b4", marker="s"),
-    Line(keys.RESERVED.format("train"), "reserved (batch end)", "#2ca02c", marker="^", linestyle="-."),
-    Line(keys.NVML_PROCESS.format(), "NVML, this process", "#9467bd", marker="d", linestyle=":"),
-    Line(keys.BUDGET.format(), "budget", "#000000", dashed=True),
-    Line(keys.TUNED_BUDGET.format(), "the tuner's budget", "#e377c2", dashed=True, limit=True),
-    Line(keys.PEAK_ALLOCATED.format("val"), "validation peak allocated", "#ff7f0e", points_only=True),
+CURVES = (
+    Curve(keys.PEAK_ALLOCATED.format("train"), "per-batch peak allocated", "#d62728", width=4.0),
+    Curve(keys.ALLOCATED.format("train"), "allocated (batch end)", "#1f77b4", marker="s"),
+    Curve(keys.RESERVED.format("train"), "reserved (batch end)", "#2ca02c", marker="^", linestyle="-."),
+    Curve(keys.NVML_PROCESS.format(), "NVML, this process", "#9467bd", marker="d", linestyle=":"),
+    Curve(keys.BUDGET.format(), "budget", "#000000", dashed=True),
+    Curve(keys.TUNED_BUDGET.format(), "the tuner's budget", "#e377c2", dashed=True, limit=True),
+    Curve(keys.PEAK_ALLOCATED.format("val"), "validation peak allocated", "#ff7f0e", points_only=True),
 )
 MARKS = 12  # markers per curve, evenly spaced: enough to tell curves apart, few enough to read
-HOST_LINE = Line(keys.HOST_RSS.format(), "host RSS (no device memory logged)", "#8c564b")
+HOST_CURVE = Curve(keys.HOST_RSS.format(), "host RSS (no device memory logged)", "#8c564b")
 RELEASE_COLOR = "#7f7f7f"
 
 
-def lines(run: Run) -> list[tuple[Line, Series]]:
+def lines(run: Run) -> list[tuple[Curve, Series]]:
     """The curves this run has data for; host memory only where no device memory was logged (a CPU run)."""
-    found = [(line, run.series[line.key]) for line in LINES if run.series.get(line.key)]
-    if not any(line.key != keys.BUDGET.format() for line, _ in found) and run.series.get(HOST_LINE.key):
-        found.append((HOST_LINE, run.series[HOST_LINE.key]))
+    found = [(line, run.series[line.key]) for line in CURVES if run.series.get(line.key)]
+    if not any(line.key != keys.BUDGET.format() for line, _ in found) and run.series.get(HOST_CURVE.key):
+        found.append((HOST_CURVE, run.series[HOST_CURVE.key]))
     return found
 
 
