@@ -129,6 +129,11 @@ def _parser() -> argparse.ArgumentParser:
         f" repeatable; default: {', '.join(plan_command.DEFAULT_BUDGETS)}",
     )
     plan.add_argument("--batch-arg-name", metavar="NAME", help="the attribute holding the batch size")
+    plan.add_argument(
+        "--ddp",
+        action="store_true",
+        help="plan one rank of a DDP run: counts DDP's gradient buckets (a copy of the gradients)",
+    )
     plan.add_argument("script", metavar="SCRIPT", help="the LightningCLI script (train.py)")
     plan.add_argument(
         "args", nargs=argparse.REMAINDER, metavar="fit [ARGS]", help="its subcommand, fit, and its arguments"
@@ -343,7 +348,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             if args.command == "plan":
                 try:
-                    argv = plan_command.plan_argv(args.script, args.args, args.budget, args.batch_arg_name)
+                    argv = plan_command.plan_argv(
+                        args.script, args.args, args.budget, args.batch_arg_name, ddp=args.ddp
+                    )
                 except plan_command.PlanUsageError as error:
                     raise UsageError(str(error)) from None
                 _say("gpumem plan: " + " ".join(argv[1:]), sys.stderr)

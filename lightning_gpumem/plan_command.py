@@ -27,8 +27,12 @@ def plan_argv(
     budgets: Sequence[str] | None,
     batch_arg_name: str | None = None,
     python: str | None = None,
+    ddp: bool = False,
 ) -> list[str]:
     """The command line that plans ``script``'s fit: the user's arguments, then the planner's.
+
+    ``ddp``: plan one rank of a DDP run (the CPU Trainer's one process wrapped by DDP, whose gradient buckets
+    are then counted), else one process with Lightning's default strategy.
 
     Raises:
         PlanUsageError: ``args`` do not begin with ``fit`` (LightningCLI's subcommand), or a budget is empty.
@@ -53,7 +57,7 @@ def plan_argv(
         "--trainer.accelerator=cpu",
         "--trainer.devices=1",
         "--trainer.num_nodes=1",
-        "--trainer.strategy=auto",
+        f"--trainer.strategy={'ddp' if ddp else 'auto'}",
         "--trainer.logger=false",
         "--trainer.callbacks+=lightning_gpumem.MemoryPlanner",
         f"--trainer.callbacks.budgets={json.dumps(chosen)}",

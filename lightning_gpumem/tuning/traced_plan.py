@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gpumem._hw.allocator import expandable_segments
 from lightning_gpumem.tuning import bounds
@@ -52,7 +53,9 @@ def plan_traced(
         val_batch = loaders.first_batch(loaders.val_loaders(trainer))
     module = trainer.lightning_module
     trace_at = lightning_tracer(trainer, module, batch, val_batch=val_batch)
-    source = TracedSource(trace_at, expandable_segments=expandable_segments())
+    source = TracedSource(
+        trace_at, expandable_segments=expandable_segments(), bucket_bytes=ddp_bucket_bytes(trainer)
+    )
     asked = bounds.planner_budgets(budgets, trainer, None)  # a bad budget is the user's error: it raises
     try:
         traced = plan_by_trace(source, size, asked, upper=upper, init_val=init_val)
@@ -82,6 +85,18 @@ def plan_traced(
         outside=CONTEXT_BYTES,
     )
     return plan, list(traced.predictions), traced.seconds
+
+
+def ddp_bucket_bytes(trainer: pl.Trainer) -> int:
+    """The bytes of DDP's gradient buckets: a copy of the trainable parameters' gradients.
+
+    0 where the model is not wrapped by DDP, or is with ``gradient_as_bucket_view=True`` (the gradients are
+    then views of the buckets).
+    """
+    model = getattr(trainer.strategy, "model", None)
+    if not isinstance(model, DistributedDataParallel) or model.gradient_as_bucket_view:
+        return 0
+    return sum(p.numel() * p.element_size() for p in model.module.parameters() if p.requires_grad)
 
 
 def _size(point: Point) -> int:

@@ -44,7 +44,8 @@ SCRIPT = textwrap.dedent(
 def test_the_planner_and_a_cpu_trainer_come_after_the_users_arguments():
     argv = plan_argv("train.py", ["fit", "--config", "c.yaml"], ["24GiB", "A100-40GB"], python="py")
     assert argv[:5] == ["py", "train.py", "fit", "--config", "c.yaml"]
-    assert "--trainer.accelerator=cpu" in argv and "--trainer.devices=1" in argv
+    assert "--trainer.accelerator=cpu" in argv
+    assert "--trainer.devices=1" in argv
     assert argv[-3:] == [
         "--trainer.callbacks+=lightning_gpumem.MemoryPlanner",
         '--trainer.callbacks.budgets=["24GiB", "A100-40GB"]',
@@ -72,10 +73,25 @@ def test_gpumem_plan_runs_a_lightning_cli_script_to_a_traced_plan_and_no_step(tm
     pytest.importorskip("jsonargparse")
     script = tmp_path / "train.py"
     script.write_text(SCRIPT, encoding="utf-8")
-    command = [sys.executable, "-m", "lightning_gpumem", "plan", "--budget", "24GiB", "--budget", "A100-40GB"]
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_gpumem",
+        "plan",
+        "--budget",
+        "24GiB",
+        "--budget",
+        "A100-40GB",
+    ]
     command += [str(script), "fit", "--model.batch_size=4", f"--trainer.default_root_dir={tmp_path}"]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "planned 0 None [(39, 'traced'), (24, 'traced')]" in done.stdout, done.stdout[-3000:]
-    assert "gpumem plan: " in done.stderr and "--trainer.callbacks.stop=true" in done.stderr
+    assert "gpumem plan: " in done.stderr
+    assert "--trainer.callbacks.stop=true" in done.stderr
+
+
+def test_ddp_plans_one_rank_wrapped_by_ddp():
+    assert "--trainer.strategy=ddp" in plan_argv("train.py", ["fit"], None, ddp=True)
+    assert "--trainer.strategy=auto" in plan_argv("train.py", ["fit"], None)

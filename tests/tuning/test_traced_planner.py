@@ -225,3 +225,39 @@ def test_budgets_may_name_cards_and_a_name_that_is_no_card_is_refused_naming_it(
     assert [round(p.budget / 2**30, 2) for p in planner.predictions] == [CARD_MEMORY_GIB["A100-40GB"], 23.65]
     with pytest.raises(ValueError, match=r"MemoryPlanner\(budgets='Z100'\)"):
         MemoryPlanner(budgets=["Z100"])
+
+
+def test_ddps_gradient_buckets_are_a_copy_of_the_gradients_unless_they_are_views(tmp_path):
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_gpumem.tuning.traced_plan import ddp_bucket_bytes
+
+    net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8))
+    net[1].bias.requires_grad_(False)
+    trainable = (64 * 32 + 32 + 32 * 8) * 4
+    assert ddp_bucket_bytes(SimpleNamespace(strategy=SimpleNamespace(model=net))) == 0  # not DDP
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        for views, expected in ((False, trainable), (True, 0)):
+            wrapped = DistributedDataParallel(net, gradient_as_bucket_view=views)
+            assert ddp_bucket_bytes(SimpleNamespace(strategy=SimpleNamespace(model=wrapped))) == expected
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_bucket_copy_is_held_before_the_first_step_of_every_traced_trial():
+    from lightning_gpumem._hw.trace import trace_training
+
+    trace = trace_training(
+        torch.nn.Linear(256, 256),
+        lambda ps: torch.optim.SGD(ps, lr=0.1),
+        lambda m, x: m(x).sum(),
+        torch.randn(4, 256),
+    )
+    plain = TracedSource(lambda size: trace)
+    with_buckets = TracedSource(lambda size: trace, bucket_bytes=64 * MIB)
+    assert with_buckets.replay(4).peak_allocated - plain.replay(4).peak_allocated == 64 * MIB
+    assert with_buckets.under(10**12).bucket_bytes == 64 * MIB

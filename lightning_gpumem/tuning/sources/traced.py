@@ -47,6 +47,7 @@ class TracedSource:
         limit_bytes: the allocator's cap in the replay (``None``: no cap, the peaks as they come).
         expandable_segments: replay through the ``expandable_segments:True`` allocator.
         fixed_bytes: allocations the trace cannot see, made before the first step.
+        bucket_bytes: DDP's gradient buckets (a copy of the gradients, made when the model is wrapped), or 0.
     """
 
     trace_at: Callable[[int], Trace]
@@ -54,6 +55,7 @@ class TracedSource:
     expandable_segments: bool = False
     fixed_bytes: int = WORKSPACE_BYTES
     traces: dict[int, list[Event]] = field(default_factory=dict)
+    bucket_bytes: int = 0
 
     def __call__(self, size: int, /) -> Trial:
         """The trial of ``size``: its replay's peaks, or an OOM where the replay met the cap.
@@ -70,14 +72,20 @@ class TracedSource:
             trace = self.trace_at(size)
             if trace.cannot_trace is not None:
                 raise CannotTrace(trace.cannot_trace)
-            fixed = [Event("alloc", block=-1, size=self.fixed_bytes)] if self.fixed_bytes > 0 else []
+            before = ((-1, self.fixed_bytes), (-2, self.bucket_bytes))
+            fixed = [Event("alloc", block=block, size=nbytes) for block, nbytes in before if nbytes > 0]
             events = self.traces[size] = [*fixed, *trace.events]
         return replay(events, limit_bytes=self.limit_bytes, expandable_segments=self.expandable_segments)
 
     def under(self, limit_bytes: int | None) -> TracedSource:
         """The same source (its traces shared) replaying under another cap."""
         return TracedSource(
-            self.trace_at, limit_bytes, self.expandable_segments, self.fixed_bytes, traces=self.traces
+            self.trace_at,
+            limit_bytes,
+            self.expandable_segments,
+            self.fixed_bytes,
+            traces=self.traces,
+            bucket_bytes=self.bucket_bytes,
         )
 
 

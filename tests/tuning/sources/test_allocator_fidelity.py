@@ -34,8 +34,11 @@ DIVERGES = {
 
 
 def _fidelity() -> Any:
-    spec = importlib.util.spec_from_file_location("allocator_fidelity", ROOT / "benchmarks" / "allocator_fidelity.py")
-    assert spec is not None and spec.loader is not None
+    spec = importlib.util.spec_from_file_location(
+        "allocator_fidelity", ROOT / "benchmarks" / "allocator_fidelity.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
