@@ -30,9 +30,12 @@ function here per function there (named in each docstring):
 Simplifications: no CUDA graphs or private pools, no ``record_stream`` (a free is final at once: the stream
 fed here should carry the allocator's ``free_completed``, not ``free_requested``), no garbage collection, no
 ``roundup_power2_divisions``, no failure of ``cudaMalloc`` itself (only the cap refuses; give the usable
-device memory as the cap to ask "will it fit?"). Segment addresses are handed out in increasing order, where
-the driver may reuse a freed range: the address only breaks ties between free blocks of equal size, so a
-replay can differ from a run there and nowhere else. An expandable segment has 1 TiB of address space (the
+device memory as the cap to ask "will it fit?"). Segment addresses are handed out as ``cudaMalloc`` gave
+them out in the recorded H100 histories: the large pool's top down (a later segment below the earlier ones),
+the small pool's 2 MiB segments bottom up (all increasing made three of 22 recorded replays differ from their
+run, all decreasing one; this way none). The driver may also reuse a freed range. The address only breaks
+ties between free blocks of equal size (the lowest address first), so a replay can differ from a run there
+and nowhere else. An expandable segment has 1 TiB of address space (the
 allocator takes 1.125 times the device's memory), so it never runs out of it. With a cap and expandable
 segments the allocator checks the request's segment size (``get_allocation_size``) but maps whole pages, so
 reserved may pass the cap by part of a page, as it does on the GPU.
@@ -54,6 +57,7 @@ MIN_LARGE_ALLOC_BYTES = 10 << 20  # kMinLargeAlloc: requests above 1 MiB and bel
 LARGE_BUFFER_BYTES = 20 << 20  # kLargeBuffer: that segment (and the large pool's expandable page)
 ROUND_LARGE_BYTES = 2 << 20  # kRoundLarge: larger requests get a segment rounded up to this
 ADDRESS_SPACE_BYTES = 1 << 40  # an expandable segment's address space (the allocator: 1.125x the device)
+ADDRESS_TOP = 1 << 56  # where the first segment ends: room below for any replay's segments
 _UNLIMITED = 2**64 - 1  # SIZE_MAX: max_split_size when not set
 
 
@@ -160,7 +164,8 @@ class AllocatorModel:
         self._large = _Pool(small=False)
         self._live: dict[int, _Block] = {}
         self._empty: set[int] = set()  # live ids of 0 bytes: torch asks the allocator nothing for them
-        self._next_address = 1 << 32
+        self._next_address = ADDRESS_TOP  # the large pool's segments: top down
+        self._next_small = 1 << 32  # the small pool's: bottom up
         self._allocated = self._requested = self._reserved = self._segments = 0
         self._peak_allocated = self._peak_requested = self._peak_reserved = self._max_segments = 0
         self._device_allocs = self._device_frees = self._retries = self._ooms = 0
@@ -344,7 +349,7 @@ class AllocatorModel:
             return None
         if self._expandable:
             return self._try_allocate_expandable_block(pool, stream, size)
-        block = _Block(self._take_addresses(alloc_size), alloc_size, stream, pool.small)
+        block = _Block(self._take_addresses(alloc_size, pool.small), alloc_size, stream, pool.small)
         self._segments += 1
         self._max_segments = max(self._max_segments, self._segments)
         self._device_allocs += 1
@@ -431,7 +436,7 @@ class AllocatorModel:
             at += 1
         page = SMALL_BUFFER_BYTES if pool.small else LARGE_BUFFER_BYTES
         space = page * -(-ADDRESS_SPACE_BYTES // page)
-        segment = _Segment(self._take_addresses(space), page)
+        segment = _Segment(self._take_addresses(space, pool.small), page)
         candidate = _Block(segment.base, space, stream, pool.small, segment, mapped=False)
         insort(unmapped, (stream, candidate.address, candidate))
         self._segments += 1
@@ -537,11 +542,16 @@ class AllocatorModel:
             if self._reserved > self._peak_reserved:
                 self._peak_reserved = self._reserved
 
-    def _take_addresses(self, size: int) -> int:
-        """A fresh range of ``size`` bytes of addresses: its start."""
-        address = self._next_address
-        self._next_address += size
-        return address
+    def _take_addresses(self, size: int, small: bool) -> int:
+        """A fresh range of ``size`` bytes of addresses: its start.
+
+        The small pool's segments above every one it took before, the large pool's below.
+        """
+        if small:
+            self._next_small += size
+            return self._next_small - size
+        self._next_address -= size
+        return self._next_address
 
     def _end_phase(self, phase_peaks: dict[str, tuple[int, int]]) -> None:
         """Fold the running phase's peaks into ``phase_peaks``."""

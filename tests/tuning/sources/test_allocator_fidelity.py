@@ -26,10 +26,11 @@ STREAMS = ROOT / "benchmarks" / "results" / "allocator-streams-h100"
 CASES = sorted(path.name.removesuffix(".json.gz") for path in STREAMS.glob("*.json.gz"))
 COUNTERS = ("peak_reserved", "peak_allocated", "peak_requested", "device_allocs", "device_frees")
 DIVERGES = {
-    "transformer-b32-native-capped": "after a retry the model frees 16 segments where the GPU freed 8",
-    "gpt-b38-native-capped": "the model runs out of memory at the 2432 MiB logits; the GPU's retry found room",
-    "gpt-b40-native-capped": "the model runs out of memory at the 2560 MiB logits; the GPU's retry found room",
-    "gpt-b41-native-capped": "the GPU made 7 cudaFree calls before its OOM, the model none",
+    # recorded before the benchmark kept refused requests: the OOM that ended the steps is not in the stream
+    "conv-b128-expandable-capped": "cuDNN's caught OOMs are counted by the GPU, not in this old stream",
+    "mlp-b512-native-capped": "the request refused at the end is not in this old stream",
+    "transformer-b32-expandable-capped": "the request refused at the end is not in this old stream",
+    "gpt-b41-native-capped": "the request refused at the end is not in this old stream",
 }
 
 
