@@ -32,13 +32,13 @@ fed here should carry the allocator's ``free_completed``, not ``free_requested``
 ``roundup_power2_divisions``, no failure of ``cudaMalloc`` itself (only the cap refuses; give the usable
 device memory as the cap to ask "will it fit?"). Segment addresses are handed out as ``cudaMalloc`` gave
 them out in the recorded H100 histories: the large pool's top down (a later segment below the earlier ones),
-the small pool's 2 MiB segments bottom up (all increasing made three of the 18 complete recorded replays differ
-from their run, all decreasing one; this way none). The driver may also reuse a freed range. The address only breaks
-ties between free blocks of equal size (the lowest address first), so a replay can differ from a run there
-and nowhere else. An expandable segment has 1 TiB of address space (the
-allocator takes 1.125 times the device's memory), so it never runs out of it. With a cap and expandable
-segments the allocator checks the request's segment size (``get_allocation_size``) but maps whole pages, so
-reserved may pass the cap by part of a page, as it does on the GPU.
+the small pool's 2 MiB segments bottom up (all increasing made three of the 18 complete recorded replays
+differ from their run, all decreasing one; this way none). The driver may also reuse a freed range. The
+address only breaks ties between free blocks of equal size (the lowest address first), so a replay can differ
+from a run there and nowhere else. An expandable segment has 1 TiB of address space (the allocator takes
+1.125 times the device's memory), so it never runs out of it. With a cap and expandable segments the
+allocator checks the request's segment size (``get_allocation_size``) but maps whole pages, so reserved may
+pass the cap by part of a page, as it does on the GPU.
 """
 
 from __future__ import annotations
