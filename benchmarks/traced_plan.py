@@ -75,15 +75,9 @@ def truths(paths: list[str]) -> dict[str, dict[str, Any]]:
     return found
 
 
-def run(
-    name: str, caps: list[float], margin: float, truth: dict[str, Any] | None, quick: bool
-) -> dict[str, Any]:
-    # --quick's tiny workloads simulate OOMs for the tuner's CPU runs; a trace never runs out of memory
-    w = dataclasses.replace(M.workload(name, quick), simulated_oom_above=None, simulated_val_oom_above=None)
-    torch.manual_seed(0)
-    model = M.build_model(w)
-    source = TracedSource(tracer(w, model))
-    start = time.perf_counter()
+def search_caps(
+    source: TracedSource, w: M.Workload, caps: list[float], margin: float, truth: dict[str, Any] | None
+) -> list[dict[str, Any]]:
     cells = []
     for cap in caps:
         limit = int(cap * GIB)
@@ -100,13 +94,37 @@ def run(
             cell["true_max"] = truth["true_max"]
             cell["ratio"] = round(found.batch_size / truth["true_max"], 4) if found.batch_size else None
         cells.append(cell)
+    return cells
+
+
+def run(
+    name: str,
+    caps: list[float],
+    margin: float,
+    truth: dict[str, Any] | None,
+    quick: bool,
+    synthesise: bool = True,
+) -> dict[str, Any]:
+    # --quick's tiny workloads simulate OOMs for the tuner's CPU runs; a trace never runs out of memory
+    w = dataclasses.replace(M.workload(name, quick), simulated_oom_above=None, simulated_val_oom_above=None)
+    torch.manual_seed(0)
+    model = M.build_model(w)
+    source = TracedSource(tracer(w, model), synthesise=synthesise)
+    start = time.perf_counter()
+    cells = search_caps(source, w, caps, margin, truth)
+    while not source.confirm():  # as plan_by_trace: a made stream that is not its trace: all traced again
+        cells = search_caps(source, w, caps, margin, truth)
     seconds = time.perf_counter() - start
     entry: dict[str, Any] = {
         "model": name,
         "describe": M.describe(w),
         "cells": cells,
         "plan_seconds": round(seconds, 2),
+        "synthesised": synthesise,
+        "sizes_traced": len(source.traced),
+        "sizes_made": len(source.affine.synthesised),
     }
+
     if truth is not None and truth.get("peaks"):
         size = truth["true_max"]
         replayed = source.replay(size)
@@ -133,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", default="")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--no-synthesis",
+        action="store_true",
+        help="trace every size the searches ask for (no streams made from three traced sizes)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     known = truths([p for p in args.truth.split(",") if p])
@@ -141,10 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "margin": args.margin,
+        "synthesis": not args.no_synthesis,
         "workloads": [],
     }
     for name in args.models.split(","):
-        entry = run(name, caps, args.margin, known.get(name), args.quick)
+        entry = run(name, caps, args.margin, known.get(name), args.quick, not args.no_synthesis)
         report["workloads"].append(entry)
         print(json.dumps(entry), flush=True)
     if args.json:

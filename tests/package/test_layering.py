@@ -28,6 +28,8 @@ PURE = [
     "monitor/peak_window.py",
     "monitor/metrics.py",
     *sorted(str(path.relative_to(PACKAGE)) for path in (PACKAGE / "tuning" / "search").glob("*.py")),
+    "tuning/sources/allocator.py",
+    "tuning/sources/affine.py",
     *sorted(str(path.relative_to(PACKAGE)) for path in (PACKAGE / "report").glob("*.py")),
 ]
 MODULES = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py"))

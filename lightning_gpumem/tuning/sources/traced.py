@@ -3,7 +3,9 @@
 A :class:`TracedSource` is a :class:`~lightning_gpumem.tuning.search.model.TrialSource`: the search and the
 plan ask it for a size's trial as they ask real trials, and it answers from the step traced on fake tensors
 (``_hw/trace.py``) replayed through the model of the caching allocator (``sources/allocator.py``). A size's
-trace is kept, so asking again under another limit only replays it (milliseconds).
+trace is kept, so asking again under another limit only replays it (milliseconds); once three traced sizes
+show each request affine in the batch size (``sources/affine.py``), other sizes' streams are made from them
+instead of traced, and :meth:`TracedSource.confirm` traces the largest of those to check.
 
 What the trace cannot see is added as fixed bytes: the cuBLAS workspaces a first matmul creates through the
 allocator (:data:`WORKSPACE_BYTES`), and, for a card, the memory outside PyTorch (:data:`CONTEXT_BYTES`, the
@@ -23,6 +25,7 @@ from lightning_gpumem._hw.trace import Trace
 from lightning_gpumem.tuning.search.model import Trial
 from lightning_gpumem.tuning.search.plan import Prediction
 from lightning_gpumem.tuning.search.policy import search_batch_size
+from lightning_gpumem.tuning.sources.affine import AffineStreams
 from lightning_gpumem.tuning.sources.allocator import Replay, replay
 
 # cuBLAS/cuBLASLt workspaces of the first matmul, allocated through the caching allocator and kept:
@@ -48,6 +51,7 @@ class TracedSource:
         expandable_segments: replay through the ``expandable_segments:True`` allocator.
         fixed_bytes: allocations the trace cannot see, made before the first step.
         bucket_bytes: DDP's gradient buckets (a copy of the gradients, made when the model is wrapped), or 0.
+        synthesise: make the streams of sizes not traced from three traced ones where they are affine.
     """
 
     trace_at: Callable[[int], Trace]
@@ -56,6 +60,9 @@ class TracedSource:
     fixed_bytes: int = WORKSPACE_BYTES
     traces: dict[int, list[Event]] = field(default_factory=dict)
     bucket_bytes: int = 0
+    synthesise: bool = True
+    traced: dict[int, list[Event]] = field(default_factory=dict)
+    affine: AffineStreams = field(default_factory=AffineStreams)
 
     def __call__(self, size: int, /) -> Trial:
         """The trial of ``size``: its replay's peaks, or an OOM where the replay met the cap.
@@ -66,16 +73,43 @@ class TracedSource:
         return trial_of(size, self.replay(size))
 
     def replay(self, size: int) -> Replay:
-        """The replay of ``size``'s trace under :attr:`limit_bytes` (traced once per size)."""
+        """The replay of ``size``'s stream under :attr:`limit_bytes` (traced, or made, once per size)."""
         events = self.traces.get(size)
         if events is None:
-            trace = self.trace_at(size)
-            if trace.cannot_trace is not None:
-                raise CannotTrace(trace.cannot_trace)
-            before = ((-1, self.fixed_bytes), (-2, self.bucket_bytes))
-            fixed = [Event("alloc", block=block, size=nbytes) for block, nbytes in before if nbytes > 0]
-            events = self.traces[size] = [*fixed, *trace.events]
+            events = self.affine.at(size) if self.synthesise else None
+            if events is None:
+                events = self._trace(size)
+                self.affine.learn(self.traced)
+            else:
+                self.affine.synthesised.add(size)
+            self.traces[size] = events
         return replay(events, limit_bytes=self.limit_bytes, expandable_segments=self.expandable_segments)
+
+    def confirm(self) -> bool:
+        """Trace the largest size whose stream was made, not traced: whether the two are the same.
+
+        Where they differ, streams are no longer made, and those made are dropped (asked again, they are
+        traced). ``True`` where none was made.
+        """
+        made = self.affine.synthesised
+        if not made:
+            return True
+        largest = max(made)
+        if self._trace(largest) == self.traces[largest]:
+            return True
+        for size in made:
+            self.traces.pop(size, None)
+        self.affine.turn_off()
+        return False
+
+    def _trace(self, size: int) -> list[Event]:
+        trace = self.trace_at(size)
+        if trace.cannot_trace is not None:
+            raise CannotTrace(trace.cannot_trace)
+        before = ((-1, self.fixed_bytes), (-2, self.bucket_bytes))
+        fixed = [Event("alloc", block=block, size=nbytes) for block, nbytes in before if nbytes > 0]
+        events = self.traced[size] = [*fixed, *trace.events]
+        return events
 
     def under(self, limit_bytes: int | None) -> TracedSource:
         """The same source (its traces shared) replaying under another cap."""
@@ -86,6 +120,9 @@ class TracedSource:
             self.fixed_bytes,
             traces=self.traces,
             bucket_bytes=self.bucket_bytes,
+            synthesise=self.synthesise,
+            traced=self.traced,
+            affine=self.affine,
         )
 
 
@@ -158,6 +195,22 @@ def plan_by_trace(
         CannotTrace: where the step cannot be traced.
     """
     start = time.perf_counter()
+    while True:
+        asked, predictions = _plan(source, size, budgets, upper, init_val, outside, margin)
+        if source.confirm():  # a size made from the affine streams, traced: the same, or all traced again
+            break
+    return TracedPlan(tuple(asked), tuple(predictions), time.perf_counter() - start)
+
+
+def _plan(
+    source: TracedSource,
+    size: int,
+    budgets: Sequence[int],
+    upper: int,
+    init_val: int,
+    outside: int,
+    margin: float,
+) -> tuple[list[Trial], list[Prediction]]:
     uncapped = source.under(None)
     # the run's size and two more, uncapped: the plan's lines have points even where no budget fits one
     asked: list[Trial] = [uncapped(s) for s in sorted({init_val, size, 2 * size})]
@@ -173,4 +226,4 @@ def plan_by_trace(
         asked += found.trials
         fits = peak + band <= limit
         predictions.append(Prediction(budget, limit, found.batch_size, False, peak, band, fits, traced=True))
-    return TracedPlan(tuple(asked), tuple(predictions), time.perf_counter() - start)
+    return asked, predictions
