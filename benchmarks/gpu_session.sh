@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_session.sh [PART]...   (default: tests monitor microbatch)
 #   PART: tests, monitor, microbatch, microbatch-gpt, microbatch-gpt-profile, profile, tuner, tuner-gpt, tuner-resnet,
 #         tuner-resnet-12, tuner-longval, plan, plan-expandable, tuner-predict, tuner-predict-12, tuner-42a, tuner-42b,
-#         tuner-42c, tuner-42-all, token-budget, ddp2
+#         tuner-42c, tuner-42-all, token-budget, fidelity, ddp2
 #
 # plan: MemoryPlanner's predictions against measured peaks on six workloads (benchmarks/plan.py) -> plan.json, .log;
 # plan-expandable: the same for the two GPTs with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; tuner-predict:
@@ -25,6 +25,9 @@
 # tuner-42-all: the five workloads of tuner-42a/b/c in one part, without the true-maximum search (the true maxima
 # are the model's and the cap's, measured by the three parts) and without previous-predict: the default, the
 # previous method="search" and binsearch (TUNER42_FINDERS overrides), about 8-9 minutes on an H100 -> tuner-42-all.json, .log.
+#
+# fidelity: real allocator histories (benchmarks/allocator_fidelity.py: FIDELITY_MODELS, FIDELITY_MODES; the 236M
+# GPT at FIDELITY_GPT under 24 GiB) -> fidelity.tgz (the streams; replay them anywhere with --check), fidelity.log.
 #
 # token-budget: TokenBudgetSampler with a tuned max_tokens against BatchSizeFinder, the worst-case batch size and a
 # hand-set budget, one epoch each (benchmarks/token_budget.py; TOKEN_ATTENTION, TOKEN_DATASETS, TOKEN_CONFIGS,
@@ -107,6 +110,11 @@ for part in "${parts[@]}"; do
       --samples ${TOKEN_SAMPLES:-3000} --time-limit $(( ${TOKEN_S:-420} - 20 )) ${TOKEN_EXPANDABLE:+--expandable} \
       ${TOKEN_SHAPE_MARGIN:+--shape-margin $TOKEN_SHAPE_MARGIN} \
       --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 ;;
+    fidelity) PYTHONPATH=. timeout ${FIDELITY_S:-150} python3 benchmarks/allocator_fidelity.py --out /tmp/gpumem-fidelity \
+      --models ${FIDELITY_MODELS:-lm,lm-bf16,transformer,mlp} --modes ${FIDELITY_MODES:-native} > "$OUT/fidelity.log" 2>&1;
+      PYTHONPATH=. timeout ${FIDELITY_GPT_S:-90} python3 benchmarks/allocator_fidelity.py --out /tmp/gpumem-fidelity-gpt \
+      --gpt ${FIDELITY_GPT:-8,38,41} >> "$OUT/fidelity.log" 2>&1;
+      tar czf "$OUT/fidelity.tgz" -C /tmp gpumem-fidelity gpumem-fidelity-gpt ;;  # one file: the streams, for --check
     ddp2) timeout ${DDP2_S:-560} python3 benchmarks/ddp2.py --time-limit $(( ${DDP2_S:-560} - 20 )) \
       --json "$OUT/ddp2.json" > "$OUT/ddp2.log" 2>&1 ;;  # two GPUs (issue 30); --cpu: the gloo dry run
     *) echo "unknown part: $part" >&2; false ;;
