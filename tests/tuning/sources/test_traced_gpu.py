@@ -73,7 +73,7 @@ def _real_peaks(module: nn.Module, tokens: torch.Tensor, autocast: bool) -> tupl
 
 # At batch 4 what the GPU holds besides the traced stream dominates: on the H100 (torch 2.11) the trace's reserved
 # peak was 14-18% below the GPU's there (kernels' workspaces made during the steps), and fp32's allocated peak 8.7%
-# below (not found yet); at 16 the trace was within 1.5% allocated and 0.9% reserved. Strict: a fix must move them.
+# below (not found yet); at 16 the trace was within 1.2% allocated and 0.9% reserved. Strict: a fix must move them.
 SMALL = pytest.mark.xfail(
     strict=True, reason="batch 4: the GPU's workspaces are not in the trace (see above)"
 )
