@@ -166,25 +166,7 @@ def worker(model_name: str, batch: int, mode: str, limit: int | None, out: Path)
     torch.manual_seed(0)
     oom = False
     try:
-        if model_name == "gpt":
-            _gpt_case(torch, batch, mark)
-            raise StopIteration
-        mark("setup")
-        net, inputs, target, loss_fn = _build(torch, model_name, batch)
-        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
-        for _ in range(STEPS):
-            mark("forward")
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=model_name == "lm-bf16"):
-                loss = loss_fn(net(inputs), target)
-            mark("backward")
-            loss.backward()
-            mark("optimizer")
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            del loss
-        torch.cuda.synchronize()
-    except StopIteration:
-        pass
+        (_gpt_case if model_name == "gpt" else _small_case)(torch, model_name, batch, mark)
     except RuntimeError as error:  # torch.OutOfMemoryError, also when autograd re-raises it from backward
         if "out of memory" not in str(error):
             raise
@@ -226,7 +208,25 @@ def worker(model_name: str, batch: int, mode: str, limit: int | None, out: Path)
     print(f"{path}: {len(events)} events, {path.stat().st_size // 1024} KiB", file=sys.stderr)
 
 
-def _gpt_case(torch: Any, batch: int, mark: Any) -> None:
+def _small_case(torch: Any, model_name: str, batch: int, mark: Any) -> None:
+    """A small model: two training steps (forward, backward, AdamW step, ``zero_grad``)."""
+    mark("setup")
+    net, inputs, target, loss_fn = _build(torch, model_name, batch)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    for _ in range(STEPS):
+        mark("forward")
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=model_name == "lm-bf16"):
+            loss = loss_fn(net(inputs), target)
+        mark("backward")
+        loss.backward()
+        mark("optimizer")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        del loss
+    torch.cuda.synchronize()
+
+
+def _gpt_case(torch: Any, _model_name: str, batch: int, mark: Any) -> None:
     """The tuner benchmark's GPT: two training steps and a validation step, as ``trace_training`` orders them."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import _tuner_models as M

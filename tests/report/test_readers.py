@@ -23,7 +23,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gpumem.cli import main
 from lightning_gpumem.report import ReportError, _wandb, load_runs
-from tests.report.test_report import _fit
+from tests.report.test_report import _fit, _run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 PEAK = "gpumem/train_peak_allocated_gib"
@@ -31,16 +31,6 @@ PEAK = "gpumem/train_peak_allocated_gib"
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The ``noload`` loader strategy is deprecated:DeprecationWarning"
 )
-
-
-def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "lightning_gpumem", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
 
 
 def _csv_series(root: Path) -> dict:

@@ -11,32 +11,19 @@ import pytest
 
 from lightning_gpumem import cli
 from lightning_gpumem.plan_command import DEFAULT_BUDGETS, PlanUsageError, plan_argv
+from tests.tuning.test_traced_planner import CLI_MODEL
 
-SCRIPT = textwrap.dedent(
+SCRIPT = CLI_MODEL + textwrap.dedent(
     """
-    import os
 
-    os.environ["JSONARGPARSE_DEPRECATION_WARNINGS"] = "off"
-    from lightning.pytorch.cli import LightningCLI
-    from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
-    from torch.utils.data import DataLoader
-
-
-    class Model(BoringModel):
-        def __init__(self, batch_size: int = 8) -> None:
-            super().__init__()
-            self.batch_size = batch_size
-
-        def train_dataloader(self):
-            return DataLoader(RandomDataset(32, 4096), batch_size=self.batch_size)
-
+    class Planned(Model):
         def on_fit_end(self):
             planner = next(c for c in self.trainer.callbacks if type(c).__name__ == "MemoryPlanner")
             found = [(p.budget >> 30, p.how) for p in planner.predictions]
             print("planned", self.trainer.global_step, self.trainer.logger, found)
 
 
-    LightningCLI(Model, save_config_callback=None)
+    LightningCLI(Planned, save_config_callback=None)
     """
 )
 

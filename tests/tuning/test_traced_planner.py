@@ -117,7 +117,8 @@ def test_stop_makes_the_traced_plan_a_dry_run():
     assert planner.predictions[0].largest is not None
 
 
-CLI_SCRIPT = """
+# a LightningCLI script's model, shared with tests/tuning/test_plan_command.py
+CLI_MODEL = """
 import os
 
 os.environ["JSONARGPARSE_DEPRECATION_WARNINGS"] = "off"
@@ -133,7 +134,11 @@ class Model(BoringModel):
 
     def train_dataloader(self):
         return DataLoader(RandomDataset(32, 4096), batch_size=self.batch_size)
+"""
 
+CLI_SCRIPT = (
+    CLI_MODEL
+    + """
 
 cli = LightningCLI(Model, save_config_callback=None, args=[
     "fit", "--trainer.accelerator=cpu", "--trainer.logger=false", "--trainer.enable_checkpointing=false",
@@ -144,6 +149,7 @@ cli = LightningCLI(Model, save_config_callback=None, args=[
 planner = cli.trainer.callbacks[0]
 print("plan", cli.trainer.global_step, [(p.budget >> 30, p.how) for p in planner.predictions])
 """
+)
 
 
 def test_a_lightning_cli_user_plans_on_a_cpu_with_no_code_change(tmp_path):

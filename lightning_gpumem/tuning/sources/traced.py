@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lightning_gpumem._core.alloc_events import Event
 from lightning_gpumem._core.units import GIB, MIB
@@ -113,17 +113,7 @@ class TracedSource:
 
     def under(self, limit_bytes: int | None) -> TracedSource:
         """The same source (its traces shared) replaying under another cap."""
-        return TracedSource(
-            self.trace_at,
-            limit_bytes,
-            self.expandable_segments,
-            self.fixed_bytes,
-            traces=self.traces,
-            bucket_bytes=self.bucket_bytes,
-            synthesise=self.synthesise,
-            traced=self.traced,
-            affine=self.affine,
-        )
+        return replace(self, limit_bytes=limit_bytes)  # the same dicts and affine state, shared
 
 
 def trial_of(size: int, replayed: Replay) -> Trial:
