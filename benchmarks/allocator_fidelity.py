@@ -59,13 +59,15 @@ def record(
     cap_gib: float = 24.0,
     models: list[str] | None = None,
     modes: list[str] | None = None,
+    gpt_workload: str = "gpt",
 ) -> int:
     """Run every case in its own process, then compare; the exit status of :func:`check`.
 
     ``gpt``: instead of the small models, ``benchmarks/tuner.py``'s 236M GPT at these batch sizes under a cap
     of ``cap_gib`` (the default allocator, bf16 autocast, two training steps and a validation step in the order
-    of ``trace_training``): the real streams the traced plan is measured against. ``models``, ``modes``: only
-    these of ``MODELS`` and ``MODES``.
+    of ``trace_training``): the real streams the traced plan is measured against; ``gpt_workload``:
+    ``"gpt-longval"`` for its 4096-token validation. ``models``, ``modes``: only these of ``MODELS`` and
+    ``MODES``.
     """
     chosen = {name: MODELS[name] for name in models or MODELS}
     modes = modes or list(MODES)
@@ -73,7 +75,7 @@ def record(
     failed = 0
     if gpt:
         for batch in gpt:
-            failed += not _spawn(out, "gpt", batch, "native", int(cap_gib * 2**30))
+            failed += not _spawn(out, gpt_workload, batch, "native", int(cap_gib * 2**30))
         return check(out) or (1 if failed else 0)
     for model, batches in chosen.items():
         for batch in batches:
@@ -166,7 +168,7 @@ def worker(model_name: str, batch: int, mode: str, limit: int | None, out: Path)
     torch.manual_seed(0)
     oom = False
     try:
-        (_gpt_case if model_name == "gpt" else _small_case)(torch, model_name, batch, mark)
+        (_gpt_case if model_name.startswith("gpt") else _small_case)(torch, model_name, batch, mark)
     except RuntimeError as error:  # torch.OutOfMemoryError, also when autograd re-raises it from backward
         if "out of memory" not in str(error):
             raise
@@ -226,16 +228,17 @@ def _small_case(torch: Any, model_name: str, batch: int, mark: Any) -> None:
     torch.cuda.synchronize()
 
 
-def _gpt_case(torch: Any, _model_name: str, batch: int, mark: Any) -> None:
+def _gpt_case(torch: Any, model_name: str, batch: int, mark: Any) -> None:
     """The tuner benchmark's GPT: two training steps and a validation step, as ``trace_training`` orders them."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import _tuner_models as M
 
-    w = M.workload("gpt", False)
+    w = M.workload(model_name, False)
     mark("setup")
     net = M.build_model(w).cuda()
     optimizer = M.make_optimizer(net)
     cpu_batch = M.first_batch(w, M.build_dataset(w), batch)
+    val_batch = M.first_batch(w, M.build_val_dataset(w), batch)
     for _ in range(STEPS):
         mark("forward")
         gpu_batch = [t.cuda() for t in cpu_batch]
@@ -250,7 +253,7 @@ def _gpt_case(torch: Any, _model_name: str, batch: int, mark: Any) -> None:
     mark("validation")
     net.eval()
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        gpu_batch = [t.cuda() for t in cpu_batch]
+        gpu_batch = [t.cuda() for t in val_batch]
         M.compute_loss(w, net, gpu_batch, validation=True)
     del gpu_batch
     torch.cuda.synchronize()
@@ -483,6 +486,9 @@ def main(argv: list[str] | None = None) -> int:
         "--check", type=Path, metavar="DIR", help="replay the streams saved in DIR, compare (no GPU)"
     )
     parser.add_argument("--gpt", default="", help="batch sizes: the 236M GPT's real streams under --cap-gib")
+    parser.add_argument(
+        "--gpt-workload", default="gpt", choices=("gpt", "gpt-longval"), help="the GPT of --gpt"
+    )
     parser.add_argument("--cap-gib", type=float, default=24.0)
     parser.add_argument(
         "--models", default="", help=f"comma-separated, of {','.join(MODELS)} (default: all)"
@@ -504,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown = sorted({*models} - {*MODELS} | {*modes} - {*MODES})
         if unknown:
             parser.error(f"unknown models or modes: {unknown}")
-        return record(args.out, sizes, args.cap_gib, models, modes)
+        return record(args.out, sizes, args.cap_gib, models, modes, args.gpt_workload)
     parser.error("give one of --out DIR (on a CUDA machine) or --check DIR")
     return 2
 

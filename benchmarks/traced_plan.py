@@ -2,14 +2,20 @@
 
 Runs on any machine (no GPU): each workload of ``benchmarks/tuner.py`` (``_tuner_models.py``: the same model, data,
 loss, AdamW and bf16 autocast as its Lightning runs) is traced on fake tensors (``lightning_gpumem/_hw/trace.py``,
-two training steps and a validation step, Lightning's order) and replayed through the allocator model
-(``tuning/sources/allocator.py``); the one search finds the largest size whose replay fits each cap. The truth is
-read from a ``benchmarks/tuner.py --true-max fit`` JSON measured on a GPU under the same cap: the largest size whose
-4-step fit and validation batch ran in a fresh process, and the peaks measured there::
+three training steps and a validation step, Lightning's order) and replayed through the allocator model
+(``tuning/sources/allocator.py``), the last step repeated until the layout settles (``tuning/sources/steps.py``);
+the one search finds the largest size whose replay fits each cap. The truth is read from a ``benchmarks/tuner.py
+--true-max fit`` JSON measured on a GPU under the same cap: the largest size whose fit (4 steps, or 50 in the
+12 GiB files) and validation batch ran in a fresh process, and the peaks measured there, against the replay at that
+size under that cap::
 
     python benchmarks/traced_plan.py --models gpt,gpt-longval --caps 24 \\
         --truth benchmarks/results/tuner-42a-h100.json,benchmarks/results/tuner-42c-h100.json \\
         --json benchmarks/results/traced-plan-cpu.json
+
+Several caps and several truth files at once: a truth counts for the cell of its own cap (the file's
+``budget_gib``); of two truths for one workload and cap, the later file's. A workload that cannot be traced (or
+whose trace raises) gets ``cannot_trace`` (or ``error``) in place of its cells, and the others run on.
 
 A cap is what the allocator may reserve (``set_per_process_memory_fraction``, as the GPU runs set it): the memory
 outside PyTorch is not subtracted. ``--margin`` is the fraction of the cap left free (the planner's default 3%, and
@@ -33,7 +39,7 @@ import _tuner_models as M
 
 from lightning_gpumem._hw.trace import Trace, trace_training
 from lightning_gpumem.tuning.search import search_batch_size
-from lightning_gpumem.tuning.sources.traced import TRACE_MARGIN, TracedSource
+from lightning_gpumem.tuning.sources.traced import TRACE_MARGIN, CannotTrace, TracedSource
 
 GIB = 2**30
 
@@ -55,8 +61,9 @@ def tracer(w: M.Workload, model: torch.nn.Module) -> Any:
     return trace_at
 
 
-def truths(paths: list[str]) -> dict[str, dict[str, Any]]:
-    found: dict[str, dict[str, Any]] = {}
+def truths(paths: list[str]) -> dict[str, dict[float, dict[str, Any]]]:
+    """workload -> cap in GiB -> its truth."""
+    found: dict[str, dict[float, dict[str, Any]]] = {}
     for path in paths:
         data = json.loads(Path(path).read_text())
         budget = data["settings"].get("budget_gib")
@@ -65,7 +72,7 @@ def truths(paths: list[str]) -> dict[str, dict[str, Any]]:
             if true.get("true_max") is None:
                 continue
             probes = {p["batch_size"]: p for p in true.get("probes", [])}
-            found[name] = {
+            found.setdefault(name, {})[float(budget)] = {
                 "cap_gib": budget,
                 "true_max": true["true_max"],
                 "peaks": probes.get(true["true_max"]),
@@ -76,7 +83,7 @@ def truths(paths: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def search_caps(
-    source: TracedSource, w: M.Workload, caps: list[float], margin: float, truth: dict[str, Any] | None
+    source: TracedSource, w: M.Workload, caps: list[float], margin: float, known: dict[float, dict[str, Any]]
 ) -> list[dict[str, Any]]:
     cells = []
     for cap in caps:
@@ -90,9 +97,11 @@ def search_caps(
             "largest": found.batch_size,
             "traced_sizes": len(source.traces),
         }
-        if truth is not None and truth["cap_gib"] == cap:
+        truth = known.get(cap)
+        if truth is not None:
             cell["true_max"] = truth["true_max"]
             cell["ratio"] = round(found.batch_size / truth["true_max"], 4) if found.batch_size else None
+            cell["truth"] = f"{truth['file']} ({(truth['device'] or {}).get('name')})"
         cells.append(cell)
     return cells
 
@@ -101,36 +110,51 @@ def run(
     name: str,
     caps: list[float],
     margin: float,
-    truth: dict[str, Any] | None,
+    known: dict[float, dict[str, Any]],
     quick: bool,
     synthesise: bool = True,
 ) -> dict[str, Any]:
+    wall = time.perf_counter()
     # --quick's tiny workloads simulate OOMs for the tuner's CPU runs; a trace never runs out of memory
     w = dataclasses.replace(M.workload(name, quick), simulated_oom_above=None, simulated_val_oom_above=None)
     torch.manual_seed(0)
     model = M.build_model(w)
     source = TracedSource(tracer(w, model), synthesise=synthesise)
     start = time.perf_counter()
-    cells = search_caps(source, w, caps, margin, truth)
-    while not source.confirm():  # as plan_by_trace: a made stream that is not its trace: all traced again
-        cells = search_caps(source, w, caps, margin, truth)
+    entry: dict[str, Any] = {"model": name, "describe": M.describe(w)}
+    try:
+        cells = search_caps(source, w, caps, margin, known)
+        # as plan_by_trace: a made stream that is not its trace: all traced again
+        while not source.confirm():
+            cells = search_caps(source, w, caps, margin, known)
+    # CannotTrace, or the step's own error: say it, and go on to the next workload
+    except Exception as error:
+        key = "cannot_trace" if isinstance(error, CannotTrace) else "error"
+        entry[key] = str(error) if key == "cannot_trace" else f"{type(error).__name__}: {error}"
+        entry["sizes_traced"] = len(source.traced)
+        entry["wall_seconds"] = round(time.perf_counter() - wall, 2)
+        return entry
     seconds = time.perf_counter() - start
-    entry: dict[str, Any] = {
-        "model": name,
-        "describe": M.describe(w),
-        "cells": cells,
-        "plan_seconds": round(seconds, 2),
-        "synthesised": synthesise,
-        "sizes_traced": len(source.traced),
-        "sizes_made": len(source.affine.synthesised),
-    }
+    entry.update(
+        {
+            "cells": cells,
+            "plan_seconds": round(seconds, 2),
+            "synthesised": synthesise,
+            "sizes_traced": len(source.traced),
+            "sizes_made": len(source.affine.synthesised),
+        }
+    )
 
-    if truth is not None and truth.get("peaks"):
+    for cell in cells:  # each cap's truth: its peaks against the replay at its size under the same cap
+        truth = known.get(cell["cap_gib"])
+        if truth is None or not truth.get("peaks"):
+            continue
         size = truth["true_max"]
-        replayed = source.replay(size)
+        replayed = source.under(int(cell["cap_gib"] * GIB)).replay(size)
         real = truth["peaks"]
-        entry["peaks_at_true_max"] = {
+        cell["peaks_at_true_max"] = {
             "size": size,
+            "fits_under_cap": replayed.fits,
             "real_reserved": real["peak_reserved"],
             "traced_reserved": replayed.peak_reserved,
             "reserved_error": round(replayed.peak_reserved / real["peak_reserved"] - 1, 4),
@@ -138,6 +162,7 @@ def run(
             "traced_allocated": replayed.peak_allocated,
             "allocated_error": round(replayed.peak_allocated / real["peak_allocated"] - 1, 4),
         }
+    entry["wall_seconds"] = round(time.perf_counter() - wall, 2)
     return entry
 
 
@@ -168,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         "workloads": [],
     }
     for name in args.models.split(","):
-        entry = run(name, caps, args.margin, known.get(name), args.quick, not args.no_synthesis)
+        entry = run(name, caps, args.margin, known.get(name, {}), args.quick, not args.no_synthesis)
         report["workloads"].append(entry)
         print(json.dumps(entry), flush=True)
     if args.json:

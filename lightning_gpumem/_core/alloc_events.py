@@ -23,6 +23,9 @@ class Event:
         size: bytes requested (the storage's ``nbytes``), before any rounding; 0 for a mark.
         stream: the CUDA stream the request is on (0: the default stream).
         label: the phase a mark begins; empty otherwise.
+        kernel: for a kernel's scratch buffer, the recipe its ``size`` follows from
+            (:func:`~lightning_gpumem._core.kernels.scratch_bytes`), so that a stream made for another batch
+            size computes it again; empty otherwise.
     """
 
     action: Action
@@ -30,3 +33,4 @@ class Event:
     size: int = 0
     stream: int = 0
     label: str = ""
+    kernel: tuple[int, ...] = ()

@@ -70,6 +70,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_gpumem._core.alloc_events import Event
 from lightning_gpumem._core.checks import require_int
+from lightning_gpumem._core.kernels import H100, Device, reduce_recipes, scratch_bytes
 
 Step = Callable[[nn.Module, Any], Any]
 MakeOptimizer = Callable[[Iterable[nn.Parameter]], Optimizer]
@@ -84,6 +85,20 @@ _UNTRACEABLE = (
 )
 _FROM_DATA = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
 _HALF = (torch.float16, torch.bfloat16)
+# reductions run by ATen's Reduce.cuh, whose staging buffer the trace asks for (``_core/kernels.py``)
+_REDUCTIONS = {
+    torch.ops.aten.sum.dim_IntList,
+    torch.ops.aten.sum.default,
+    torch.ops.aten.mean.dim,
+    torch.ops.aten.mean.default,
+}
+# matrix multiplies: the first of a thread creates its cuBLAS handle's workspaces
+_MATMULS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default,
+}
 _UNTRACKED, _HOST = 0, -1  # a storage's state besides its block: there before the trace, or host memory
 
 # CUDA autocast's op lists (aten/src/ATen/autocast_mode.cpp), by the name of torch's Python function.
@@ -140,10 +155,11 @@ def trace_training(
     step: Step,
     batch: Any,
     *,
-    steps: int = 2,
+    steps: int = 3,
     validate: Step | None = None,
     val_batch: Any = None,
     autocast_dtype: torch.dtype | None = None,
+    device: Device | None = H100,
 ) -> Trace:
     """Trace ``steps`` training steps (and a validation step) on fake copies, as they would run on a GPU.
 
@@ -158,12 +174,16 @@ def trace_training(
             copied with its state (its 0-d state, the step counters, read as numbers).
         step: ``step(module, batch)`` returns the loss (or a mapping with ``"loss"``).
         batch: what ``step`` gets; each step has its own copy on the GPU, freed after ``optimizer.step()``.
-        steps: training steps to trace; the second is the first with gradients and optimizer state.
+        steps: training steps to trace; the second is the first with gradients and optimizer state, the third
+            the first like the one before it (from two like steps a replay makes the later ones).
         validate: ``validate(module, batch)`` after the training steps, in ``eval()`` under
             ``torch.no_grad()``.
         val_batch: what ``validate`` gets (``batch`` when ``None``).
         autocast_dtype: ``torch.float16`` or ``torch.bfloat16`` to run ``step`` and ``validate`` under CUDA's
             autocast policy, as Lightning's mixed precision does.
+        device: the card whose kernels' own buffers are asked for (``_core/kernels.py``: the cuBLAS
+            workspaces of the first matrix multiplies, reductions' staging buffers, whose size depends on its
+            multiprocessors); ``None``: the tensors alone.
 
     Returns:
         The :class:`Trace`; a step that cannot be traced gives ``cannot_trace`` rather than raising. Errors
@@ -197,6 +217,7 @@ def trace_training(
                 validate=validate,
                 val_batch=_fake_data(val_batch),
                 policy=_CudaPolicy(autocast_dtype),
+                device=device,
             )
 
 
@@ -206,7 +227,7 @@ def record_training(
     step: Step,
     batch: Any,
     *,
-    steps: int = 2,
+    steps: int = 3,
     validate: Step | None = None,
     val_batch: Any = None,
 ) -> Trace:
@@ -251,9 +272,10 @@ def _record(
     validate: Step | None,
     val_batch: Any,
     policy: _CudaPolicy | None,
+    device: Device | None = None,
 ) -> Trace:
     cuda = contextlib.nullcontext() if policy is None else policy
-    recorder = _Recorder()
+    recorder = _Recorder(device)
     handles = recorder.follow(module) + ([] if policy is None else policy.follow(module))
     try:
         with recorder:
@@ -296,10 +318,15 @@ class _CannotTrace(Exception):
 
 
 class _Recorder(TorchDispatchMode):
-    """Records each new output storage as an allocation and its death as a free."""
+    """Records each new output storage as an allocation and its death as a free.
 
-    def __init__(self) -> None:
+    With a ``device``, also the scratch buffers its reduction kernels would allocate and free while they run.
+    """
+
+    def __init__(self, device: Device | None = None) -> None:
         super().__init__()
+        self.device = device
+        self._handles: set[bool] = set()  # the threads with a cuBLAS handle: backward's (True), the other
         self.events: list[Event] = []
         self.phase = "setup"
         self.modules: list[str] = []  # the forwards running, innermost last
@@ -325,7 +352,38 @@ class _Recorder(TorchDispatchMode):
         host = bool(states) and all(state == _HOST for state in states)
         for tensor in _tensors(out):
             self._see(tensor, host=host)
+        if self.device is not None and not host:
+            if func in _REDUCTIONS:
+                self._scratch(_reduction_scratch(self.device, args, kwargs))
+            elif func in _MATMULS:
+                self._workspaces()
         return out
+
+    def _workspaces(self) -> None:
+        """The first matrix multiply of the forward's thread, or of autograd's: its handle's workspaces."""
+        backward = self.phase == "backward"
+        if backward in self._handles:
+            return
+        self._handles.add(backward)
+        assert self.device is not None
+        for size in self.device.backward_workspaces if backward else self.device.forward_workspaces:
+            self.events.append(Event("alloc", block=self._next_block, size=size))  # kept: never freed
+            self._next_block += 1
+
+    def _scratch(self, recipes: tuple[tuple[int, ...], ...]) -> None:
+        """A kernel's buffers: allocated in order once its output is, freed in reverse as it returns.
+
+        A buffer the kernel does not need at this size is a request of 0 bytes (the allocator is not asked),
+        so that the streams of all batch sizes hold the same events.
+        """
+        blocks = []
+        for recipe in recipes:
+            event = Event("alloc", block=self._next_block, size=scratch_bytes(recipe), kernel=recipe)
+            self.events.append(event)
+            blocks.append(event)
+            self._next_block += 1
+        for event in reversed(blocks):
+            self.events.append(dataclasses.replace(event, action="free"))
 
     def follow(self, module: nn.Module) -> list[Any]:
         """Hooks that keep :attr:`modules` the path of the forward running (for ``cannot_trace``)."""
@@ -656,6 +714,24 @@ def _dropout(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if bound.get("inplace", False) or not training or not 0 < p < 1 or not isinstance(tensor, Tensor):
         return func(*args, **kwargs)
     return torch.native_dropout(tensor, p, True)[0]
+
+
+def _reduction_scratch(
+    device: Device, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[int, ...], ...]:
+    """The recipes of ``sum``/``mean``'s staging buffer and semaphores over ``dim`` (all where none)."""
+    tensor = args[0]
+    if not isinstance(tensor, Tensor) or tensor.dim() == 0:
+        return ()
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    rank = tensor.dim()
+    if dims is None or (not isinstance(dims, int) and len(dims) == 0):
+        reduced = tuple(range(rank))
+    else:
+        reduced = tuple(sorted({d % rank for d in ([dims] if isinstance(dims, int) else dims)}))
+    out_dtype = kwargs.get("dtype") or tensor.dtype
+    wide = torch.float64 in (tensor.dtype, out_dtype) or not out_dtype.is_floating_point
+    return reduce_recipes(tuple(tensor.shape), tensor.stride(), reduced, 8 if wide else 4, device)
 
 
 def _round_up(value: int, multiple: int) -> int:

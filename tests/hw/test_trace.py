@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -11,8 +12,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_gpumem._core.alloc_events import Event
-from lightning_gpumem._hw.trace import record_training, trace_training
+from lightning_gpumem._hw import trace as _trace
 
+# The tensors' lifetimes, checked against the real step on the CPU: without the buffers CUDA's kernels ask for
+# themselves (tests/hw/test_trace_kernels.py has those); two steps, the first with gradients and optimizer
+# state (tests/tuning/sources/test_steps.py has the third).
+trace_training = partial(_trace.trace_training, device=None, steps=2)
+record_training = partial(_trace.record_training, steps=2)
 FLOAT = 4  # bytes
 
 

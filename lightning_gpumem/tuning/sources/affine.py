@@ -3,9 +3,11 @@
 Tracing a step on fake tensors takes a second or more; the search asks for many sizes. Where the streams of
 two traced sizes align event by event (the same requests, frees and marks in the same order) and each
 request's bytes differ by a whole number per sample, the stream at any size is the first one with each
-request grown by that number per sample. That is only believed once a third traced size is exactly what
-the two predict; a step whose requests are not affine (a branch on the batch size, a rounding per batch)
-fails the check and is traced at every size. Pure: stdlib only.
+request grown by that number per sample. A kernel's scratch buffer is not affine (its size follows the
+card's multiprocessors): its recipe (the shapes it is computed from) is grown instead, and its size computed
+again (``_core/kernels.py``). That is only believed once a third traced size is exactly what the two
+predict; a step whose requests are not affine (a branch on the batch size, a rounding per batch) fails the
+check and is traced at every size. Pure: stdlib only.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from lightning_gpumem._core.alloc_events import Event
+from lightning_gpumem._core.kernels import scratch_bytes
+
+# bytes per sample, or (for a kernel's scratch buffer) its recipe's numbers per sample
+Slope = int | tuple[int, ...]
 
 
 @dataclass
@@ -36,7 +42,7 @@ class AffineStreams:
     synthesised: set[int] = field(default_factory=set)
     _size: int = 0
     _events: list[Event] = field(default_factory=list)
-    _slopes: list[int] = field(default_factory=list)
+    _slopes: list[Slope] = field(default_factory=list)
 
     def learn(self, traced: dict[int, list[Event]]) -> None:
         """From the three smallest sizes of ``traced`` (size -> stream): on where affine, else off."""
@@ -64,24 +70,42 @@ class AffineStreams:
         self.synthesised.clear()
 
 
-def _slopes(a: list[Event], size_a: int, b: list[Event], size_b: int) -> list[int] | None:
+def _slopes(a: list[Event], size_a: int, b: list[Event], size_b: int) -> list[Slope] | None:
     """Bytes per sample of each event between two aligned streams; ``None`` where they do not align."""
     if len(a) != len(b) or size_a == size_b:
         return None
-    slopes = []
+    slopes: list[Slope] = []
     for x, y in zip(a, b, strict=True):
-        if (x.action, x.block, x.stream, x.label) != (y.action, y.block, y.stream, y.label):
+        if (x.action, x.block, x.stream, x.label, len(x.kernel)) != (
+            y.action,
+            y.block,
+            y.stream,
+            y.label,
+            len(y.kernel),
+        ):
             return None
-        slope, rest = divmod(y.size - x.size, size_b - size_a)
-        if rest:
-            return None
-        slopes.append(slope)
+        pairs = zip(x.kernel, y.kernel, strict=True) if x.kernel else [(x.size, y.size)]
+        per_sample = []
+        for before, after in pairs:
+            slope, rest = divmod(after - before, size_b - size_a)
+            if rest:
+                return None
+            per_sample.append(slope)
+        slopes.append(tuple(per_sample) if x.kernel else per_sample[0])
     return slopes
 
 
-def _grown(events: list[Event], slopes: list[int], samples: int) -> list[Event] | None:
+def _grown(events: list[Event], slopes: list[Slope], samples: int) -> list[Event] | None:
     grown = []
     for event, slope in zip(events, slopes, strict=True):
+        if isinstance(slope, tuple):  # a kernel's scratch: its recipe grows, its size is computed again
+            recipe = tuple(n + s * samples for n, s in zip(event.kernel, slope, strict=True))
+            if min(recipe) < 0:
+                return None
+            grown.append(event if recipe == event.kernel else replace(event, kernel=recipe))
+            if recipe != event.kernel:
+                grown[-1] = replace(grown[-1], size=scratch_bytes(recipe))
+            continue
         if slope == 0:
             grown.append(event)
             continue

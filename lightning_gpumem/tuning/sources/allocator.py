@@ -278,6 +278,26 @@ class AllocatorModel:
         """Give back every unsplit cached segment and every free page (``torch.cuda.empty_cache``)."""
         self._release_cached_blocks()
 
+    def layout(self) -> tuple[tuple[tuple[int, bool, bool, int], ...], ...]:
+        """Every segment held, in address order: its blocks' (size, allocated, mapped, stream), in order.
+
+        Two equal layouts serve the same requests the same way (the replay's steady state); the addresses
+        themselves are left out, as a segment given back and taken again gets a new one.
+        """
+        blocks = [*self._live.values()]
+        for pool in (self._large, self._small):
+            blocks += [entry[3] for entry in pool.blocks] + [entry[2] for entry in pool.unmapped]
+        heads = sorted({id(b): b for b in blocks if b.prev is None}.values(), key=lambda b: b.address)
+        segments = []
+        for head in heads:
+            parts = []
+            block: _Block | None = head
+            while block is not None:
+                parts.append((block.size, block.allocated, block.mapped, block.stream))
+                block = block.next
+            segments.append(tuple(parts))
+        return tuple(segments)
+
     def result(self) -> Replay:
         """The peaks and counters so far."""
         phase_peaks = dict(self._phase_peaks)

@@ -78,7 +78,7 @@ def lightning_tracer(
     batch: Any,
     *,
     val_batch: Any = None,
-    steps: int = 2,
+    steps: int = 3,
     batch_size: int | None = None,
 ) -> Tracer:
     """``trace_at(size)``: the trace of ``module``'s training (and validation) step at batch size ``size``.
@@ -92,7 +92,8 @@ def lightning_tracer(
         batch: one training batch, as ``training_step`` receives it.
         val_batch: one validation batch, to trace ``validation_step`` at the same size (where ``module``
             has its own); ``None``: no validation.
-        steps: training steps per trace (the second is the first with gradients and optimizer state).
+        steps: training steps per trace (the second is the first with gradients and optimizer state; the
+            third repeats it, so the replay can repeat it again: ``sources/steps.py``).
         batch_size: the size of ``batch`` (``None``: :func:`batch_size_of`); its tensors whose first
             dimension is this are resized.
 

@@ -26,7 +26,8 @@ from lightning_gpumem.tuning.search.model import Trial
 from lightning_gpumem.tuning.search.plan import Prediction
 from lightning_gpumem.tuning.search.policy import search_batch_size
 from lightning_gpumem.tuning.sources.affine import AffineStreams
-from lightning_gpumem.tuning.sources.allocator import Replay, replay
+from lightning_gpumem.tuning.sources.allocator import Replay
+from lightning_gpumem.tuning.sources.steps import replay_steady
 
 # cuBLAS/cuBLASLt workspaces of the first matmul, allocated through the caching allocator and kept:
 # 2 x 32 MiB + 1 MiB after a first training step (see tests/tuning/test_callback_gpu.py)
@@ -57,7 +58,7 @@ class TracedSource:
     trace_at: Callable[[int], Trace]
     limit_bytes: int | None = None
     expandable_segments: bool = False
-    fixed_bytes: int = WORKSPACE_BYTES
+    fixed_bytes: int = 0
     traces: dict[int, list[Event]] = field(default_factory=dict)
     bucket_bytes: int = 0
     synthesise: bool = True
@@ -73,7 +74,11 @@ class TracedSource:
         return trial_of(size, self.replay(size))
 
     def replay(self, size: int) -> Replay:
-        """The replay of ``size``'s stream under :attr:`limit_bytes` (traced, or made, once per size)."""
+        """The replay of ``size``'s stream under :attr:`limit_bytes` (traced, or made, once per size).
+
+        The training steps go on past the traced ones until the allocator's layout settles, as a fit's steps
+        do (``sources/steps.py``).
+        """
         events = self.traces.get(size)
         if events is None:
             events = self.affine.at(size) if self.synthesise else None
@@ -83,7 +88,10 @@ class TracedSource:
             else:
                 self.affine.synthesised.add(size)
             self.traces[size] = events
-        return replay(events, limit_bytes=self.limit_bytes, expandable_segments=self.expandable_segments)
+        replayed, _ = replay_steady(
+            events, limit_bytes=self.limit_bytes, expandable_segments=self.expandable_segments
+        )
+        return replayed
 
     def confirm(self) -> bool:
         """Trace the largest size whose stream was made, not traced: whether the two are the same.

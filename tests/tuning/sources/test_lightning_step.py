@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpumem._core.alloc_events import Event
+from lightning_gpumem._core.kernels import H100
 from lightning_gpumem._hw.trace import Trace
 from lightning_gpumem.tuning.sources.allocator import replay
 from lightning_gpumem.tuning.sources.lightning_step import (
@@ -150,6 +151,10 @@ def _setup_bytes(events: list[Event]) -> int:
     return total
 
 
+# the cuBLAS workspaces a traced step keeps: its forward's and its backward's first matrix multiply
+WORKSPACES = sum(H100.forward_workspaces) + sum(H100.backward_workspaces)
+
+
 def _live_at_end(events: list[Event]) -> int:
     live: dict[int, int] = {}
     for event in events:
@@ -189,12 +194,13 @@ def test_activations_double_with_the_batch_and_parameters_and_adamw_state_do_not
     small, large = traces[8], traces[16]
     assert small.cannot_trace is None
     assert large.cannot_trace is None
-    assert _labels(small) == ["train", "optimizer", "train", "optimizer"]
+    assert _labels(small) == ["train", "optimizer"] * 3
     params = _param_bytes(module)
     assert _setup_bytes(small.events) == _setup_bytes(large.events) == params
-    # after two steps: parameters, gradients, AdamW's exp_avg and exp_avg_sq (its step counters: host memory)
-    assert _live_at_end(small.events) == _live_at_end(large.events) == 4 * params
-    for occurrence in (0, 1):
+    # after two steps: parameters, gradients, AdamW's exp_avg and exp_avg_sq (its step counters: host memory),
+    # and the cuBLAS workspaces of the forward's and the backward's first matrix multiply
+    assert _live_at_end(small.events) == _live_at_end(large.events) == 4 * params + WORKSPACES
+    for occurrence in (0, 1, 2):
         activations = _transient(small.events, occurrence=occurrence)
         assert activations > 8 * WIDTH * 4  # at least the hidden layer's output
         assert _transient(large.events, occurrence=occurrence) == pytest.approx(2 * activations, rel=0.01)
@@ -292,7 +298,9 @@ def test_every_form_configure_optimizers_returns_gives_its_optimizer(make_traine
     else:  # no optimizers in the Trainer yet: configure_optimizers() is asked, on the module
         trace = lightning_tracer(Trainer(accelerator="cpu", logger=False), module, _batch(4))(8)
     assert trace.cannot_trace is None
-    assert _live_at_end(trace.events) == 4 * _param_bytes(module)  # AdamW's state: the optimizer given
+    assert (
+        _live_at_end(trace.events) == 4 * _param_bytes(module) + WORKSPACES
+    )  # AdamW's state: the one given
 
 
 def _with_scheduler(optimizer):
@@ -308,7 +316,7 @@ def test_no_optimizer_traces_without_a_step(make_trainer, fitting):
     else:
         trace = lightning_tracer(Trainer(accelerator="cpu", logger=False), module, _batch(4))(8)
     assert trace.cannot_trace is None
-    assert _live_at_end(trace.events) == 2 * _param_bytes(module)  # parameters and gradients, never freed
+    assert _live_at_end(trace.events) == 2 * _param_bytes(module) + WORKSPACES  # parameters and gradients
 
 
 def test_two_optimizers_and_unknown_forms_are_not_traced():

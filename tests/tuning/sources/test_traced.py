@@ -29,6 +29,7 @@ def _tracer(net: nn.Module, calls: list[int] | None = None):
             lambda m, x: m(x).square().mean(),
             torch.zeros(size, 256),
             validate=lambda m, x: m(x),
+            device=None,  # the tensors alone: the plan's logic, not the kernels' buffers
         )
 
     return trace_at

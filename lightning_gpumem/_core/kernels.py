@@ -1,0 +1,200 @@
+"""Memory that CUDA kernels ask of the caching allocator for themselves, worked out from shapes alone.
+
+A trace on fake tensors sees every tensor an op returns, not the scratch buffers a kernel allocates while it
+runs and frees when it ends. Where such a buffer is large and its size follows from the op's shapes and the
+device, it is computed here, so the trace can ask for it in its place.
+
+Reductions (``sum``, ``mean`` over some dimensions: the bias gradients of every ``nn.Linear`` sum the output
+gradient over all its tokens) run ATen's ``Reduce.cuh`` kernel. Where the reduced extent is long and the
+outputs few, the kernel splits each output's inputs across thread blocks (``ctas_per_output``) and stages
+the partial results in a global buffer of ``accumulator bytes x outputs x ctas_per_output`` (times the block
+width and the output vector size when the reduced dimensions are not the fastest moving ones), with one
+``int`` semaphore per block column. ``ctas_per_output`` grows with the number of multiprocessors, so the
+buffer depends on the card: 132 MiB for each bias gradient of a 236M GPT at 20,480 tokens on an H100.
+:func:`reduce_buffers` follows ``setReduceConfig`` of ``Reduce.cuh``.
+
+Matrix multiplies: the first on a thread creates its cuBLAS handle's workspaces through the allocator and
+keeps them; autograd runs the backward on a thread of its own, with its own handle. On an H100 with torch
+2.11 the recorded allocator histories (``benchmarks/results/allocator-streams-h100``) show 32 MiB and 1 MiB
+after the forward's first matrix multiply, and 32 MiB after the backward's (32 MiB is torch's default cuBLAS
+workspace on Hopper).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MIB = 1 << 20
+MAX_THREADS = 512  # ReduceConfig's threads per block
+WARP = 32
+MIN_VALUES_PER_THREAD = 16
+MAX_VALUES_PER_THREAD = 256
+INPUT_VEC_SIZE = 4  # vt0: values each thread loads at once
+
+
+@dataclass(frozen=True)
+class Device:
+    """What a kernel's launch configuration reads of the card.
+
+    Attributes:
+        multiprocessors: streaming multiprocessors (``multi_processor_count``).
+        threads_per_multiprocessor: ``max_threads_per_multi_processor``.
+        forward_workspaces: what the first matrix multiply of the forward's thread allocates and keeps (the
+            cuBLAS and cuBLASLt workspaces of its handle), in bytes, in order.
+        backward_workspaces: the same for the backward's thread (autograd's own, with a handle of its own).
+    """
+
+    multiprocessors: int = 132
+    threads_per_multiprocessor: int = 2048
+    forward_workspaces: tuple[int, ...] = (32 * MIB, MIB)
+    backward_workspaces: tuple[int, ...] = (32 * MIB,)
+
+
+H100 = Device()
+"""The H100 SXM (and the H200): the default, the largest multiprocessor count of the common cards."""
+
+
+def reduce_buffers(
+    shape: Sequence[int],
+    strides: Sequence[int],
+    dims: Sequence[int],
+    accumulator_bytes: int,
+    device: Device = H100,
+) -> tuple[int, int]:
+    """The staging buffer and the semaphores (bytes; ``(0, 0)``: none) of a reduction over ``dims``.
+
+    Args:
+        shape: the input's sizes.
+        strides: the input's strides, in elements.
+        dims: the dimensions reduced (non-negative, distinct).
+        accumulator_bytes: the bytes of the kernel's accumulator (4 for ``sum`` of float, half or bfloat16).
+        device: the card.
+
+    >>> tokens = 40 * 512  # a bias gradient: (tokens, features) summed over the tokens, bfloat16
+    >>> [reduce_buffers((tokens, n), (n, 1), (0,), 4)[0] // 2**20 for n in (1024, 4096)]
+    [132, 132]
+    >>> reduce_buffers((8 * 512, 3072), (3072, 1), (0,), 4)[0] // 2**20
+    96
+    >>> reduce_buffers((64, 10), (10, 1), (0,), 4)  # too short to split across blocks
+    (0, 0)
+    """
+    pairs = list(enumerate(zip(shape, strides, strict=True)))
+    kept = [(size, stride) for d, (size, stride) in pairs if d not in dims]
+    reduced = [(size, stride) for d, (size, stride) in pairs if d in dims]
+    kept = [(size, stride) for size, stride in kept if size != 1]
+    reduced = [(size, stride) for size, stride in reduced if size != 1]
+    outputs, inputs = _product(kept), _product(reduced)
+    if not reduced or outputs == 0 or inputs == 0:
+        return 0, 0
+    reduced_groups, kept_groups = _coalesce(reduced), _coalesce(kept)
+    fastest_reduced = not kept_groups or min(reduced_groups, key=_stride) < min(kept_groups, key=_stride)
+    vec = 1
+    if fastest_reduced:
+        dim0, dim1 = min(reduced_groups, key=_stride)[0], outputs
+        if _stride(min(reduced_groups, key=_stride)) == 1 and dim0 > 128 and len(reduced_groups) == 1:
+            dim0 //= INPUT_VEC_SIZE  # vectorised along the input
+    else:
+        fastest = min(kept_groups, key=_stride)
+        dim0, dim1 = fastest[0], inputs
+        if fastest[1] == 1:  # vectorised along the output: 4, 2 or 1 outputs a thread
+            others = [stride for size, stride in reduced_groups + kept_groups if (size, stride) != fastest]
+            vec = 4
+            while vec > 1 and (dim0 % vec or any(stride % vec for stride in others)):
+                vec //= 2
+            dim0 //= vec
+    width, height = _block(dim0, dim1, MAX_THREADS // vec)
+    step_input = step_output = 1
+    if fastest_reduced:
+        step_input *= width
+    else:
+        step_output *= width
+    split_warps = _div_up(inputs, step_input) >= min(height * 16, MAX_VALUES_PER_THREAD)
+    if split_warps:
+        step_input *= height
+    else:
+        step_output *= height
+    values = _div_up(inputs, step_input)
+    target_grid = device.multiprocessors * (device.threads_per_multiprocessor // (width * height))
+    grid = _div_up(outputs // vec, step_output)
+    if not (split_warps and values >= MAX_VALUES_PER_THREAD and grid <= target_grid):
+        return 0, 0
+    ctas = max(
+        min(_div_up(target_grid, grid), _div_up(values, MIN_VALUES_PER_THREAD)),
+        _div_up(values, MAX_VALUES_PER_THREAD),
+    )
+    if ctas <= 1:
+        return 0, 0
+    buffer = accumulator_bytes * outputs * ctas * (1 if fastest_reduced else width * vec)
+    return buffer, 4 * grid
+
+
+def reduce_recipes(
+    shape: Sequence[int],
+    strides: Sequence[int],
+    dims: Sequence[int],
+    accumulator_bytes: int,
+    device: Device = H100,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The recipes of :func:`reduce_buffers`' two buffers, for :func:`scratch_bytes` (integers only).
+
+    Each is ``(part, accumulator bytes, multiprocessors, threads per multiprocessor, rank, *shape, *strides,
+    *reduced)``, ``part`` 0 for the staging buffer and 1 for the semaphores, ``reduced`` 1 for each dimension
+    reduced: every field is fixed or grows with the batch, so a recipe at any batch size is the recipes at
+    two sizes extended, as ``tuning/sources/affine.py`` extends a stream's sizes.
+
+    >>> buffer, semaphores = reduce_recipes((20480, 1024), (1024, 1), (0,), 4)
+    >>> scratch_bytes(buffer) // 2**20, scratch_bytes(semaphores)
+    (132, 32)
+    """
+    head = (accumulator_bytes, device.multiprocessors, device.threads_per_multiprocessor, len(shape))
+    body = (*shape, *strides, *(int(d in dims) for d in range(len(shape))))
+    return (0, *head, *body), (1, *head, *body)
+
+
+def scratch_bytes(recipe: Sequence[int]) -> int:
+    """The bytes a recipe of :func:`reduce_recipes` asks for."""
+    part, accumulator, processors, threads, rank = recipe[:5]
+    shape, strides, reduced = recipe[5 : 5 + rank], recipe[5 + rank : 5 + 2 * rank], recipe[5 + 2 * rank :]
+    dims = [d for d in range(rank) if reduced[d]]
+    return reduce_buffers(shape, strides, dims, accumulator, Device(processors, threads))[part]
+
+
+def _block(dim0: int, dim1: int, max_threads: int) -> tuple[int, int]:
+    """``set_block_dimension``: the block's width and height."""
+    pow0 = _last_pow2(dim0) if dim0 < max_threads else max_threads
+    pow1 = _last_pow2(dim1) if dim1 < max_threads else max_threads
+    width = min(pow0, WARP)
+    height = min(pow1, max_threads // width)
+    width = min(pow0, max_threads // height)
+    return width, height
+
+
+def _coalesce(dims: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Dimensions merged where one continues the other in memory, as TensorIterator merges them."""
+    merged: list[tuple[int, int]] = []
+    for size, stride in sorted(dims, key=_stride):
+        if merged and merged[-1][0] * merged[-1][1] == stride:
+            merged[-1] = (merged[-1][0] * size, merged[-1][1])
+        else:
+            merged.append((size, stride))
+    return merged
+
+
+def _stride(dim: tuple[int, int]) -> int:
+    return dim[1]
+
+
+def _product(dims: list[tuple[int, int]]) -> int:
+    result = 1
+    for size, _ in dims:
+        result *= size
+    return result
+
+
+def _last_pow2(n: int) -> int:
+    return max(1, 1 << (max(n, 1).bit_length() - 1))
+
+
+def _div_up(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,161 @@
+"""The buffers CUDA's kernels ask the allocator for themselves, in the trace, against the H100's own histories."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_gpumem._core.alloc_events import Event
+from lightning_gpumem._core.kernels import H100, Device, reduce_buffers
+from lightning_gpumem._hw.trace import trace_training
+from lightning_gpumem.tuning.sources.allocator import replay
+from lightning_gpumem.tuning.sources.traced import TracedSource
+
+MIB = 2**20
+ROOT = Path(__file__).resolve().parents[2]
+STREAMS = ROOT / "benchmarks" / "results" / "allocator-streams-h100"
+A100 = Device(multiprocessors=108)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def linear_step(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module(x).float().square().mean()
+
+
+def backward_events(events: list[Event]) -> list[Event]:
+    """The first step's events after its forward (the kernels' buffers of the backward among them)."""
+    first = events[: next(i for i, e in enumerate(events) if e.action == "mark" and e.label == "optimizer")]
+    return [e for e in first if e.kernel]
+
+
+@pytest.mark.parametrize(("device", "staged"), [(H100, 132 * MIB), (A100, 108 * MIB)], ids=["H100", "A100"])
+def test_a_bias_gradient_over_many_tokens_stages_its_partial_sums_by_the_cards_multiprocessors(
+    device, staged
+):
+    trace = trace_training(
+        nn.Linear(1024, 4096),
+        sgd,
+        linear_step,
+        torch.zeros(20480, 1024),
+        autocast_dtype=torch.bfloat16,
+        device=device,
+    )
+    scratch = [e for e in backward_events(trace.events) if e.size >= MIB]
+    # the bias gradient (4096 outputs, 20480 inputs each): allocated after its output, freed at once
+    assert [(e.action, e.size) for e in scratch] == [("alloc", staged), ("free", staged)]
+    assert staged == reduce_buffers((20480, 4096), (4096, 1), (0,), 4, device)[0]
+
+
+def test_a_reduction_too_short_to_split_asks_for_nothing_but_keeps_its_place_in_the_stream():
+    small, large = (
+        trace_training(nn.Linear(64, 64), sgd, linear_step, torch.zeros(rows, 64)).events
+        for rows in (8, 65536)
+    )
+    kernels = [[e for e in events if e.kernel] for events in (small, large)]
+    assert len(kernels[0]) == len(kernels[1]) > 0  # the same requests at both sizes
+    assert {e.size for e in kernels[0]} == {0}  # 8 rows: no staging buffer, no request to the allocator
+    assert max(e.size for e in kernels[1]) > 0
+
+
+def test_the_first_matrix_multiply_of_each_thread_keeps_its_cublas_workspaces():
+    trace = trace_training(nn.Linear(64, 64), sgd, linear_step, torch.zeros(8, 64), steps=2)
+    kept = [e.size for e in trace.events if e.action == "alloc" and e.size >= MIB]
+    # the forward's first matrix multiply, then the backward's (autograd's thread); none at the second step
+    assert kept == [*H100.forward_workspaces, *H100.backward_workspaces]
+    freed = {e.block for e in trace.events if e.action == "free"}
+    assert not freed & {e.block for e in trace.events if e.action == "alloc" and e.size >= MIB}
+
+
+def test_streams_made_past_where_the_buffers_stop_growing_are_the_traced_ones():
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
+
+    def trace_at(size: int):
+        return trace_training(module, sgd, linear_step, torch.zeros(size, 256))
+
+    source = TracedSource(trace_at)
+    for size in (2048, 4096, 8192):  # the staging buffers grow with the rows here
+        source.replay(size)
+    assert source.affine.state == "on"
+    made = source.affine.at(65536)  # past 16,896 rows they stop growing: a recipe, not a line, says so
+    assert made is not None
+    assert made == TracedSource(trace_at, synthesise=False)._trace(65536)
+
+
+# --------------------------------------------------------------------- the 236M GPT against its H100 history
+def _history(size: int) -> tuple[list[Event], dict]:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from allocator_fidelity import replayable
+
+    with gzip.open(STREAMS / f"gpt-b{size}-native-capped.json.gz", "rt") as file:
+        data = json.load(file)
+    return replayable(Event, data)[0], data
+
+
+@pytest.fixture(scope="module")
+def gpt_trace():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import _tuner_models as M
+
+    workload = M.workload("gpt", False)
+    with torch.device("meta"):  # shapes only: the trace copies them onto fake tensors
+        model = M.build_model(workload)
+    data = M.build_dataset(workload)
+
+    def trace_at(size: int):  # as benchmarks/allocator_fidelity.py ran it: two steps, then validation
+        return trace_training(
+            model,
+            M.make_optimizer(model),
+            lambda m, b: M.compute_loss(workload, m, b),
+            M.first_batch(workload, data, size),
+            steps=2,
+            validate=lambda m, b: M.compute_loss(workload, m, b, validation=True),
+            autocast_dtype=torch.bfloat16,
+        )
+
+    return trace_at
+
+
+def _scratch_sizes(events: list[Event]) -> Counter:
+    """The training steps' requests of 1 MiB or more freed at once (within four events): the kernels' buffers
+    among them."""
+    born, sizes, found = {}, {}, Counter()
+    for at, event in enumerate(events):
+        if event.action == "mark" and event.label in ("val", "validation"):
+            break
+        if event.action == "alloc":
+            born[event.block], sizes[event.block] = at, event.size
+        elif event.action == "free" and at - born.get(event.block, -9) <= 4 and sizes[event.block] >= MIB:
+            found[sizes[event.block]] += 1
+    return found
+
+
+@pytest.mark.parametrize("size", [8, 40])
+def test_the_gpts_trace_is_the_h100s_history(gpt_trace, size):
+    """The 236M GPT of benchmarks/tuner.py, bf16, 24 GiB cap (benchmarks/allocator_fidelity.py --gpt 8,40)."""
+    real, data = _history(size)
+    traced = gpt_trace(size).events
+    # the reductions' staging buffers: 32, 96 and 128 MiB at 4,096 tokens, 132 MiB at 20,480, as many as the H100's
+    staged = Counter(e.size for e in traced if e.kernel and e.action == "alloc" and e.size >= MIB)
+    assert set(staged) == ({32 * MIB, 96 * MIB, 128 * MIB} if size == 8 else {132 * MIB})
+    assert {s: _scratch_sizes(real)[s] for s in staged} == staged
+    real_peaks, traced_peaks = replay(real), replay(traced)
+    assert traced_peaks.peak_allocated == pytest.approx(real_peaks.peak_allocated, rel=0.001)
+    assert traced_peaks.peak_reserved == pytest.approx(real_peaks.peak_reserved, rel=0.003)
+    assert replay(traced, limit_bytes=data["limit_bytes"]).fits  # the H100 ran it under the cap
+
+
+def test_the_gpt_that_ran_out_of_memory_on_the_h100_does_not_fit_the_trace(gpt_trace):
+    _, data = _history(41)
+    assert data["oom"]
+    assert not replay(gpt_trace(41).events, limit_bytes=data["limit_bytes"]).fits
