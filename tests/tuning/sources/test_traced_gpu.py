@@ -2,8 +2,9 @@
 
 The trace runs on fake CPU tensors with CUDA's behaviour applied (``_hw/trace.py``); here the very same steps run
 on the GPU, and the replay of the trace through the allocator model (``tuning/sources/allocator.py``) must give the
-peak of live tensors the GPU's allocator counted, and a reserved peak near the GPU's. What kernels allocate inside
-themselves (cuBLAS workspaces) is made to exist before the steps, so both sides count only the steps.
+peak of live tensors the GPU's allocator counted, and a reserved peak near the GPU's. Both sides count from a clean
+allocator, the cuBLAS workspaces given back: the trace asks for them where the first matrix multiplies of the
+forward's and of the backward's thread create them, and for the reductions' staging buffers (``_core/kernels.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_gpumem._core.kernels import Device
+from lightning_gpumem._hw.allocator import start_clean
+from lightning_gpumem._hw.probe import MemoryProbe
 from lightning_gpumem._hw.trace import record_training, trace_training
 from lightning_gpumem.tuning.sources.allocator import replay
 
@@ -43,14 +47,8 @@ def _loss(module: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 def _real_peaks(module: nn.Module, tokens: torch.Tensor, autocast: bool) -> tuple[int, int]:
     """Peak allocated and reserved of the steps on the GPU, counted from before the module was moved there."""
-    for dtype in (
-        torch.float32,
-        torch.bfloat16,
-    ):  # the matmuls' cuBLAS workspaces, before anything is counted
-        ones = torch.ones(64, 64, device="cuda", dtype=dtype)
-        (ones @ ones).sum().item()
     torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+    start_clean(MemoryProbe(torch.device("cuda"), nvml=False, host=False))  # no cuBLAS workspace, no cache
     base_allocated, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
     module = module.cuda()
@@ -71,16 +69,8 @@ def _real_peaks(module: nn.Module, tokens: torch.Tensor, autocast: bool) -> tupl
     return peaks
 
 
-# At batch 4 what the GPU holds besides the traced stream dominates: on the H100 (torch 2.11) the trace's reserved
-# peak was 14-18% below the GPU's there (kernels' workspaces made during the steps), and fp32's allocated peak 8.7%
-# below (not found yet); at 16 the trace was within 1.2% allocated and 0.9% reserved. Strict: a fix must move them.
-SMALL = pytest.mark.xfail(
-    strict=True, reason="batch 4: the GPU's workspaces are not in the trace (see above)"
-)
-
-
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-mixed"])
-@pytest.mark.parametrize("batch", [pytest.param(4, marks=SMALL), 16])
+@pytest.mark.parametrize("batch", [4, 16])
 def test_the_traced_peaks_are_the_gpus(batch, autocast):
     torch.manual_seed(0)
     cpu = Tiny()
@@ -92,6 +82,10 @@ def test_the_traced_peaks_are_the_gpus(batch, autocast):
         tokens,
         validate=_loss,
         autocast_dtype=torch.bfloat16 if autocast else None,
+        device=Device(
+            torch.cuda.get_device_properties(0).multi_processor_count,
+            torch.cuda.get_device_properties(0).max_threads_per_multi_processor,
+        ),
     )
     assert trace.cannot_trace is None
     traced = replay(trace.events)
