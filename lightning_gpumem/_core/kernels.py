@@ -43,12 +43,17 @@ class Device:
         forward_workspaces: what the first matrix multiply of the forward's thread allocates and keeps (the
             cuBLAS and cuBLASLt workspaces of its handle), in bytes, in order.
         backward_workspaces: the same for the backward's thread (autograd's own, with a handle of its own).
+        attention: the fused attention torch runs there for half precision without a mask: ``"cudnn"``
+            (cuDNN's, as on the H100 with torch 2.11: two 8-byte RNG tensors and the output's statistics in
+            the forward, one workspace in the backward) or ``"flash"`` (FlashAttention's: the statistics,
+            and two buffers in the backward).
     """
 
     multiprocessors: int = 132
     threads_per_multiprocessor: int = 2048
     forward_workspaces: tuple[int, ...] = (32 * MIB, MIB)
     backward_workspaces: tuple[int, ...] = (32 * MIB,)
+    attention: str = "cudnn"
 
 
 H100 = Device()

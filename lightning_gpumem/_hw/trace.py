@@ -23,19 +23,23 @@ differently is applied by hand, in the forward and in forwards that activation c
   float32, float32 through ``dtype=``, the widest type; a float32 weight is cast once per forward, as
   autocast caches it). CPU autocast's lists differ: on CUDA ``layer_norm``, ``softmax``, ``pow`` and the
   losses give float32;
-- ``F.scaled_dot_product_attention`` takes a fused kernel's memory instead of CPU's math path: FlashAttention
-  for half precision without a mask (output, float32 logsumexp; in backward dq, dk, dv and the kernel's
-  float32 ``softmax_d`` and ``dq_accum``), memory-efficient attention otherwise (output, float32 logsumexp
-  padded to 32 rows when gradients are needed, a boolean mask as a bias padded to 16 columns; dq, dk, dv);
+- ``F.scaled_dot_product_attention`` takes a fused kernel's memory instead of CPU's math path: for half
+  precision without a mask cuDNN's attention (the ``device``'s choice, as on the H100 with torch 2.11: RNG seed
+  and offset, output, float32 statistics; in backward dq, dk, dv and one workspace) or FlashAttention (output,
+  float32 logsumexp; in backward dq, dk, dv and the kernel's float32 ``softmax_d`` and ``dq_accum``),
+  memory-efficient attention otherwise (output, float32 logsumexp padded to 32 rows when gradients are needed,
+  a boolean mask as a bias padded to 16 columns; dq, dk, dv);
 - ``F.dropout`` keeps CUDA's one-byte mask (``native_dropout``) instead of CPU's input-sized one;
 - tensors made from Python data (``torch.tensor``), what is computed from them alone, and 0-d optimizer state
-  are host memory, as the optimizers' step counters are on CUDA.
+  are host memory, as the optimizers' step counters are on CUDA;
+- with a ``device``, what kernels allocate for themselves where the shapes decide it (``_core/kernels.py``):
+  each thread's cuBLAS workspaces at its first matrix multiply, and the staging buffer of a reduction split
+  across thread blocks.
 
-Not in the stream: what kernels allocate inside themselves besides the attention buffers above (cuBLAS and
-cuDNN workspaces, the memory-efficient attention backward's workspace, embedding backward's sort buffers),
-fused attention's few bytes of RNG state, and what ``GradScaler`` adds. A data-dependent op (``.item()`` on
-a computed value, ``nonzero``, boolean indexing) or an op without a fake kernel ends the trace with
-``cannot_trace`` naming the op and the module it ran in.
+Not in the stream: other kernels' own buffers (cuDNN's convolution workspaces, the memory-efficient attention
+backward's workspace, embedding backward's sort buffers) and what ``GradScaler`` adds. A data-dependent op
+(``.item()`` on a computed value, ``nonzero``, boolean indexing) or an op without a fake kernel ends the trace
+with ``cannot_trace`` naming the op and the module it ran in.
 
 Private torch: ``torch._subclasses.fake_tensor`` (``FakeTensorMode`` and the exceptions it raises) and
 ``torch.utils._python_dispatch.TorchDispatchMode``.
@@ -47,6 +51,7 @@ import contextlib
 import copy
 import dataclasses
 import inspect
+import math
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -216,7 +221,7 @@ def trace_training(
                 steps=steps,
                 validate=validate,
                 val_batch=_fake_data(val_batch),
-                policy=_CudaPolicy(autocast_dtype),
+                policy=_CudaPolicy(autocast_dtype, device),
                 device=device,
             )
 
@@ -464,9 +469,10 @@ class _CudaPolicy(TorchFunctionMode):
     CPU-only torch): ``x.cuda()`` and ``x.to("cuda")`` are then the no-ops they are on a tensor on the GPU.
     """
 
-    def __init__(self, autocast_dtype: torch.dtype | None) -> None:
+    def __init__(self, autocast_dtype: torch.dtype | None, device: Device | None = None) -> None:
         super().__init__()
         self.autocast_dtype = autocast_dtype
+        self.cudnn = device is not None and device.attention == "cudnn"  # else FlashAttention's memory
         self._casts: dict[int, tuple[Tensor, Tensor]] = {}  # autocast's cache: id(weight) -> weight, cast
         self._forward_done = False  # a module's forward after the step's: checkpointing recomputes it
         self._reentered: list[bool] = []  # per module forward running: whether it entered the policy again
@@ -484,7 +490,7 @@ class _CudaPolicy(TorchFunctionMode):
         if self.autocast_dtype is not None and name in _AUTOCAST:
             args, kwargs = self._autocast(_AUTOCAST[name], args, kwargs)
         if name == "scaled_dot_product_attention":
-            return _attention(func, args, kwargs)
+            return _attention(func, args, kwargs, self.cudnn)
         if name == "dropout":
             return _dropout(func, args, kwargs)
         if name == "cross_entropy" and self.autocast_dtype is not None:
@@ -635,8 +641,12 @@ def _on_cpu(value: Any, names_device: bool) -> Any:
     return value
 
 
-def _attention(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``F.scaled_dot_product_attention`` with the memory of the fused kernel CUDA would pick."""
+def _attention(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], cudnn: bool = False) -> Any:
+    """``F.scaled_dot_product_attention`` with the memory of the fused kernel CUDA would pick.
+
+    Half precision without a mask: cuDNN's attention (``cudnn``) or FlashAttention; otherwise the
+    memory-efficient kernel.
+    """
     query, key, value = (
         args[i] if len(args) > i else kwargs[name] for i, name in enumerate(("query", "key", "value"))
     )
@@ -659,11 +669,17 @@ def _attention(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             bias = padded[..., : bias.shape[-1]]
         mask = bias
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    return _FusedAttention.apply(query, key, value, mask, flash, needs_grad)
+    kernel = ("cudnn" if cudnn else "flash") if flash else "efficient"
+    return _FusedAttention.apply(query, key, value, mask, kernel, needs_grad)
 
 
 class _FusedAttention(torch.autograd.Function):
-    """The buffers of FlashAttention or memory-efficient attention on CUDA; values are not computed."""
+    """The buffers of cuDNN's, FlashAttention's or the memory-efficient attention on CUDA; no values.
+
+    cuDNN's (on the H100, torch 2.11, as its allocator history shows): the RNG seed and offset (8 bytes
+    each), the output, its float32 statistics; in the backward one workspace of FlashAttention's two buffers'
+    bytes.
+    """
 
     @staticmethod
     def forward(
@@ -672,35 +688,40 @@ class _FusedAttention(torch.autograd.Function):
         key: Tensor,
         value: Tensor,
         bias: Tensor | None,
-        flash: bool,
+        kernel: str,
         needs_grad: bool,
     ) -> Tensor:
         batch, heads, length, _ = query.shape
+        rng = [query.new_empty((), dtype=torch.int64) for _ in range(2)] if kernel == "cudnn" else []
         # the kernels write (batch, length, heads, dim) and return it transposed
         out = query.new_empty((batch, length, heads, value.shape[-1])).transpose(1, 2)
         logsumexp = None
-        if flash or needs_grad:
-            rows = length if flash else _round_up(length, 32)
+        if kernel != "efficient" or needs_grad:
+            rows = length if kernel != "efficient" else _round_up(length, 32)
             logsumexp = query.new_empty((batch, heads, rows), dtype=torch.float32)
-        ctx.flash = flash
-        ctx.save_for_backward(query, key, value, bias, out, logsumexp)
+        ctx.kernel = kernel
+        ctx.save_for_backward(query, key, value, bias, out, logsumexp, *rng)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        query, key, value, _, _, _ = ctx.saved_tensors
+        query, key, value = ctx.saved_tensors[:3]
         grads = [_like_transposed(tensor) for tensor in (query, key, value)]
-        if ctx.flash:  # flash_api.cpp's mha_bwd: softmax_d and dq_accum (and GQA's expanded dk, dv)
+        if ctx.kernel != "efficient":  # flash_api.cpp's mha_bwd: softmax_d, dq_accum (GQA: dk, dv expanded)
             batch, heads, length, dim = query.shape
             rows = _round_up(length, 128)
-            softmax_d = query.new_empty((batch, heads, rows), dtype=torch.float32)
-            accum = query.new_empty(
-                (batch, rows, heads, _round_up(dim, 32 if dim <= 128 else 64)), dtype=torch.float32
-            )
+            softmax_d = (batch, heads, rows)
+            accum = (batch, rows, heads, _round_up(dim, 32 if dim <= 128 else 64))
+            if ctx.kernel == "cudnn":  # one workspace of both
+                workspace = query.new_empty(4 * (math.prod(softmax_d) + math.prod(accum)), dtype=torch.uint8)
+                del workspace
+            else:
+                buffers = [query.new_empty(shape, dtype=torch.float32) for shape in (softmax_d, accum)]
+                del buffers
             expanded = []
             if key.shape[1] != heads:
                 expanded = [query.new_empty((batch, key.shape[2], heads, dim)) for _ in range(2)]
-            del expanded, accum, softmax_d
+            del expanded
         return (*grads, None, None, None)
 
 

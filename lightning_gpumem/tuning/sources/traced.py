@@ -152,9 +152,8 @@ def trial_of(size: int, replayed: Replay) -> Trial:
 
 
 # the fraction of a limit a traced plan leaves free for what the trace does not see (kernels' buffers besides
-# cuBLAS's workspaces and the reductions' staging buffers, e.g. cuDNN's): at 1% the traced largest sizes were
-# 0.98-1.00 of the GPU's on the GPT (12, 24 GiB), ResNet-50 (12, 24) and ViT-B/16 (24), and at 0% never above them
-# (docs/benchmarks.md, "Planning without a GPU")
+# cuBLAS's workspaces and the reductions' staging buffers, e.g. cuDNN's convolutions'); the measured errors
+# are in docs/benchmarks.md, "Planning without a GPU"
 TRACE_MARGIN = 0.01
 
 
