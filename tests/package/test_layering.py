@@ -30,6 +30,7 @@ PURE = [
     *sorted(str(path.relative_to(PACKAGE)) for path in (PACKAGE / "tuning" / "search").glob("*.py")),
     "tuning/sources/allocator.py",
     "tuning/sources/affine.py",
+    "tuning/sources/steps.py",
     *sorted(str(path.relative_to(PACKAGE)) for path in (PACKAGE / "report").glob("*.py")),
 ]
 MODULES = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py"))
