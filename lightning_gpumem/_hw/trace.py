@@ -24,11 +24,11 @@ differently is applied by hand, in the forward and in forwards that activation c
   autocast caches it). CPU autocast's lists differ: on CUDA ``layer_norm``, ``softmax``, ``pow`` and the
   losses give float32;
 - ``F.scaled_dot_product_attention`` takes a fused kernel's memory instead of CPU's math path: for half
-  precision without a mask cuDNN's attention (the ``device``'s choice, as on the H100 with torch 2.11: RNG seed
-  and offset, output, float32 statistics; in backward dq, dk, dv and one workspace) or FlashAttention (output,
-  float32 logsumexp; in backward dq, dk, dv and the kernel's float32 ``softmax_d`` and ``dq_accum``),
-  memory-efficient attention otherwise (output, float32 logsumexp padded to 32 rows when gradients are needed,
-  a boolean mask as a bias padded to 16 columns; dq, dk, dv);
+  precision without a mask cuDNN's attention (the ``device``'s choice, as on the H100 with torch 2.11: RNG
+  seed and offset, output, float32 statistics; in backward dq, dk, dv and one workspace) or FlashAttention
+  (output, float32 logsumexp; in backward dq, dk, dv and the kernel's float32 ``softmax_d`` and
+  ``dq_accum``), memory-efficient attention otherwise (output, float32 logsumexp padded to 32 rows when
+  gradients are needed, a boolean mask as a bias padded to 16 columns; dq, dk, dv);
 - ``F.dropout`` keeps CUDA's one-byte mask (``native_dropout``) instead of CPU's input-sized one;
 - tensors made from Python data (``torch.tensor``), what is computed from them alone, and 0-d optimizer state
   are host memory, as the optimizers' step counters are on CUDA;
@@ -36,10 +36,10 @@ differently is applied by hand, in the forward and in forwards that activation c
   each thread's cuBLAS workspaces at its first matrix multiply, and the staging buffer of a reduction split
   across thread blocks.
 
-Not in the stream: other kernels' own buffers (cuDNN's convolution workspaces, the memory-efficient attention
-backward's workspace, embedding backward's sort buffers) and what ``GradScaler`` adds. A data-dependent op
-(``.item()`` on a computed value, ``nonzero``, boolean indexing) or an op without a fake kernel ends the trace
-with ``cannot_trace`` naming the op and the module it ran in.
+Not in the stream: other kernels' own buffers (cuDNN's convolution workspaces, the memory-efficient
+attention backward's workspace, embedding backward's sort buffers) and what ``GradScaler`` adds. A
+data-dependent op (``.item()`` on a computed value, ``nonzero``, boolean indexing) or an op without a fake
+kernel ends the trace with ``cannot_trace`` naming the op and the module it ran in.
 
 Private torch: ``torch._subclasses.fake_tensor`` (``FakeTensorMode`` and the exceptions it raises) and
 ``torch.utils._python_dispatch.TorchDispatchMode``.
