@@ -66,7 +66,7 @@ def record(
     ``gpt``: instead of the small models, ``benchmarks/tuner.py``'s 236M GPT at these batch sizes under a cap
     of ``cap_gib`` (the default allocator, bf16 autocast, two training steps and a validation step in the order
     of ``trace_training``): the real streams the traced plan is measured against; ``gpt_workload``:
-    ``"gpt-longval"`` for its 4096-token validation. ``models``, ``modes``: only these of ``MODELS`` and
+    ``"gpt-longval"`` for its 4096-token validation, ``"hf-gpt2"`` for the Hugging Face GPT-2. ``models``, ``modes``: only these of ``MODELS`` and
     ``MODES``.
     """
     chosen = {name: MODELS[name] for name in models or MODELS}
@@ -168,7 +168,8 @@ def worker(model_name: str, batch: int, mode: str, limit: int | None, out: Path)
     torch.manual_seed(0)
     oom = False
     try:
-        (_gpt_case if model_name.startswith("gpt") else _small_case)(torch, model_name, batch, mark)
+        large = model_name.startswith(("gpt", "hf-"))  # benchmarks/tuner.py's workloads
+        (_gpt_case if large else _small_case)(torch, model_name, batch, mark)
     except RuntimeError as error:  # torch.OutOfMemoryError, also when autograd re-raises it from backward
         if "out of memory" not in str(error):
             raise
@@ -487,7 +488,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--gpt", default="", help="batch sizes: the 236M GPT's real streams under --cap-gib")
     parser.add_argument(
-        "--gpt-workload", default="gpt", choices=("gpt", "gpt-longval"), help="the GPT of --gpt"
+        "--gpt-workload",
+        default="gpt",
+        choices=("gpt", "gpt-longval", "hf-gpt2"),
+        help="the workload of --gpt (benchmarks/tuner.py's)",
     )
     parser.add_argument("--cap-gib", type=float, default=24.0)
     parser.add_argument(

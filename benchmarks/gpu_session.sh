@@ -27,7 +27,8 @@
 # previous method="search" and binsearch (TUNER42_FINDERS overrides), about 8-9 minutes on an H100 -> tuner-42-all.json, .log.
 #
 # fidelity: real allocator histories (benchmarks/allocator_fidelity.py: FIDELITY_MODELS, FIDELITY_MODES; the 236M
-# GPT at FIDELITY_GPT under 24 GiB, and with 4096-token validation at FIDELITY_LONGVAL) -> fidelity.tgz (the streams; replay them anywhere with --check), fidelity.log.
+# GPT at FIDELITY_GPT under 24 GiB, with 4096-token validation at FIDELITY_LONGVAL, HF GPT-2 at FIDELITY_HF)
+# -> fidelity.tgz (the streams; replay them anywhere with --check), fidelity.log.
 #
 # token-budget: TokenBudgetSampler with a tuned max_tokens against BatchSizeFinder, the worst-case batch size and a
 # hand-set budget, one epoch each (benchmarks/token_budget.py; TOKEN_ATTENTION, TOKEN_DATASETS, TOKEN_CONFIGS,
@@ -116,6 +117,8 @@ for part in "${parts[@]}"; do
       --gpt ${FIDELITY_GPT:-8,38,41} >> "$OUT/fidelity.log" 2>&1;
       PYTHONPATH=. timeout ${FIDELITY_LONGVAL_S:-60} python3 benchmarks/allocator_fidelity.py --out /tmp/gpumem-fidelity-gpt \
       --gpt ${FIDELITY_LONGVAL:-19} --gpt-workload gpt-longval >> "$OUT/fidelity.log" 2>&1;
+      HF_HUB_OFFLINE=1 PYTHONPATH=. timeout ${FIDELITY_HF_S:-60} python3 benchmarks/allocator_fidelity.py \
+      --out /tmp/gpumem-fidelity-gpt --gpt ${FIDELITY_HF:-13} --gpt-workload hf-gpt2 >> "$OUT/fidelity.log" 2>&1;
       tar czf "$OUT/fidelity.tgz" -C /tmp gpumem-fidelity gpumem-fidelity-gpt ;;  # one file: the streams, for --check
     ddp2) timeout ${DDP2_S:-560} python3 benchmarks/ddp2.py --time-limit $(( ${DDP2_S:-560} - 20 )) \
       --json "$OUT/ddp2.json" > "$OUT/ddp2.log" 2>&1 ;;  # two GPUs (issue 30); --cpu: the gloo dry run
