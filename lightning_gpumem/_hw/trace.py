@@ -325,7 +325,8 @@ class _CannotTrace(Exception):
 class _Recorder(TorchDispatchMode):
     """Records each new output storage as an allocation and its death as a free.
 
-    With a ``device``, also the scratch buffers its reduction kernels would allocate and free while they run.
+    With a ``device``, also what its kernels allocate for themselves: each thread's cuBLAS workspaces, kept,
+    and reductions' staging buffers, freed as the kernel returns.
     """
 
     def __init__(self, device: Device | None = None) -> None:

@@ -17,6 +17,7 @@ from lightning_gpumem._core.kernels import H100, Device, reduce_buffers
 from lightning_gpumem._hw.trace import trace_training
 from lightning_gpumem.tuning.sources.allocator import replay
 from lightning_gpumem.tuning.sources.traced import TracedSource
+from tests.helpers.benchmark_gpt import gpt_tracer
 
 MIB = 2**20
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,26 +105,7 @@ def _history(size: int) -> tuple[list[Event], dict]:
 
 @pytest.fixture(scope="module")
 def gpt_trace():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import _tuner_models as M
-
-    workload = M.workload("gpt", False)
-    with torch.device("meta"):  # shapes only: the trace copies them onto fake tensors
-        model = M.build_model(workload)
-    data = M.build_dataset(workload)
-
-    def trace_at(size: int):  # as benchmarks/allocator_fidelity.py ran it: two steps, then validation
-        return trace_training(
-            model,
-            M.make_optimizer(model),
-            lambda m, b: M.compute_loss(workload, m, b),
-            M.first_batch(workload, data, size),
-            steps=2,
-            validate=lambda m, b: M.compute_loss(workload, m, b, validation=True),
-            autocast_dtype=torch.bfloat16,
-        )
-
-    return trace_at
+    return gpt_tracer(steps=2, validate=True)  # as benchmarks/allocator_fidelity.py ran it
 
 
 def _scratch_sizes(events: list[Event]) -> Counter:

@@ -102,9 +102,7 @@ def _grown(events: list[Event], slopes: list[Slope], samples: int) -> list[Event
             recipe = tuple(n + s * samples for n, s in zip(event.kernel, slope, strict=True))
             if min(recipe) < 0:
                 return None
-            grown.append(event if recipe == event.kernel else replace(event, kernel=recipe))
-            if recipe != event.kernel:
-                grown[-1] = replace(grown[-1], size=scratch_bytes(recipe))
+            grown.append(replace(event, kernel=recipe, size=scratch_bytes(recipe)))
             continue
         if slope == 0:
             grown.append(event)

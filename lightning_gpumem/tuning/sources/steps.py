@@ -62,8 +62,7 @@ def next_step(before: Sequence[Event], last: Sequence[Event], first_block: int) 
     """
     if len(before) != len(last):
         return None
-    made = [e.block for e in before if e.action == "alloc"]
-    kept = [e.block for e in last if e.action == "alloc"]
+    made, kept = _made(before), _made(last)
     renamed = {block: first_block + at for at, block in enumerate(kept)}
     carried = dict(zip(made, kept, strict=False))  # a block of `before`: the same block of `last`
     following = []
@@ -126,14 +125,15 @@ def replay_steady(
         layout, previous_layout = model.layout(), layout
     next_block = 1 + max((e.block for e in events if e.action == "alloc"), default=0)
     before, last = (steps[-2], steps[-1]) if len(steps) >= 2 else (None, None)
-    older = {e.block for step in steps[:-1] for e in step if e.action == "alloc"}
+    older = {block for step in steps[:-1] for block in _made(step)}
     if any(e.action == "free" and e.block in older for e in tail):  # validation frees an older step's block
         before = None
     while before is not None and last is not None and ran < max_steps and layout != previous_layout:
         following = next_step(before, last, next_block)
         if following is None:
             break
-        renamed = {old: new for old, new in _pairs(steps[-1], last, following, renamed)}
+        moved = dict(zip(_made(last), _made(following), strict=True))
+        renamed = {old: moved[renamed.get(old, old)] for old in _made(steps[-1])}
         next_block += sum(e.action == "alloc" for e in following)
         before, last = last, following
         ran += 1
@@ -144,13 +144,9 @@ def replay_steady(
     return model.result(), ran
 
 
-def _pairs(
-    traced: list[Event], last: Sequence[Event], following: list[Event], renamed: dict[int, int]
-) -> list[tuple[int, int]]:
-    """Each block of the last traced step with its block in ``following`` (the step replayed now)."""
-    current = {old: renamed.get(old, old) for old in (e.block for e in traced if e.action == "alloc")}
-    step_of = {a.block: b.block for a, b in zip(last, following, strict=True) if a.action == "alloc"}
-    return [(old, step_of.get(now, now)) for old, now in current.items()]
+def _made(step: Sequence[Event]) -> list[int]:
+    """The blocks a step allocates, in order."""
+    return [e.block for e in step if e.action == "alloc"]
 
 
 def _feed(model: AllocatorModel, events: Sequence[Event]) -> bool:

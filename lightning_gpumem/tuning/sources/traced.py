@@ -7,9 +7,10 @@ trace is kept, so asking again under another limit only replays it (milliseconds
 show each request affine in the batch size (``sources/affine.py``), other sizes' streams are made from them
 instead of traced, and :meth:`TracedSource.confirm` traces the largest of those to check.
 
-What the trace cannot see is added as fixed bytes: the cuBLAS workspaces a first matmul creates through the
-allocator (:data:`WORKSPACE_BYTES`), and, for a card, the memory outside PyTorch (:data:`CONTEXT_BYTES`, the
-CUDA context and the libraries' handles).
+The trace asks for what kernels allocate for themselves where the shapes decide it (cuBLAS workspaces,
+reductions' staging buffers: ``_core/kernels.py``); DDP's gradient buckets are added before the first step,
+and, for a card, the memory outside PyTorch (:data:`CONTEXT_BYTES`, the CUDA context and the libraries'
+handles).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from lightning_gpumem._core.alloc_events import Event
-from lightning_gpumem._core.units import GIB, MIB
+from lightning_gpumem._core.units import GIB
 from lightning_gpumem._hw.trace import Trace
 from lightning_gpumem.tuning.search.model import Trial
 from lightning_gpumem.tuning.search.plan import Prediction
@@ -29,9 +30,6 @@ from lightning_gpumem.tuning.sources.affine import AffineStreams
 from lightning_gpumem.tuning.sources.allocator import Replay
 from lightning_gpumem.tuning.sources.steps import replay_steady
 
-# cuBLAS/cuBLASLt workspaces of the first matmul, allocated through the caching allocator and kept:
-# 2 x 32 MiB + 1 MiB after a first training step (see tests/tuning/test_callback_gpu.py)
-WORKSPACE_BYTES = 65 * MIB
 # memory a CUDA process holds outside PyTorch's allocator: the context, cuBLAS/cuDNN handles, loaded
 # kernels (docs/memory_planner.md, "Without a GPU", has where the figure comes from)
 CONTEXT_BYTES = 3 * GIB // 4
@@ -50,7 +48,6 @@ class TracedSource:
         trace_at: traces the training (and validation) step at a batch size.
         limit_bytes: the allocator's cap in the replay (``None``: no cap, the peaks as they come).
         expandable_segments: replay through the ``expandable_segments:True`` allocator.
-        fixed_bytes: allocations the trace cannot see, made before the first step.
         bucket_bytes: DDP's gradient buckets (a copy of the gradients, made when the model is wrapped), or 0.
         synthesise: make the streams of sizes not traced from three traced ones where they are affine.
     """
@@ -58,7 +55,6 @@ class TracedSource:
     trace_at: Callable[[int], Trace]
     limit_bytes: int | None = None
     expandable_segments: bool = False
-    fixed_bytes: int = 0
     traces: dict[int, list[Event]] = field(default_factory=dict)
     bucket_bytes: int = 0
     synthesise: bool = True
@@ -114,9 +110,8 @@ class TracedSource:
         trace = self.trace_at(size)
         if trace.cannot_trace is not None:
             raise CannotTrace(trace.cannot_trace)
-        before = ((-1, self.fixed_bytes), (-2, self.bucket_bytes))
-        fixed = [Event("alloc", block=block, size=nbytes) for block, nbytes in before if nbytes > 0]
-        events = self.traced[size] = [*fixed, *trace.events]
+        buckets = [Event("alloc", block=-1, size=self.bucket_bytes)] if self.bucket_bytes else []
+        events = self.traced[size] = [*buckets, *trace.events]
         return events
 
     def under(self, limit_bytes: int | None) -> TracedSource:
@@ -127,6 +122,7 @@ class TracedSource:
 def trial_of(size: int, replayed: Replay) -> Trial:
     """A replay as a trial: reserved and live peaks, the training and validation phases' live peaks.
 
+    >>> from lightning_gpumem._core.units import MIB
     >>> from lightning_gpumem.tuning.sources.allocator import replay
     >>> # 3 MiB opens a 20 MiB segment, and 5 MiB more fit in it
     >>> events = [Event("alloc", 1, 3 * MIB), Event("mark", label="train"), Event("alloc", 2, 5 * MIB)]

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from lightning_gpumem._core.alloc_events import Event
-from lightning_gpumem._hw.trace import trace_training
 from lightning_gpumem.tuning.sources.allocator import replay
 from lightning_gpumem.tuning.sources.steps import next_step, replay_steady, split_steps
+from tests.helpers.benchmark_gpt import gpt_tracer
 
 ROOT = Path(__file__).resolve().parents[3]
 GIB = 2**30
@@ -64,24 +62,8 @@ def test_validation_after_the_repeated_steps_frees_what_it_made():
 # --------------------------------------------------------------------------------- the 236M GPT under 12 GiB
 @pytest.fixture(scope="module")
 def gpt_at():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import _tuner_models as M
-
-    workload = M.workload("gpt", False)
-    with torch.device("meta"):  # shapes only: the trace copies them onto fake tensors
-        model = M.build_model(workload)
-    data = M.build_dataset(workload)
-
-    def trace_at(size: int) -> list[Event]:
-        return trace_training(
-            model,
-            M.make_optimizer(model),
-            lambda m, b: M.compute_loss(workload, m, b),
-            M.first_batch(workload, data, size),
-            autocast_dtype=torch.bfloat16,
-        ).events
-
-    return trace_at
+    trace_at = gpt_tracer()
+    return lambda size: trace_at(size).events
 
 
 def test_a_size_whose_third_step_ran_out_of_memory_on_the_gpu_does_not_fit_the_steady_replay(gpt_at):

@@ -37,7 +37,7 @@ def _tracer(net: nn.Module, calls: list[int] | None = None):
 
 def test_a_traced_trial_is_its_replay_and_each_size_is_traced_once():
     calls: list[int] = []
-    source = TracedSource(_tracer(_mlp(), calls), fixed_bytes=0)
+    source = TracedSource(_tracer(_mlp(), calls))
     trial = source(64)
     again = source.under(8 * MIB)(64)  # another cap replays the same trace
     assert calls == [64]
@@ -50,11 +50,11 @@ def test_a_traced_trial_is_its_replay_and_each_size_is_traced_once():
     assert not again.fits  # 8 MiB holds less than the parameters and AdamW's state (~20 MiB)
 
 
-def test_fixed_bytes_count_before_the_step():
+def test_ddp_buckets_count_before_the_step():
     net = _mlp()
-    bare = TracedSource(_tracer(net), fixed_bytes=0)(16)
-    with_workspace = TracedSource(_tracer(net), fixed_bytes=64 * MIB)(16)
-    assert with_workspace.allocated_bytes == bare.allocated_bytes + 64 * MIB
+    bare = TracedSource(_tracer(net))(16)
+    with_buckets = TracedSource(_tracer(net), bucket_bytes=64 * MIB)(16)
+    assert with_buckets.allocated_bytes == bare.allocated_bytes + 64 * MIB
 
 
 def test_a_step_that_cannot_be_traced_says_why():
@@ -76,7 +76,7 @@ def test_a_step_that_cannot_be_traced_says_why():
 def test_the_traced_plans_largest_size_is_never_above_what_the_replay_fits_and_within_one_percent(
     budget_mib,
 ):
-    source = TracedSource(_tracer(_mlp()), fixed_bytes=0)
+    source = TracedSource(_tracer(_mlp()))
     plan = plan_by_trace(source, 32, [budget_mib * MIB], upper=1 << 16, outside=0, margin=0.0)
     (prediction,) = plan.predictions
     largest = prediction.largest
@@ -91,7 +91,7 @@ def test_the_traced_plans_largest_size_is_never_above_what_the_replay_fits_and_w
 
 
 def test_the_margin_and_the_memory_outside_pytorch_lower_the_largest_size():
-    source = TracedSource(_tracer(_mlp()), fixed_bytes=0)
+    source = TracedSource(_tracer(_mlp()))
     bare = plan_by_trace(source, 32, [200 * MIB], upper=1 << 16, outside=0, margin=0.0).predictions[0]
     kept = plan_by_trace(source, 32, [200 * MIB], upper=1 << 16, outside=40 * MIB, margin=0.05).predictions[
         0
