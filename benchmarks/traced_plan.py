@@ -44,7 +44,8 @@ from lightning_gpumem.tuning.sources.traced import TRACE_MARGIN, CannotTrace, Tr
 GIB = 2**30
 
 
-def tracer(w: M.Workload, model: torch.nn.Module) -> Any:
+def tracer(w: M.Workload, model: torch.nn.Module, steps: int = 3) -> Any:
+    """``trace_at(size)``: ``steps`` bf16 training steps of ``w`` and a validation step, traced at a size."""
     dataset, val_dataset = M.build_dataset(w), M.build_val_dataset(w)
 
     def trace_at(size: int) -> Trace:
@@ -53,6 +54,7 @@ def tracer(w: M.Workload, model: torch.nn.Module) -> Any:
             M.make_optimizer(model),
             lambda m, b: M.compute_loss(w, m, b),
             M.first_batch(w, dataset, size),
+            steps=steps,
             validate=lambda m, b: M.compute_loss(w, m, b, validation=True),
             val_batch=M.first_batch(w, val_dataset, size),
             autocast_dtype=torch.bfloat16,
