@@ -123,6 +123,7 @@ FINDERS = (
     "previous-search",
     "previous-predict",
     "default",
+    "trace",
 )  # table order
 DEFAULT_FINDERS = ("default", "binsearch", "power")
 # The BatchSizeTuner finders: the package they import ("current": the repository's; "previous": --previous DIR's) and
@@ -134,6 +135,7 @@ TUNER_FINDERS: dict[str, tuple[str, str | None]] = {
     "ours": ("current", "search"),
     "previous-predict": ("previous", "predict"),
     "previous-search": ("previous", "search"),
+    "trace": ("current", None),  # BatchSizeTuner(start="trace"): the step traced first
 }
 GUIDES = (
     "default",
@@ -463,6 +465,8 @@ def finder_worker(args: argparse.Namespace) -> int:
             options: dict[str, Any] = (
                 {} if method is None else {"method": method}
             )  # None: the package's default
+            if args.finder_worker == "trace":
+                options["start"] = "trace"
             if device.type != "cuda":
                 options["max_val"] = CPU_MAX_VAL  # on a CPU it searches only when asked
             callback = tuner_cls(budget=args.budget_bytes, headroom=float(args.headroom), **options)
@@ -862,9 +866,11 @@ def _label(finder: str, r: dict[str, Any]) -> str:
     headroom = r.get("headroom")
     arguments = "budget=B" + (f", headroom={headroom}" if headroom is not None and headroom != 0.05 else "")
     arguments += f", method='{method}'" if method else ""
+    arguments += ", start='trace'" if base == "trace" else ""
     if package == "previous":
         return f"previous version, {method}: `BatchSizeTuner({arguments})`"
-    return f"lightning_gpumem `BatchSizeTuner({arguments})`" + (" (default)" if method is None else "")
+    default = method is None and base != "trace"
+    return f"lightning_gpumem `BatchSizeTuner({arguments})`" + (" (default)" if default else "")
 
 
 def _package_stamp(directory: Path | None) -> dict[str, Any] | None:

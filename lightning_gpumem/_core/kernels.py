@@ -60,6 +60,32 @@ H100 = Device()
 """The H100 SXM (and the H200): the default, the largest multiprocessor count of the common cards."""
 
 
+# torch's default cuBLAS workspace before Hopper (CublasHandlePool.cpp, ":4096:2:16:8"); Hopper's is 32 MiB
+PRE_HOPPER_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+def device_for(major: int, multiprocessors: int, threads_per_multiprocessor: int) -> Device:
+    """The :class:`Device` of a card from its CUDA properties (``torch.cuda.get_device_properties``).
+
+    Hopper and later (``major >= 9``) as measured on the H100; before it, torch's default cuBLAS workspace
+    there (8 MiB and 128 KiB, from torch's source, not measured) and FlashAttention.
+
+    >>> device_for(9, 132, 2048) == H100
+    True
+    >>> device_for(8, 108, 2048).forward_workspaces[0], device_for(8, 108, 2048).attention
+    (8519680, 'flash')
+    """
+    if major >= 9:
+        return Device(multiprocessors, threads_per_multiprocessor)
+    return Device(
+        multiprocessors,
+        threads_per_multiprocessor,
+        forward_workspaces=(PRE_HOPPER_WORKSPACE, MIB),
+        backward_workspaces=(PRE_HOPPER_WORKSPACE,),
+        attention="flash",
+    )
+
+
 def reduce_buffers(
     shape: Sequence[int],
     strides: Sequence[int],

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from lightning_gpumem._core.kernels import H100, Device, device_for
 from lightning_gpumem._hw.probe import Probe
 
 
@@ -24,6 +25,14 @@ def expandable_segments() -> bool:
         if "expandable_segments:True" in settings.split(","):
             return True
     return False
+
+
+def kernel_device(device: torch.device | None = None) -> Device:
+    """The card whose kernels a trace models: the CUDA ``device``'s (the current one), else the H100."""
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        return H100
+    props = torch.cuda.get_device_properties(device)
+    return device_for(props.major, props.multi_processor_count, props.max_threads_per_multi_processor)
 
 
 def start_history(max_entries: int) -> None:

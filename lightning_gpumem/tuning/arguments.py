@@ -14,6 +14,10 @@ from lightning_gpumem._core.units import check_budget
 METHODS = ("predict", "search")  # the names of the former methods, both now the one search
 
 
+STARTS = ("probe", "trace")
+"""Where the tuner's search starts: its probe alone, or the step traced on fake tensors as well."""
+
+
 def check_tuner(
     *,
     budget: Any,
@@ -25,9 +29,12 @@ def check_tuner(
     method: Any,
     length_fn: Any,
     shape_margin: Any,
+    start: Any = "probe",
     **flags: Any,
 ) -> None:
     """Refuse a bad ``BatchSizeTuner`` argument, naming it; warn where ``method`` is given."""
+    if not isinstance(start, str) or start not in STARTS:
+        raise ValueError(f"`BatchSizeTuner(start={start!r})` is not valid. Expected one of {STARTS}.")
     if budget is not None:
         check_budget(budget, "BatchSizeTuner")  # type and format now; the size against the device at fit
     require_fraction("BatchSizeTuner", "headroom", headroom)

@@ -88,6 +88,12 @@ class BatchSizeTuner(Callback):
         shape_margin: fraction of the budget the trials leave free where batches change shape (``length_fn``
             or a token budget), in [0, 1). ``None``: ``0.2``, or ``0.06`` with
             ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``; ``0`` where shapes do not change.
+        start: ``"probe"``: the search starts from its first trial alone. ``"trace"``: the training (and
+            validation) step is first traced on fake tensors (as :class:`MemoryPlanner` does without a GPU),
+            and the second trial is the largest size its replay fits in the budget, shifted by what the
+            first trial measured above the trace; the search closes in from there
+            (``docs/batch_size_tuner.md``, "Starting from a trace"). Not for batches whose shapes vary; a
+            step that cannot be traced gives one warning and the search from its probe.
 
     Raises:
         ValueError: on an invalid argument, or (at fit start) a budget larger than the device, dataloaders
@@ -119,6 +125,7 @@ class BatchSizeTuner(Callback):
         method: str | None = None,
         length_fn: LengthFn | None = None,
         shape_margin: float | None = None,
+        start: str = "probe",
     ) -> None:
         check_tuner(
             budget=budget,
@@ -130,6 +137,7 @@ class BatchSizeTuner(Callback):
             method=method,
             length_fn=length_fn,
             shape_margin=shape_margin,
+            start=start,
             include_validation=include_validation,
             keep_effective_batch=keep_effective_batch,
             retune_on_resume=retune_on_resume,
@@ -145,6 +153,7 @@ class BatchSizeTuner(Callback):
         self.retune_on_resume = retune_on_resume
         self.length_fn = length_fn
         self.shape_margin = None if shape_margin is None else float(shape_margin)
+        self.start = start
 
         self.optimal_batch_size: int | None = None
         """The batch size chosen by the last search (or restored from a checkpoint; ``None`` before

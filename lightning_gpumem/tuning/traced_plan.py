@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_gpumem._core.kernels import H100, Device
 from lightning_gpumem._hw.allocator import expandable_segments
 from lightning_gpumem.tuning import bounds
 from lightning_gpumem.tuning.search.model import Point
@@ -27,6 +28,7 @@ from lightning_gpumem.tuning.sources.traced import (
 )
 from lightning_gpumem.tuning.trials import loaders
 from lightning_gpumem.tuning.trials.measure import module_bytes
+from lightning_gpumem.tuning.trials.saved_run import rng_kept
 
 
 def plan_traced(
@@ -42,40 +44,21 @@ def plan_traced(
     Returns the plan of the traced points (``None``, with a warning, where the step cannot be traced or the
     data makes no batch), the predictions (marked traced) and the seconds it took.
     """
-    built = loaders.train_loaders(trainer)
-    batch = loaders.first_batch(built)
-    del built
-    if batch is None:
-        rank_zero_warn("MemoryPlanner: the training dataloader made no batch to trace; no plan.")
-        return None, [], 0.0
-    val_batch = None
-    if include_validation and trainer.limit_val_batches != 0:
-        val_batch = loaders.first_batch(loaders.val_loaders(trainer))
-    module = trainer.lightning_module
-    trace_at = lightning_tracer(trainer, module, batch, val_batch=val_batch)
-    source = TracedSource(
-        trace_at, expandable_segments=expandable_segments(), bucket_bytes=ddp_bucket_bytes(trainer)
-    )
     asked = bounds.planner_budgets(budgets, trainer, None)  # a bad budget is the user's error: it raises
-    try:
-        traced = plan_by_trace(source, size, asked, upper=upper, init_val=init_val)
-    except CannotTrace as error:
-        rank_zero_warn(
-            f"MemoryPlanner: {error}, so there is no plan without a GPU. Run the planner on a GPU (its real"
-            " probes need no trace), or make the step traceable (no `.item()` or data-dependent shapes)."
-        )
-        return None, [], 0.0
-    except Exception as error:  # the fit itself runs the real step: a real error shows there, not here
-        rank_zero_warn(
-            f"MemoryPlanner: the step could not be traced on fake tensors ({type(error).__name__}: {error});"
-            " no plan without a GPU. Run the planner on a GPU (its real probes need no trace)."
-        )
-        return None, [], 0.0
+    with rng_kept(trainer):  # the first batches drew from the run's RNG streams
+        source = traced_source(trainer, "MemoryPlanner", include_validation)
+        if source is None:
+            return None, [], 0.0
+        try:
+            traced = plan_by_trace(source, size, asked, upper=upper, init_val=init_val)
+        except Exception as error:  # the fit itself runs the real step: a real error shows there, not here
+            warn_untraced("MemoryPlanner", error)
+            return None, [], 0.0
     points = sorted({p.size: p for t in traced.points if (p := t.point) is not None}.values(), key=_size)
     if len(points) < 2:
         rank_zero_warn("MemoryPlanner: fewer than two sizes could be traced; no plan.")
         return None, [], traced.seconds
-    parameters, gradients = module_bytes(module)
+    parameters, gradients = module_bytes(trainer.lightning_module)
     plan = Plan(points, "settled", CONTEXT_BYTES)
     plan.terms = Terms(
         parameters=parameters,
@@ -85,6 +68,42 @@ def plan_traced(
         outside=CONTEXT_BYTES,
     )
     return plan, list(traced.predictions), traced.seconds
+
+
+def traced_source(
+    trainer: pl.Trainer, owner: str, include_validation: bool, device: Device | None = H100
+) -> TracedSource | None:
+    """The fit's training (and validation) step as traced trials, from the first batch of each loader.
+
+    ``None``, with a warning naming ``owner``, where the training dataloader makes no batch.
+    """
+    built = loaders.train_loaders(trainer)
+    batch = loaders.first_batch(built)
+    del built
+    if batch is None:
+        rank_zero_warn(f"{owner}: the training dataloader made no batch to trace; no plan.")
+        return None
+    val_batch = None
+    if include_validation and trainer.limit_val_batches != 0:
+        val_batch = loaders.first_batch(loaders.val_loaders(trainer))
+    trace_at = lightning_tracer(trainer, trainer.lightning_module, batch, val_batch=val_batch, device=device)
+    return TracedSource(
+        trace_at, expandable_segments=expandable_segments(), bucket_bytes=ddp_bucket_bytes(trainer)
+    )
+
+
+def warn_untraced(owner: str, error: Exception) -> None:
+    """One warning: the step could not be traced (``CannotTrace``'s op, or the error fake tensors met)."""
+    if isinstance(error, CannotTrace):
+        rank_zero_warn(
+            f"{owner}: {error}, so there is no plan without a GPU. Run the planner on a GPU (its real"
+            " probes need no trace), or make the step traceable (no `.item()` or data-dependent shapes)."
+        )
+        return
+    rank_zero_warn(
+        f"{owner}: the step could not be traced on fake tensors ({type(error).__name__}: {error});"
+        " no plan without a GPU. Run the planner on a GPU (its real probes need no trace)."
+    )
 
 
 def ddp_bucket_bytes(trainer: pl.Trainer) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +11,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_gpumem import keys
 from lightning_gpumem._core.units import format_gib
+from lightning_gpumem._hw.allocator import kernel_device
 from lightning_gpumem._hw.probe import Probe
 from lightning_gpumem.tuning import bounds
 from lightning_gpumem.tuning.lengths.longest import LongestFirst, margin_for
@@ -24,11 +26,14 @@ from lightning_gpumem.tuning.search import (
     until_data_ends,
 )
 from lightning_gpumem.tuning.search.headroom import TUNER_TOLERANCE, headroom_size
-from lightning_gpumem.tuning.traced_plan import plan_traced
+from lightning_gpumem.tuning.search.model import Trial
+from lightning_gpumem.tuning.sources.traced import traced_guess
+from lightning_gpumem.tuning.traced_plan import plan_traced, traced_source
 from lightning_gpumem.tuning.trials import loaders
 from lightning_gpumem.tuning.trials import session as _session
 from lightning_gpumem.tuning.trials.bench import TrialBench
 from lightning_gpumem.tuning.trials.measure import BatchCheck
+from lightning_gpumem.tuning.trials.saved_run import rng_kept
 
 MAX_TRIALS = 25
 
@@ -66,6 +71,7 @@ def tune_with(
         validate=tuner.include_validation,
         accumulation_for=accumulation_for,
         length_fn=tuner.length_fn,
+        start=tuner.start,
     )
     return result, shapes, upper
 
@@ -85,15 +91,21 @@ def tune(
     validate: bool,
     accumulation_for: Callable[[int], int],
     length_fn: LengthFn | None,
+    start: str = "probe",
 ) -> tuple[SearchResult, list[Shapes]]:
     """Search up to ``upper`` under ``limit`` bytes, give up ``headroom``, choose the size for the fit.
 
     The trials run on the bench (the heaviest batches first where shapes vary: a token budget's, or the
     longest samples with ``length_fn``), with the allocator capped at ``limit``; ``searched`` gets the run's
     original size and accumulation, the longest-first order and the allocator's counts when the trials ended.
+    With ``start="trace"`` the step is traced first and the second trial is the traced largest size,
+    calibrated by the first (:func:`~lightning_gpumem.tuning.sources.traced.traced_guess`).
     Returns the result (every trial, the size kept) and the training batches' shapes the trials saw.
     """
     tokens = searched.tokens
+    guess = None
+    if start == "trace":
+        guess = _traced_guess(trainer, limit, upper, init_val, validate, varies=bool(tokens or length_fn))
 
     def search(run: TrialSource, top: int) -> SearchResult:
         return search_batch_size(
@@ -103,6 +115,7 @@ def tune(
             limit_bytes=limit,
             max_trials=MAX_TRIALS,
             tolerance=TUNER_TOLERANCE,
+            guess=guess,
         )
 
     longest = searched.longest = LongestFirst("BatchSizeTuner", length_fn) if length_fn else None
@@ -139,6 +152,37 @@ def tune(
             keys.TRIAL_RETRIES.format(): counters.alloc_retries,
         }
     return result, shapes
+
+
+def _traced_guess(
+    trainer: pl.Trainer, limit: int | None, upper: int, init_val: int, validate: bool, varies: bool
+) -> Callable[[Trial], int | None] | None:
+    """``start="trace"``: the step traced on fake tensors before the trials, as the search's ``guess``.
+
+    ``None``, with one warning, where it cannot be: no budget in bytes, batches whose shapes vary, or a step
+    the trace cannot run; the search then starts from its probe alone.
+    """
+    if limit is None or varies:
+        why = "there is no budget in bytes" if limit is None else "the batches' shapes vary"
+        rank_zero_warn(f"BatchSizeTuner(start='trace'): {why}; the search starts from its probe alone.")
+        return None
+    start = time.perf_counter()
+    with rng_kept(trainer):  # the first batches drew from the run's RNG streams
+        device = kernel_device(trainer.strategy.root_device)
+        source = traced_source(trainer, "BatchSizeTuner", validate, device)
+        if source is None:
+            return None
+        try:
+            guess = traced_guess(source, limit, upper=upper, init_val=init_val)
+        except Exception as error:  # the trials run the real step: a real error shows there, not here
+            rank_zero_warn(
+                f"BatchSizeTuner(start='trace'): the step could not be traced ({type(error).__name__}:"
+                f" {error}); the search starts from its probe alone."
+            )
+            return None
+    seconds = time.perf_counter() - start
+    rank_zero_info(f"BatchSizeTuner: the step traced on fake tensors in {seconds:.1f} s.")
+    return guess
 
 
 def restore(

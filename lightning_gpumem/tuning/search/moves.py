@@ -40,9 +40,10 @@ class Move(enum.Enum):
     BISECT = "bisect"
     PROBE = "probe"  # the planner's probes: small sizes until memory is a line
     BACK_OFF = "back_off"  # a planned size ran out of memory: 6%, 12%, 24%... less live memory
+    TRACED = "traced"  # the traced step's largest size, shifted by what the first trial measured
 
 
-MODEL_MOVES = (None, Move.SAFE, Move.BACK_OFF)
+MODEL_MOVES = (None, Move.SAFE, Move.BACK_OFF, Move.TRACED)
 """Moves whose size a model chose (``None``: the first size accepted); ``near_cap`` jumps once from such a
 size."""
 
@@ -182,15 +183,15 @@ def waste_at(trial: Trial) -> int:
 
 
 def _step_back(b: Bracket, ev: Evidence, tolerance: float) -> Proposal | None:
-    # After the optimistic model failed, or the safe one ran but peaked over the limit (it was close); a safe
-    # guess that ran out of memory may have been far off: bisection then. A step back that failed too steps
-    # twice as far.
+    # After the optimistic model or the trace failed, or the safe one ran but peaked over the limit (it was
+    # close); a safe guess that ran out of memory may have been far off: bisection then. A step back that
+    # failed too steps twice as far.
     if b.last_accepted:
         return None
     last = next((t for t in ev.trials if t.batch_size == b.last_size), None)
     if b.last_move is Move.STEP_BACK:
         step, reason = 2 * b.back, f"{b.last_size} was too large as well: step back twice as far"
-    elif b.last_move in (Move.OPTIMISTIC, Move.NEAR_CAP, Move.SQUEEZED) or (
+    elif b.last_move in (Move.OPTIMISTIC, Move.NEAR_CAP, Move.SQUEEZED, Move.TRACED) or (
         b.last_move is Move.SAFE and last is not None and last.fits
     ):
         # the smallest size that closes the bracket if it runs

@@ -62,6 +62,7 @@ def search_batch_size(
     max_trials: int = 25,
     tolerance: float = TOLERANCE,
     on_move: Callable[[Proposal], None] | None = None,
+    guess: Callable[[Trial], int | None] | None = None,
 ) -> SearchResult:
     """Find the largest accepted batch size in ``[1, upper]``: probe, predict, validate, close.
 
@@ -78,6 +79,10 @@ def search_batch_size(
             always exact. A step back steps this fraction of the size that was just too large (at least 1).
         on_move: called with each move's :class:`Proposal` (its size clamped to the open sizes) before its
             trial runs; not called for the sizes tried on the way down to the first accepted one.
+        guess: given the first accepted trial, a predicted largest size (the traced step's, calibrated by
+            that trial: ``tuning/sources/calibrated.py``); where it is above that trial's size, it is the
+            second size tried (the move ``traced``), and the moves go on from what it measured. ``None``:
+            no guess.
 
     Returns:
         The largest accepted size and the trials.
@@ -109,18 +114,26 @@ def search_batch_size(
         if len(trials) >= max_trials:
             return SearchResult(None, tuple(trials.values()), "max_trials")
         ev = Evidence(list(trials.values()), limit_bytes)
-        guess = ev.safe_size(trials[size])  # the line through the origin
-        size = guess if guess is not None and 1 <= guess < size else max(1, size // 2)
+        below = ev.safe_size(trials[size])  # the line through the origin
+        size = below if below is not None and 1 <= below < size else max(1, size // 2)
 
     # 2. Up the bracket, one move per trial.
     bracket = Bracket(lo=size, hi=hi, upper=upper, tolerance=tolerance)
+    guessed = guess(trials[size]) if guess is not None else None
     while True:
         lo = bracket.lo
         ev = Evidence(list(trials.values()), limit_bytes)
         stop = _stop(bracket, ev, len(trials), max_trials, tolerance)
         if stop is not None:
             return SearchResult(lo, tuple(trials.values()), stop)
-        proposal = next_move(bracket, ev, tolerance)
+        if guessed is not None and lo < guessed < (bracket.hi or guessed + 1):
+            proposal = Proposal(Move.TRACED, guessed, "the traced step's largest size, calibrated")
+        elif bracket.last_move is Move.TRACED and bracket.last_accepted and lo + 1 <= bracket.top:
+            edge = bracket.edge(ev)  # the trace has nothing above it
+            proposal = Proposal(Move.EDGE, edge, f"nothing above the trace: if {edge} fails, it is over")
+        else:
+            proposal = next_move(bracket, ev, tolerance)
+        guessed = None
         move, size = proposal.move, min(max(proposal.size, lo + 1), bracket.top)
         if on_move is not None:
             on_move(Proposal(move, size, proposal.reason))

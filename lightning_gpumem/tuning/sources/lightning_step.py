@@ -52,6 +52,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gpumem._core.checks import require_int, require_int_or_none, require_trainer, shown
+from lightning_gpumem._core.kernels import H100, Device
 from lightning_gpumem._hw.trace import Trace, trace_training
 from lightning_gpumem._pl.compat import either
 from lightning_gpumem._pl.patching import patched
@@ -80,6 +81,7 @@ def lightning_tracer(
     val_batch: Any = None,
     steps: int = 3,
     batch_size: int | None = None,
+    device: Device | None = H100,
 ) -> Tracer:
     """``trace_at(size)``: the trace of ``module``'s training (and validation) step at batch size ``size``.
 
@@ -96,6 +98,8 @@ def lightning_tracer(
             third repeats it, so the replay can repeat it again: ``sources/steps.py``).
         batch_size: the size of ``batch`` (``None``: :func:`batch_size_of`); its tensors whose first
             dimension is this are resized.
+        device: the card whose kernels' own buffers the trace asks for (``_core/kernels.py``); ``None``:
+            none.
 
     Returns:
         ``trace_at(size) -> Trace``; a step that cannot be traced gives ``Trace.cannot_trace`` (manual
@@ -164,6 +168,7 @@ def lightning_tracer(
                 validate=None if val_rows is None else validate,
                 val_batch=None if val_rows is None else _expand(val_rows, size),
                 autocast_dtype=_AUTOCAST.get(precision),
+                device=device,
             )
         except _NoLoss as error:
             return Trace(cannot_trace=str(error))

@@ -168,6 +168,44 @@ class TracedPlan:
     seconds: float
 
 
+def traced_guess(
+    source: TracedSource, limit: int, *, upper: int, init_val: int
+) -> Callable[[Trial], int | None]:
+    """The search's ``guess`` from a trace: its largest size, calibrated by the first real trial.
+
+    The traced search under ``limit`` runs now, before any real trial (each size's stream traced or made
+    once, and kept). The guess, given the first real trial, searches the replays again under ``limit``
+    less what that trial's reserved peak measured above its replay's (the memory the trace does not see,
+    or sees too much of, taken as fixed): milliseconds, the streams are kept.
+
+    Raises:
+        CannotTrace: where the step cannot be traced.
+    """
+    while True:
+        first = search_batch_size(
+            source.under(limit), init_val=init_val, upper=upper, limit_bytes=limit, tolerance=0.0
+        )
+        if source.confirm():
+            break
+
+    def guess(trial: Trial) -> int | None:
+        replayed = source.under(None)(trial.batch_size)
+        if trial.peak_bytes is None or replayed.peak_bytes is None:
+            return first.batch_size
+        shifted = limit - (trial.peak_bytes - replayed.peak_bytes)
+        if shifted == limit:
+            return first.batch_size
+        return search_batch_size(
+            source.under(shifted),
+            init_val=trial.batch_size,
+            upper=upper,
+            limit_bytes=shifted,
+            tolerance=0.0,
+        ).batch_size
+
+    return guess
+
+
 def plan_by_trace(
     source: TracedSource,
     size: int,

@@ -10,7 +10,9 @@ when an upgrade breaks one.
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 from copy import deepcopy
 from dataclasses import dataclass
 from typing import Any
@@ -125,6 +127,16 @@ def capture_rng(trainer: pl.Trainer) -> dict[str, Any]:
         state["cuda"] = torch.cuda.get_rng_state_all()
     state["generators"] = [(g, g.get_state()) for g in loader_generators(trainer)]
     return state
+
+
+@contextlib.contextmanager
+def rng_kept(trainer: pl.Trainer) -> Iterator[None]:
+    """The RNG states as they were before the block (a trace's first batches drew from them)."""
+    state = capture_rng(trainer)
+    try:
+        yield
+    finally:
+        restore_rng(state)
 
 
 def restore_rng(state: dict[str, Any]) -> None:

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
 
-from lightning_gpumem._core.units import MIB
+from lightning_gpumem._core.units import GIB, MIB
 from lightning_gpumem._hw.trace import Trace, trace_training
+from lightning_gpumem.tuning.search import search_batch_size
+from lightning_gpumem.tuning.search.model import Trial, accepted
+from lightning_gpumem.tuning.search.moves import Move, Proposal
 from lightning_gpumem.tuning.sources.allocator import replay
-from lightning_gpumem.tuning.sources.traced import CannotTrace, TracedSource, plan_by_trace
+from lightning_gpumem.tuning.sources.traced import CannotTrace, TracedSource, plan_by_trace, traced_guess
 
 
 def _mlp() -> nn.Module:
@@ -100,3 +105,42 @@ def test_the_margin_and_the_memory_outside_pytorch_lower_the_largest_size():
     assert kept.largest < bare.largest
     assert kept.band == pytest.approx(0.05 * kept.peak)
     assert kept.fits == (kept.peak + kept.band <= kept.limit)
+
+
+@pytest.mark.parametrize("unseen_mib", [0, 12, -6])
+def test_the_traced_guess_calibrated_by_the_first_trial_is_the_real_boundary_in_three_trials(unseen_mib):
+    """The "GPU" is the replay plus memory the trace does not see (or sees too much of): a fixed amount."""
+    source = TracedSource(_tracer(_mlp()))
+    limit = 160 * MIB
+
+    def real(size: int) -> Trial:
+        trial = source.under(limit - unseen_mib * MIB)(size)
+        if not trial.fits or trial.peak_bytes is None:
+            return Trial(size, fits=False, samples=size)
+        return dataclasses.replace(trial, peak_bytes=trial.peak_bytes + unseen_mib * MIB)
+
+    guess = traced_guess(source, limit, upper=1 << 16, init_val=2)
+    moves: list[Proposal] = []
+    found = search_batch_size(
+        real, upper=1 << 16, limit_bytes=limit, tolerance=0.01, guess=guess, on_move=moves.append
+    )
+    largest = found.batch_size
+    assert largest is not None
+    assert accepted(real(largest), limit)
+    assert not accepted(real(largest + 1), limit)
+    assert [t.batch_size for t in found.trials][:2] == [2, largest]
+    assert len(found.trials) == 3  # and the edge past it (1% above, at these sizes) fails
+    assert moves[0].move is Move.TRACED
+
+
+def test_a_traced_guess_past_the_boundary_steps_back():
+    def real(size: int) -> Trial:  # 1 GiB fixed, 0.5 GiB a sample: 46 fit in 24 GiB
+        peak = GIB + size * GIB // 2
+        return Trial(size, fits=peak <= 24 * GIB, peak_bytes=peak if peak <= 24 * GIB else None)
+
+    for guess, tried in ((47, [2, 47, 46]), (46, [2, 46]), (45, [2, 45, 46]), (50, [2, 50, 49, 47, 43, 46])):
+        found = search_batch_size(real, upper=4096, limit_bytes=24 * GIB, guess=lambda _, g=guess: g)
+        assert found.batch_size == 46
+        assert [t.batch_size for t in found.trials] == tried
+    below_first = search_batch_size(real, upper=4096, limit_bytes=24 * GIB, guess=lambda _: 1)
+    assert below_first.batch_size == 46  # a guess at or below the first trial is not tried

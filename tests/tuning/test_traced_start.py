@@ -1,0 +1,115 @@
+"""``BatchSizeTuner(start="trace")``: the step traced before the trials, its size the second trial."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import seed_everything
+from lightning.pytorch.demos.boring_classes import BoringModel
+from torch._subclasses.fake_tensor import FakeTensor
+
+from lightning_gpumem import MemoryPlanner
+from lightning_gpumem._core.units import GIB, MIB
+from lightning_gpumem.tuning import tune as tune_module
+from lightning_gpumem.tuning.sources import traced
+from tests.helpers.fakes import kept
+from tests.helpers.models import OOMModel
+from tests.helpers.trainer import quiet_trainer
+from tests.helpers.tuning import CappedFakeProbe, FakeTuner, MemoryModel, tuner_trainer
+
+
+class Model(MemoryModel):
+    """The fake allocator's model; the trace (on fake tensors) sees the BoringModel's step alone."""
+
+    def training_step(self, batch, batch_idx):
+        if isinstance(batch, FakeTensor):
+            return BoringModel.training_step(self, batch, batch_idx)
+        return super().training_step(batch, batch_idx)
+
+
+def _fit(start: str):
+    seed_everything(0)
+    probe = CappedFakeProbe(base=2 * GIB, total=80 * GIB)
+    model = Model(probe, per_sample=300 * MIB, n=100_000)
+    tuner = FakeTuner(probe, budget="24GiB", headroom=0.1, include_validation=False, start=start)
+    tuner_trainer(tuner, max_steps=2, limit_val_batches=0).fit(model)
+    return tuner, model
+
+
+def test_the_traced_size_is_the_second_trial_and_the_tuned_fit_is_the_probes(monkeypatch):
+    guesses: list[tuple[int, int | None]] = []
+    real_guess = traced.traced_guess
+
+    def spy(source, limit, **kwargs):
+        guess = real_guess(source, limit, **kwargs)
+        assert source.traced  # the step was traced, before any trial
+        assert limit == 24 * GIB
+
+        def recorded(trial):
+            guesses.append((trial.batch_size, guess(trial)))
+            return guesses[-1][1]
+
+        return recorded
+
+    monkeypatch.setattr(tune_module, "traced_guess", spy)
+    traced_tuner, traced_model = _fit("trace")
+    probe_tuner, probe_model = _fit("probe")
+    assert guesses
+    assert guesses[0][0] == traced_tuner.trials[0].batch_size == 2
+    # the fake GPU is not the traced BoringModel: its guess is far off, and the search closes in all the same
+    assert traced_tuner.trials[1].batch_size == min(guesses[0][1], 100_000)
+    assert traced_tuner.optimal_batch_size == probe_tuner.optimal_batch_size == kept(75, 0.1)
+    for a, b in zip(traced_model.parameters(), probe_model.parameters(), strict=True):
+        assert torch.equal(a, b)  # the trace touched neither the module nor its optimizer
+
+
+def test_a_step_that_cannot_be_traced_warns_once_and_the_search_runs_from_its_probe():
+    class Manual(Model):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)["loss"]
+            self.manual_backward(loss)
+            self.optimizers().step()
+
+    probe = CappedFakeProbe(base=2 * GIB, total=80 * GIB)
+    model = Manual(probe, per_sample=300 * MIB, n=100_000)
+    tuner = FakeTuner(probe, budget="24GiB", headroom=0.1, include_validation=False, start="trace")
+    with pytest.warns(
+        UserWarning, match=r"start='trace'.*could not be traced.*manual optimisation"
+    ) as caught:
+        tuner_trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
+    assert sum("start='trace'" in str(w.message) for w in caught) == 1
+    assert tuner.optimal_batch_size == kept(75, 0.1)
+
+
+def test_batches_whose_shapes_vary_are_not_traced():
+    probe = CappedFakeProbe(base=2 * GIB, total=80 * GIB)
+    model = MemoryModel(probe, per_sample=300 * MIB, n=100_000)
+    tuner = FakeTuner(
+        probe, budget="24GiB", headroom=0.1, include_validation=False, start="trace", length_fn=len
+    )
+    with pytest.warns(UserWarning, match=r"start='trace'.*shapes vary; the search starts from its probe"):
+        tuner_trainer(tuner, max_steps=1, limit_val_batches=0).fit(model)
+    assert tuner.optimal_batch_size is not None
+
+
+@pytest.mark.parametrize("start", ["guess", None, 1])
+def test_start_is_checked(start):
+    with pytest.raises(ValueError, match=r"BatchSizeTuner\(start=.*Expected one of \('probe', 'trace'\)"):
+        FakeTuner(CappedFakeProbe(), start=start)
+
+
+def test_the_planners_trace_on_a_cpu_leaves_the_runs_random_streams_as_they_were():
+    def fit(callbacks):
+        seed_everything(0)
+        model = OOMModel(batch_size=4, n=64)  # a shuffled training loader
+        quiet_trainer(max_epochs=1, callbacks=callbacks, limit_val_batches=0).fit(model)
+        return model
+
+    planned = fit([MemoryPlanner(budgets=["24GiB"])])
+    plain = fit([])
+    for a, b in zip(planned.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a, b)
