@@ -71,11 +71,16 @@ def plan_traced(
 
 
 def traced_source(
-    trainer: pl.Trainer, owner: str, include_validation: bool, device: Device | None = H100
+    trainer: pl.Trainer,
+    owner: str,
+    include_validation: bool,
+    device: Device | None = H100,
+    steps: int = 3,
 ) -> TracedSource | None:
     """The fit's training (and validation) step as traced trials, from the first batch of each loader.
 
-    ``None``, with a warning naming ``owner``, where the training dataloader makes no batch.
+    ``steps`` training steps per trace (``lightning_tracer``'s). ``None``, with a warning naming ``owner``,
+    where the training dataloader makes no batch.
     """
     built = loaders.train_loaders(trainer)
     batch = loaders.first_batch(built)
@@ -86,7 +91,8 @@ def traced_source(
     val_batch = None
     if include_validation and trainer.limit_val_batches != 0:
         val_batch = loaders.first_batch(loaders.val_loaders(trainer))
-    trace_at = lightning_tracer(trainer, trainer.lightning_module, batch, val_batch=val_batch, device=device)
+    module = trainer.lightning_module
+    trace_at = lightning_tracer(trainer, module, batch, val_batch=val_batch, device=device, steps=steps)
     return TracedSource(
         trace_at, expandable_segments=expandable_segments(), bucket_bytes=ddp_bucket_bytes(trainer)
     )

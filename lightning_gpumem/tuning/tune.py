@@ -169,7 +169,8 @@ def _traced_guess(
     start = time.perf_counter()
     with rng_kept(trainer):  # the first batches drew from the run's RNG streams
         device = kernel_device(trainer.strategy.root_device)
-        source = traced_source(trainer, "BatchSizeTuner", validate, device)
+        # two steps: the second has the optimizer's state, and the first real trial calibrates the rest
+        source = traced_source(trainer, "BatchSizeTuner", validate, device, steps=2)
         if source is None:
             return None
         try:
