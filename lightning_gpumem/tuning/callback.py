@@ -9,7 +9,7 @@ runs and measures the trials and undoes them, ``search/`` decides which sizes to
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -125,7 +125,7 @@ class BatchSizeTuner(Callback):
         method: str | None = None,
         length_fn: LengthFn | None = None,
         shape_margin: float | None = None,
-        start: str = "probe",
+        start: Literal["probe", "trace"] = "probe",
     ) -> None:
         check_tuner(
             budget=budget,

@@ -84,6 +84,7 @@ for flag in ("include_validation", "keep_effective_batch", "retune_on_resume"):
 _add(BatchSizeTuner, "method", ["bisect", "", 1, True])
 _add(BatchSizeTuner, "length_fn", [5, "", b"input_ids", True, ["input_ids"]])
 _add(BatchSizeTuner, "shape_margin", [-0.1, 1.0, 1.5, NAN, INF, "0.2", True])
+_add(BatchSizeTuner, "start", ["guess", "", None, 1, True, "Trace"])
 
 _add(MemoryPlanner, "budgets", [[b] for b in BUDGETS if b is not None] + ["24GiB", [], 24, None.__class__])
 _add(MemoryPlanner, "init_val", [0, *COUNTS])
