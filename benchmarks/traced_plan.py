@@ -44,9 +44,19 @@ from lightning_gpumem.tuning.sources.traced import TRACE_MARGIN, CannotTrace, Tr
 GIB = 2**30
 
 
-def tracer(w: M.Workload, model: torch.nn.Module, steps: int = 3) -> Any:
-    """``trace_at(size)``: ``steps`` bf16 training steps of ``w`` and a validation step, traced at a size."""
+def tracer(w: M.Workload, model: torch.nn.Module, steps: int = 3, lightning: bool = True) -> Any:
+    """``trace_at(size)``: ``steps`` bf16 training steps of ``w`` and a validation step, traced at a size.
+
+    ``lightning``: validation as a Lightning fit runs it (the gradients freed first by
+    ``on_validation_model_zero_grad``, under ``torch.inference_mode()``); else as a plain loop does (under
+    ``torch.no_grad()``, the gradients kept), as ``allocator_fidelity.py`` records it.
+    """
     dataset, val_dataset = M.build_dataset(w), M.build_val_dataset(w)
+
+    def validate(m: torch.nn.Module, b: Any) -> Any:
+        if lightning:
+            m.zero_grad(set_to_none=True)
+        return M.compute_loss(w, m, b, validation=True)
 
     def trace_at(size: int) -> Trace:
         return trace_training(
@@ -55,9 +65,10 @@ def tracer(w: M.Workload, model: torch.nn.Module, steps: int = 3) -> Any:
             lambda m, b: M.compute_loss(w, m, b),
             M.first_batch(w, dataset, size),
             steps=steps,
-            validate=lambda m, b: M.compute_loss(w, m, b, validation=True),
+            validate=validate,
             val_batch=M.first_batch(w, val_dataset, size),
             autocast_dtype=torch.bfloat16,
+            inference_mode=lightning,
         )
 
     return trace_at

@@ -165,6 +165,7 @@ def trace_training(
     val_batch: Any = None,
     autocast_dtype: torch.dtype | None = None,
     device: Device | None = H100,
+    inference_mode: bool = False,
 ) -> Trace:
     """Trace ``steps`` training steps (and a validation step) on fake copies, as they would run on a GPU.
 
@@ -189,6 +190,9 @@ def trace_training(
         device: the card whose kernels' own buffers are asked for (``_core/kernels.py``: the cuBLAS
             workspaces of the first matrix multiplies, reductions' staging buffers, whose size depends on its
             multiprocessors); ``None``: the tensors alone.
+        inference_mode: ``validate`` runs as under ``torch.inference_mode()`` (Lightning's validation, by
+            default): autocast keeps no casts of the weights there (under ``torch.no_grad()`` it keeps each
+            weight's cast until the region ends).
 
     Returns:
         The :class:`Trace`; a step that cannot be traced gives ``cannot_trace`` rather than raising. Errors
@@ -223,6 +227,7 @@ def trace_training(
                 val_batch=_fake_data(val_batch),
                 policy=_CudaPolicy(autocast_dtype, device),
                 device=device,
+                inference_mode=inference_mode,
             )
 
 
@@ -278,6 +283,7 @@ def _record(
     val_batch: Any,
     policy: _CudaPolicy | None,
     device: Device | None = None,
+    inference_mode: bool = False,
 ) -> Trace:
     cuda = contextlib.nullcontext() if policy is None else policy
     recorder = _Recorder(device)
@@ -307,6 +313,8 @@ def _record(
             if validate is not None:
                 recorder.mark("val")
                 module.eval()
+                if policy is not None:
+                    policy.caching = not inference_mode
                 with torch.no_grad(), cuda:
                     validate(module, _copy_tensors(batch if val_batch is None else val_batch))
                 module.train()
@@ -475,6 +483,7 @@ class _CudaPolicy(TorchFunctionMode):
         self.autocast_dtype = autocast_dtype
         self.cudnn = device is not None and device.attention == "cudnn"  # else FlashAttention's memory
         self._casts: dict[int, tuple[Tensor, Tensor]] = {}  # autocast's cache: id(weight) -> weight, cast
+        self.caching = True  # off where autocast keeps no casts (under torch.inference_mode())
         self._forward_done = False  # a module's forward after the step's: checkpointing recomputes it
         self._reentered: list[bool] = []  # per module forward running: whether it entered the policy again
 
@@ -582,7 +591,7 @@ class _CudaPolicy(TorchFunctionMode):
     def _cast(self, tensor: Tensor, dtype: torch.dtype) -> Tensor:
         """``tensor.to(dtype)``; a float32 weight's cast made once in the region, as autocast caches it."""
         cacheable = dtype == self.autocast_dtype and tensor.dtype == torch.float32
-        if not (cacheable and tensor.requires_grad and tensor.is_leaf):
+        if not (cacheable and self.caching and tensor.requires_grad and tensor.is_leaf):
             return tensor.to(dtype)
         cached = self._casts.get(id(tensor))
         if cached is None:

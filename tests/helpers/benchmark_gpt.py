@@ -13,9 +13,10 @@ from lightning_gpumem._hw.trace import Trace
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def gpt_tracer(steps: int = 3) -> Callable[[int], Trace]:
+def gpt_tracer(steps: int = 3, lightning: bool = True) -> Callable[[int], Trace]:
     """``trace_at(batch_size)``: the GPT's bf16 training steps and validation, as ``benchmarks/traced_plan.py``
-    traces them; the model is built on the meta device (the trace needs its shapes only)."""
+    traces them (``lightning``: validation as a Lightning fit runs it); the model is built on the meta device (the
+    trace needs its shapes only)."""
     sys.path.insert(0, str(BENCHMARKS))
     import _tuner_models as M
     from traced_plan import tracer
@@ -23,4 +24,4 @@ def gpt_tracer(steps: int = 3) -> Callable[[int], Trace]:
     workload = M.workload("gpt", False)
     with torch.device("meta"):
         model = M.build_model(workload)
-    return tracer(workload, model, steps)
+    return tracer(workload, model, steps, lightning)

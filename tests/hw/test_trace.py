@@ -306,6 +306,17 @@ def test_autocast_follows_cudas_lists_and_caches_weight_casts():
     assert val.count(16 * 256 * FLOAT) == 3  # the batch, the layer norm's input cast and output: float32
     with pytest.raises(ValueError, match=r"autocast_dtype=torch\.float32"):
         trace_training(Net(), sgd, mse, torch.randn(2, 256), autocast_dtype=torch.float32)
+    inference = trace_training(
+        Net(),
+        sgd,
+        lambda m, x: m(x).sum(),
+        torch.randn(16, 256),
+        validate=lambda m, x: m(x),
+        autocast_dtype=torch.bfloat16,
+        inference_mode=True,
+    )
+    # under torch.inference_mode() autocast keeps no cast: the weight is cast for each call
+    assert allocs(phases(inference.events)[-1][1]).count(256 * 256 * 2) == 2
 
 
 class Checkpointed(nn.Module):

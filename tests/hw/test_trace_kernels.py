@@ -105,7 +105,7 @@ def _history(size: int) -> tuple[list[Event], dict]:
 
 @pytest.fixture(scope="module")
 def gpt_trace():
-    return gpt_tracer(steps=2)  # as benchmarks/allocator_fidelity.py ran it
+    return gpt_tracer(steps=2, lightning=False)  # as benchmarks/allocator_fidelity.py ran it
 
 
 def _scratch_sizes(events: list[Event]) -> Counter:

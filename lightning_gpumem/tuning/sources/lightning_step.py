@@ -29,7 +29,9 @@ How:
   states (a few numbers a class) and their updates' temporaries (a few vectors of the batch's length) are
   not in the trace.
 - Validation, where a validation batch is given and the module has its own ``validation_step``:
-  ``validation_step(batch, 0)`` at the same size, ``log`` silenced.
+  ``validation_step(batch, 0)`` at the same size, ``log`` silenced, after the copy's
+  ``on_validation_model_zero_grad`` (Lightning's frees the gradients), as under ``torch.inference_mode()``
+  where the fit's validation loop uses it (autocast then keeps no casts of the weights).
 
 What the trace is not told: gradient accumulation and clipping, DDP's gradient buckets, learning-rate
 schedulers, ``GradScaler``, and the hooks around the step (``on_before_batch_transfer``,
@@ -154,6 +156,7 @@ def lightning_tracer(
         return output
 
     def validate(copy: nn.Module, data: Any) -> Any:
+        copy.on_validation_model_zero_grad()  # type: ignore[operator]  # Lightning frees the gradients first
         return _run_step(copy, trainer, "validation_step", data, dtype)
 
     def trace_at(size: int) -> Trace:
@@ -169,11 +172,17 @@ def lightning_tracer(
                 val_batch=None if val_rows is None else _expand(val_rows, size),
                 autocast_dtype=_AUTOCAST.get(precision),
                 device=device,
+                inference_mode=_val_inference_mode(trainer),
             )
         except _NoLoss as error:
             return Trace(cannot_trace=str(error))
 
     return trace_at
+
+
+def _val_inference_mode(trainer: pl.Trainer) -> bool:
+    """Whether the fit validates under ``torch.inference_mode()`` (``Trainer(inference_mode=True)``)."""
+    return bool(getattr(trainer.fit_loop.epoch_loop.val_loop, "inference_mode", True))
 
 
 def batch_size_of(batch: Any) -> int | None:

@@ -347,6 +347,15 @@ def test_validation_is_traced_where_a_batch_is_given(make_trainer):
     assert "val" not in _labels(no_step)
 
 
+def test_validation_starts_as_lightnings_with_the_gradients_freed(make_trainer):
+    module = ValMLP()
+    events = _fit(make_trainer, module, val=True).traces[8].events
+    start = max(i for i, e in enumerate(events) if e.action == "mark" and e.label == "val")
+    # on_validation_model_zero_grad: the gradients live until validation, and not after it
+    gradients = sum(p.numel() * p.element_size() for p in module.parameters())
+    assert _live_at_end(events[:start]) - _live_at_end(events) == gradients
+
+
 def _batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(size, FEATURES), torch.randint(0, CLASSES, (size,))
 
