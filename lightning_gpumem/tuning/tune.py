@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +28,7 @@ from lightning_gpumem.tuning.search import (
 )
 from lightning_gpumem.tuning.search.headroom import TUNER_TOLERANCE, headroom_size
 from lightning_gpumem.tuning.search.model import Trial
+from lightning_gpumem.tuning.sources.affine import AffineStreams
 from lightning_gpumem.tuning.sources.traced import traced_guess
 from lightning_gpumem.tuning.traced_plan import plan_traced, traced_source
 from lightning_gpumem.tuning.trials import loaders
@@ -173,6 +175,7 @@ def _traced_guess(
         source = traced_source(trainer, "BatchSizeTuner", validate, device, steps=2)
         if source is None:
             return None
+        source = dataclasses.replace(source, affine=AffineStreams(checked=False))  # two traced sizes
         try:
             guess = traced_guess(source, limit, upper=upper, init_val=init_val)
         except Exception as error:  # the trials run the real step: a real error shows there, not here

@@ -40,17 +40,24 @@ class AffineStreams:
 
     state: str = "unknown"
     synthesised: set[int] = field(default_factory=set)
+    checked: bool = True  # False: believed from two traced sizes (where real trials check what it makes)
     _size: int = 0
     _events: list[Event] = field(default_factory=list)
     _slopes: list[Slope] = field(default_factory=list)
 
     def learn(self, traced: dict[int, list[Event]]) -> None:
-        """From the three smallest sizes of ``traced`` (size -> stream): on where affine, else off."""
-        if self.state != "unknown" or len(traced) < 3:
+        """From the three smallest sizes of ``traced`` (size -> stream): on where affine, else off.
+
+        Not :attr:`checked`: from the two smallest, on where they align.
+        """
+        if self.state != "unknown" or len(traced) < (3 if self.checked else 2):
             return
-        first, second, third = sorted(traced)[:3]
+        first, second, *rest = sorted(traced)
         slopes = _slopes(traced[first], first, traced[second], second)
-        if slopes is None or _grown(traced[first], slopes, third - first) != traced[third]:
+        third = rest[0] if rest and self.checked else None
+        if slopes is None or (
+            third is not None and _grown(traced[first], slopes, third - first) != traced[third]
+        ):
             self.state = "off"
             return
         self.state, self._size, self._events, self._slopes = "on", first, traced[first], slopes

@@ -128,3 +128,18 @@ def test_a_plan_from_made_streams_is_the_plan_from_traces_and_traces_fewer_sizes
     assert plan.predictions == traced.predictions
     assert made.affine.state == "on"
     assert len(made.traced) == 4 < len(alone.traced)  # 2, 4, 8 and the largest made size, to confirm
+
+
+def test_unchecked_streams_are_believed_from_two_traced_sizes():
+    def traced(n):
+        return [Event("alloc", 1, 100 + 8 * n), Event("mark", label="train"), Event("free", 1)]
+
+    checked, unchecked = AffineStreams(), AffineStreams(checked=False)
+    for streams in (checked, unchecked):
+        streams.learn({2: traced(2), 5: traced(5)})
+    assert checked.state == "unknown"
+    assert unchecked.state == "on"
+    assert unchecked.at(40) == traced(40)
+    misaligned = AffineStreams(checked=False)
+    misaligned.learn({2: traced(2), 5: [*traced(5), Event("alloc", 2, 4)]})
+    assert misaligned.state == "off"
