@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_gpumem._core.cards import card_bytes, card_device
 from lightning_gpumem._core.kernels import H100, Device
 from lightning_gpumem._hw.allocator import expandable_segments
 from lightning_gpumem.tuning import bounds
@@ -23,6 +24,7 @@ from lightning_gpumem.tuning.sources.lightning_step import lightning_tracer
 from lightning_gpumem.tuning.sources.traced import (
     CONTEXT_BYTES,
     CannotTrace,
+    TracedPlan,
     TracedSource,
     plan_by_trace,
 )
@@ -45,19 +47,29 @@ def plan_traced(
     data makes no batch), the predictions (marked traced) and the seconds it took.
     """
     asked = bounds.planner_budgets(budgets, trainer, None)  # a bad budget is the user's error: it raises
+    named = {card_bytes(b): card_device(b) for b in budgets or ()}
+    groups: dict[Device, list[int]] = {}  # a card's kernels (cuBLAS, reductions, attention) are its own
+    for budget in asked:
+        groups.setdefault(named.get(budget) or H100, []).append(budget)
+    plans: list[TracedPlan] = []
     with rng_kept(trainer):  # the first batches drew from the run's RNG streams
-        source = traced_source(trainer, "MemoryPlanner", include_validation)
-        if source is None:
-            return None, [], 0.0
-        try:
-            traced = plan_by_trace(source, size, asked, upper=upper, init_val=init_val)
-        except Exception as error:  # the fit itself runs the real step: a real error shows there, not here
-            warn_untraced("MemoryPlanner", error)
-            return None, [], 0.0
+        for device, group in groups.items():
+            source = traced_source(trainer, "MemoryPlanner", include_validation, device)
+            if source is None:
+                return None, [], 0.0
+            try:
+                plans.append(plan_by_trace(source, size, group, upper=upper, init_val=init_val))
+            except Exception as error:  # the fit runs the real step: a real error shows there, not here
+                warn_untraced("MemoryPlanner", error)
+                return None, [], 0.0
+    by_budget = {p.budget: p for plan in plans for p in plan.predictions}
+    predictions = [by_budget[budget] for budget in asked]
+    traced = plans[0]  # its points make the plan's lines (the first card's kernels)
+    seconds = sum(plan.seconds for plan in plans)
     points = sorted({p.size: p for t in traced.points if (p := t.point) is not None}.values(), key=_size)
     if len(points) < 2:
         rank_zero_warn("MemoryPlanner: fewer than two sizes could be traced; no plan.")
-        return None, [], traced.seconds
+        return None, [], seconds
     parameters, gradients = module_bytes(trainer.lightning_module)
     plan = Plan(points, "settled", CONTEXT_BYTES)
     plan.terms = Terms(
@@ -67,7 +79,7 @@ def plan_traced(
         per_sample=float(plan.per_sample),
         outside=CONTEXT_BYTES,
     )
-    return plan, list(traced.predictions), traced.seconds
+    return plan, predictions, seconds
 
 
 def traced_source(

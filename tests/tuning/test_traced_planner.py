@@ -233,6 +233,30 @@ def test_budgets_may_name_cards_and_a_name_that_is_no_card_is_refused_naming_it(
         MemoryPlanner(budgets=["Z100"])
 
 
+def test_a_named_card_is_traced_with_its_own_kernels(monkeypatch):
+    from lightning_gpumem._core.cards import card_bytes, card_device
+    from lightning_gpumem._core.kernels import H100
+    from lightning_gpumem.tuning import traced_plan
+
+    devices = []
+    real = traced_plan.traced_source
+
+    def spy(trainer, owner, include_validation, device=H100, steps=3):
+        devices.append(device)
+        return real(trainer, owner, include_validation, device, steps)
+
+    monkeypatch.setattr(traced_plan, "traced_source", spy)
+    planner = MemoryPlanner(budgets=["A100-40GB", "H100-80GB", "24GiB", "RTX4090"], stop=True)
+    _fit(planner, Wide())
+    a100, rtx = card_device("A100-40GB"), card_device("RTX4090")
+    assert devices == [H100, a100, rtx]  # the H100's for the H100 and a size in bytes, one trace per card
+    assert a100.multiprocessors == 108
+    assert rtx.threads_per_multiprocessor == 1536
+    budgets = sorted((card_bytes(b) or 24 * 2**30 for b in planner.budgets), reverse=True)
+    assert [p.budget for p in planner.predictions] == budgets
+    assert all(p.largest for p in planner.predictions)
+
+
 def test_ddps_gradient_buckets_are_a_copy_of_the_gradients_unless_they_are_views(tmp_path):
     from types import SimpleNamespace
 
