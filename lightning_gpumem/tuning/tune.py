@@ -186,7 +186,18 @@ def _traced_guess(
             return None
     seconds = time.perf_counter() - start
     rank_zero_info(f"BatchSizeTuner: the step traced on fake tensors in {seconds:.1f} s.")
-    return guess
+
+    def calibrated(trial: Trial) -> int | None:
+        try:  # a size not traced yet is traced here (the first trial went below `init_val`)
+            return guess(trial)
+        except Exception as error:  # never the tuning's end: the probe's search goes on
+            rank_zero_warn(
+                f"BatchSizeTuner(start='trace'): the traced guess failed ({type(error).__name__}: {error});"
+                " the search goes on from its probe alone."
+            )
+            return None
+
+    return calibrated
 
 
 def restore(

@@ -113,3 +113,16 @@ def test_the_planners_trace_on_a_cpu_leaves_the_runs_random_streams_as_they_were
     plain = fit([])
     for a, b in zip(planned.parameters(), plain.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_guess_that_fails_in_the_search_warns_and_the_search_goes_on(monkeypatch):
+    def failing(source, limit, **kwargs):
+        def guess(trial):
+            raise RuntimeError("boom")
+
+        return guess
+
+    monkeypatch.setattr(tune_module, "traced_guess", failing)
+    with pytest.warns(UserWarning, match=r"start='trace'.*traced guess failed \(RuntimeError: boom\)"):
+        tuner, _ = _fit("trace")
+    assert tuner.optimal_batch_size == kept(75, 0.1)

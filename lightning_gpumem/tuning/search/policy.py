@@ -80,9 +80,9 @@ def search_batch_size(
         on_move: called with each move's :class:`Proposal` (its size clamped to the open sizes) before its
             trial runs; not called for the sizes tried on the way down to the first accepted one.
         guess: given the first accepted trial, a predicted largest size (the traced step's, calibrated by
-            that trial: ``tuning/sources/calibrated.py``); where it is above that trial's size, it is the
-            second size tried (the move ``traced``), and the moves go on from what it measured. ``None``:
-            no guess.
+            that trial: ``traced_guess`` in ``tuning/sources/traced.py``); where it is above that trial's
+            size, it is the second size tried (the move ``traced``), and the moves go on from what it
+            measured. ``None``: no guess.
 
     Returns:
         The largest accepted size and the trials.
