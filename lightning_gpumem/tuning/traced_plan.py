@@ -47,7 +47,7 @@ def plan_traced(
     data makes no batch), the predictions (marked traced) and the seconds it took.
     """
     asked = bounds.planner_budgets(budgets, trainer, None)  # a bad budget is the user's error: it raises
-    named = {card_bytes(b): card_device(b) for b in budgets or ()}
+    named = {card_bytes(b): device for b in budgets or () if (device := card_device(b)) is not None}
     groups: dict[Device, list[int]] = {}  # a card's kernels (cuBLAS, reductions, attention) are its own
     for budget in asked:
         groups.setdefault(named.get(budget) or H100, []).append(budget)
@@ -60,7 +60,7 @@ def plan_traced(
             try:
                 plans.append(plan_by_trace(source, size, group, upper=upper, init_val=init_val))
             except Exception as error:  # the fit runs the real step: a real error shows there, not here
-                warn_untraced("MemoryPlanner", error)
+                warn_untraced(error)
                 return None, [], 0.0
     by_budget = {p.budget: p for plan in plans for p in plan.predictions}
     predictions = [by_budget[budget] for budget in asked]
@@ -110,16 +110,16 @@ def traced_source(
     )
 
 
-def warn_untraced(owner: str, error: Exception) -> None:
+def warn_untraced(error: Exception) -> None:
     """One warning: the step could not be traced (``CannotTrace``'s op, or the error fake tensors met)."""
     if isinstance(error, CannotTrace):
         rank_zero_warn(
-            f"{owner}: {error}, so there is no plan without a GPU. Run the planner on a GPU (its real"
+            f"MemoryPlanner: {error}, so there is no plan without a GPU. Run the planner on a GPU (its real"
             " probes need no trace), or make the step traceable (no `.item()` or data-dependent shapes)."
         )
         return
     rank_zero_warn(
-        f"{owner}: the step could not be traced on fake tensors ({type(error).__name__}: {error});"
+        f"MemoryPlanner: the step could not be traced on fake tensors ({type(error).__name__}: {error});"
         " no plan without a GPU. Run the planner on a GPU (its real probes need no trace)."
     )
 

@@ -13,15 +13,15 @@ from lightning_gpumem._hw.trace import Trace
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def gpt_tracer(steps: int = 3, lightning: bool = True) -> Callable[[int], Trace]:
-    """``trace_at(batch_size)``: the GPT's bf16 training steps and validation, as ``benchmarks/traced_plan.py``
-    traces them (``lightning``: validation as a Lightning fit runs it); the model is built on the meta device (the
-    trace needs its shapes only)."""
+def gpt_tracer(steps: int = 3, lightning: bool = True, workload: str = "gpt") -> Callable[[int], Trace]:
+    """``trace_at(batch_size)``: a GPT ``workload``'s bf16 training steps and validation, as
+    ``benchmarks/traced_plan.py`` traces them (``lightning``: validation as a Lightning fit runs it); the model is
+    built on the meta device (the trace needs its shapes only)."""
     sys.path.insert(0, str(BENCHMARKS))
     import _tuner_models as M
     from traced_plan import tracer
 
-    workload = M.workload("gpt", False)
+    w = M.workload(workload, False)
     with torch.device("meta"):
-        model = M.build_model(workload)
-    return tracer(workload, model, steps, lightning)
+        model = M.build_model(w)
+    return tracer(w, model, steps, lightning)

@@ -292,31 +292,26 @@ def test_autocast_follows_cudas_lists_and_caches_weight_casts():
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.norm(self.linear(self.linear(x)))
 
-    trace = trace_training(
-        Net(),
-        sgd,
-        lambda m, x: m(x).sum(),
-        torch.randn(16, 256),
-        validate=lambda m, x: m(x),
-        autocast_dtype=torch.bfloat16,
-    )
-    val = allocs(phases(trace.events)[-1][1])
+    def val_allocs(inference_mode: bool) -> list[int]:
+        trace = trace_training(
+            Net(),
+            sgd,
+            lambda m, x: m(x).sum(),
+            torch.randn(16, 256),
+            validate=lambda m, x: m(x),
+            autocast_dtype=torch.bfloat16,
+            inference_mode=inference_mode,
+        )
+        return allocs(phases(trace.events)[-1][1])
+
+    val = val_allocs(inference_mode=False)
     assert val.count(256 * 256 * 2) == 1  # the weight cast once for both calls
     assert val.count(16 * 256 * 2) == 3  # the input cast, two linear outputs: bfloat16
     assert val.count(16 * 256 * FLOAT) == 3  # the batch, the layer norm's input cast and output: float32
     with pytest.raises(ValueError, match=r"autocast_dtype=torch\.float32"):
         trace_training(Net(), sgd, mse, torch.randn(2, 256), autocast_dtype=torch.float32)
-    inference = trace_training(
-        Net(),
-        sgd,
-        lambda m, x: m(x).sum(),
-        torch.randn(16, 256),
-        validate=lambda m, x: m(x),
-        autocast_dtype=torch.bfloat16,
-        inference_mode=True,
-    )
     # under torch.inference_mode() autocast keeps no cast: the weight is cast for each call
-    assert allocs(phases(inference.events)[-1][1]).count(256 * 256 * 2) == 2
+    assert val_allocs(inference_mode=True).count(256 * 256 * 2) == 2
 
 
 class Checkpointed(nn.Module):

@@ -94,11 +94,11 @@ def test_streams_made_past_where_the_buffers_stop_growing_are_the_traced_ones():
 
 
 # --------------------------------------------------------------------- the 236M GPT against its H100 history
-def _history(size: int) -> tuple[list[Event], dict]:
+def _history(size: int, workload: str = "gpt") -> tuple[list[Event], dict]:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from allocator_fidelity import replayable
 
-    with gzip.open(STREAMS / f"gpt-b{size}-native-capped.json.gz", "rt") as file:
+    with gzip.open(STREAMS / f"{workload}-b{size}-native-capped.json.gz", "rt") as file:
         data = json.load(file)
     return replayable(Event, data)[0], data
 
@@ -141,3 +141,19 @@ def test_the_gpt_that_ran_out_of_memory_on_the_h100_does_not_fit_the_trace(gpt_t
     _, data = _history(41)
     assert data["oom"]
     assert not replay(gpt_trace(41).events, limit_bytes=data["limit_bytes"]).fits
+
+
+def test_the_long_validation_the_h100s_plain_loop_ran_out_of_memory_in_does_not_fit_its_plain_trace():
+    """The 4096-token validation at 19, as a plain loop runs it (gradients kept, ``no_grad``): out of memory in
+    validation on the H100 and in the replay; as Lightning runs it (gradients freed, inference mode), it fits."""
+    real, data = _history(19, "gpt-longval")
+    assert data["oom"]
+    assert "validation" in data["real_phase_peaks"]
+    plain = gpt_tracer(steps=2, lightning=False, workload="gpt-longval")(19).events
+    replayed = replay(plain, limit_bytes=data["limit_bytes"])
+    assert not replayed.fits
+    assert replay(plain).phase_peaks["train"][0] == pytest.approx(
+        replay(real).phase_peaks["forward"][0], rel=0.001
+    )
+    lightning = gpt_tracer(steps=2, workload="gpt-longval")(19).events
+    assert replay(lightning, limit_bytes=data["limit_bytes"]).fits

@@ -221,6 +221,14 @@ def _back_off(b: Bracket, ev: Evidence) -> Proposal | None:
     return Proposal(Move.BACK_OFF, size, reason)
 
 
+def _past_trace(b: Bracket, ev: Evidence) -> Proposal | None:
+    # The traced size ran: the trace has nothing above it, so the edge above it is the one trial left.
+    if b.last_move is not Move.TRACED or not b.last_accepted or b.lo + 1 > b.top:
+        return None
+    edge = b.edge(ev)
+    return Proposal(Move.EDGE, edge, f"nothing above the trace: if {edge} fails the search is over")
+
+
 def _edge(b: Bracket, ev: Evidence) -> Proposal | None:
     if b.refuted or b.edge_at == b.lo or b.lo + 1 > b.top:
         return None  # the safe model's "nothing above" was wrong once: no crawling one size per trial
@@ -320,6 +328,7 @@ def _fallback(b: Bracket) -> Proposal:
 
 
 MOVES: tuple[Callable[[Bracket, Evidence], Proposal | None], ...] = (
+    _past_trace,
     _back_off,
     _squeezed,
     _near_cap,

@@ -128,9 +128,6 @@ def search_batch_size(
             return SearchResult(lo, tuple(trials.values()), stop)
         if guessed is not None and lo < guessed < (bracket.hi or guessed + 1):
             proposal = Proposal(Move.TRACED, guessed, "the traced step's largest size, calibrated")
-        elif bracket.last_move is Move.TRACED and bracket.last_accepted and lo + 1 <= bracket.top:
-            edge = bracket.edge(ev)  # the trace has nothing above it
-            proposal = Proposal(Move.EDGE, edge, f"nothing above the trace: if {edge} fails, it is over")
         else:
             proposal = next_move(bracket, ev, tolerance)
         guessed = None
