@@ -77,10 +77,13 @@ def replay(
     default = finders["default"]
     start = time.perf_counter()
     source = TracedSource(tracer(w, model, steps=2), affine=AffineStreams(checked=False))
-    guess = traced_guess(source, budget, upper=16384, init_val=2)
+    guess = traced_guess(source, budget, upper=16384, init_val=2, headroom=headroom)
     first = default["tuner_trials"][0]
     guessed = guess(Trial(first["batch_size"], fits=True, peak_bytes=first["peak_bytes"]))
     trace_seconds = time.perf_counter() - start
+    largest = traced_guess(source, budget, upper=16384, init_val=2)(  # the same, without the headroom
+        Trial(first["batch_size"], fits=True, peak_bytes=first["peak_bytes"])
+    )
     estimated: set[int] = set()
     run = recorded_source(default["tuner_trials"], true_max, estimated)
     result = search_batch_size(
@@ -99,7 +102,8 @@ def replay(
     return {
         "model": name,
         "true_max": true_max,
-        "guess": guessed,
+        "guess": None if largest is None else largest.size,
+        "guess_kept": None if guessed is None or not guessed.kept else guessed.size,
         "batch_size": result.batch_size,
         "trials": [(t.batch_size, t.fits) for t in result.trials],
         "estimated": sorted(estimated),

@@ -20,6 +20,7 @@ from lightning_gpumem.tuning.lengths.scan import LengthFn
 from lightning_gpumem.tuning.lengths.token_budget import heaviest_batches_first
 from lightning_gpumem.tuning.record import Searched, Shapes
 from lightning_gpumem.tuning.search import (
+    Guess,
     SearchResult,
     TrialSource,
     leave_headroom,
@@ -107,7 +108,8 @@ def tune(
     tokens = searched.tokens
     guess = None
     if start == "trace":
-        guess = _traced_guess(trainer, limit, upper, init_val, validate, varies=bool(tokens or length_fn))
+        varies = bool(tokens or length_fn)
+        guess = _traced_guess(trainer, limit, upper, init_val, validate, headroom, varies=varies)
 
     def search(run: TrialSource, top: int) -> SearchResult:
         return search_batch_size(
@@ -157,10 +159,18 @@ def tune(
 
 
 def _traced_guess(
-    trainer: pl.Trainer, limit: int | None, upper: int, init_val: int, validate: bool, varies: bool
-) -> Callable[[Trial], int | None] | None:
+    trainer: pl.Trainer,
+    limit: int | None,
+    upper: int,
+    init_val: int,
+    validate: bool,
+    headroom: float,
+    varies: bool,
+) -> Callable[[Trial], Guess | None] | None:
     """``start="trace"``: the step traced on fake tensors before the trials, as the search's ``guess``.
 
+    The guess is the traced largest size (calibrated by the first trial) less ``headroom``; where that gives
+    something up, the size runs as the one to keep (one trial, not the largest size's and the edge's).
     ``None``, with one warning, where it cannot be: no budget in bytes, batches whose shapes vary, or a step
     the trace cannot run; the search then starts from its probe alone.
     """
@@ -177,7 +187,7 @@ def _traced_guess(
             return None
         source = dataclasses.replace(source, affine=AffineStreams(checked=False))  # two traced sizes
         try:
-            guess = traced_guess(source, limit, upper=upper, init_val=init_val)
+            guess = traced_guess(source, limit, upper=upper, init_val=init_val, headroom=headroom)
         except Exception as error:  # the trials run the real step: a real error shows there, not here
             rank_zero_warn(
                 f"BatchSizeTuner(start='trace'): the step could not be traced ({type(error).__name__}:"
@@ -187,7 +197,7 @@ def _traced_guess(
     seconds = time.perf_counter() - start
     rank_zero_info(f"BatchSizeTuner: the step traced on fake tensors in {seconds:.1f} s.")
 
-    def calibrated(trial: Trial) -> int | None:
+    def calibrated(trial: Trial) -> Guess | None:
         try:  # a size not traced yet is traced here (the first trial went below `init_val`)
             return guess(trial)
         except Exception as error:  # never the tuning's end: the probe's search goes on

@@ -11,6 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from lightning_gpumem import MemoryPlanner
 from lightning_gpumem._core.units import GIB, MIB
 from lightning_gpumem.tuning import tune as tune_module
+from lightning_gpumem.tuning.search import Guess
 from lightning_gpumem.tuning.sources import traced
 from tests.helpers.fakes import kept
 from tests.helpers.models import OOMModel
@@ -46,8 +47,9 @@ def test_the_traced_size_is_the_second_trial_and_the_tuned_fit_is_the_probes(mon
         assert limit == 24 * GIB
 
         def recorded(trial):
-            guesses.append((trial.batch_size, guess(trial)))
-            return guesses[-1][1]
+            found = guess(trial)
+            guesses.append((trial.batch_size, found))
+            return found
 
         return recorded
 
@@ -57,10 +59,25 @@ def test_the_traced_size_is_the_second_trial_and_the_tuned_fit_is_the_probes(mon
     assert guesses
     assert guesses[0][0] == traced_tuner.trials[0].batch_size == 2
     # the fake GPU is not the traced BoringModel: its guess is far off, and the search closes in all the same
-    assert traced_tuner.trials[1].batch_size == min(guesses[0][1], 100_000)
+    assert traced_tuner.trials[1].batch_size == min(guesses[0][1].size, 100_000)
     assert traced_tuner.optimal_batch_size == probe_tuner.optimal_batch_size == kept(75, 0.1)
     for a, b in zip(traced_model.parameters(), probe_model.parameters(), strict=True):
         assert torch.equal(a, b)  # the trace touched neither the module nor its optimizer
+
+
+def test_a_traced_size_less_the_headroom_that_runs_is_kept_after_two_trials(monkeypatch):
+    def exact(source, limit, *, headroom, **kwargs):  # the trace as exact as can be: the fake GPU's largest
+        assert headroom == 0.1
+        return lambda trial: Guess(kept(75, headroom), kept=True)
+
+    monkeypatch.setattr(tune_module, "traced_guess", exact)
+    traced_tuner, traced_model = _fit("trace")
+    probe_tuner, probe_model = _fit("probe")
+    assert [t.batch_size for t in traced_tuner.trials] == [2, kept(75, 0.1)]
+    assert traced_tuner.optimal_batch_size == probe_tuner.optimal_batch_size == kept(75, 0.1)
+    assert len(probe_tuner.trials) > 2
+    for a, b in zip(traced_model.parameters(), probe_model.parameters(), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_a_step_that_cannot_be_traced_warns_once_and_the_search_runs_from_its_probe():

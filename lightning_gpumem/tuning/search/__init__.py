@@ -9,6 +9,7 @@ from lightning_gpumem.tuning.search.headroom import largest_held, leave_headroom
 from lightning_gpumem.tuning.search.model import MemoryModel, Point, Trial, TrialSource, accepted
 from lightning_gpumem.tuning.search.moves import Move, Proposal
 from lightning_gpumem.tuning.search.policy import (
+    Guess,
     SearchResult,
     search_batch_size,
     search_by_plan,
@@ -16,6 +17,7 @@ from lightning_gpumem.tuning.search.policy import (
 )
 
 __all__ = [
+    "Guess",
     "MemoryModel",
     "Move",
     "Point",

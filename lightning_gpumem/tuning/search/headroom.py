@@ -58,12 +58,13 @@ def leave_headroom(
     """Give up ``headroom`` of the largest size the budget holds, and run the size kept.
 
     The largest size the budget holds is :func:`largest_held`'s. Nothing is given up where memory did not
-    bound the search (it stopped at ``upper``). The size kept is at most the search's result;
-    :func:`walk_down` runs it where no trial of the search did (and, where it does not run, the sizes below
-    it) under the search's trial budget.
+    bound the search (it stopped at ``upper``), nor where the search kept the traced size (``"traced"``: the
+    headroom is already given up below the traced largest size, and that size ran). The size kept is at
+    most the search's result; :func:`walk_down` runs it where no trial of the search did (and, where it does
+    not run, the sizes below it) under the search's trial budget.
     """
     largest = result.batch_size
-    if largest is None or result.reason == "upper_bound":
+    if largest is None or result.reason in ("upper_bound", "traced"):
         return result
     size = min(largest, headroom_size(largest_held(result, limit_bytes) or largest, headroom))
     return walk_down(run_trial, result, start=size, limit_bytes=limit_bytes, max_trials=max_trials)

@@ -31,7 +31,7 @@ from typing import Any, Literal
 from lightning_gpumem.tuning.search.model import Trial, TrialSource, accepted
 from lightning_gpumem.tuning.search.moves import Bracket, Evidence, Move, Proposal, next_move
 
-StopReason = Literal["bracketed", "predicted", "upper_bound", "max_trials", "nothing_fits"]
+StopReason = Literal["bracketed", "predicted", "upper_bound", "max_trials", "nothing_fits", "traced"]
 TOLERANCE = 0.01  # the bracket closes once the sizes left open are at most this fraction of the size kept
 
 
@@ -53,6 +53,20 @@ class SearchResult:
         return sum(not t.fits for t in self.trials)
 
 
+@dataclass(frozen=True)
+class Guess:
+    """A size to try second, from outside the trials (the traced step's), and whether it is the size kept.
+
+    Attributes:
+        size: the size to try.
+        kept: ``size`` is the size to keep (a headroom already given up below the traced largest size):
+            accepted, it ends the search (``"traced"``); else the moves go on from it (the edge above it).
+    """
+
+    size: int
+    kept: bool = False
+
+
 def search_batch_size(
     run_trial: TrialSource,
     *,
@@ -62,7 +76,7 @@ def search_batch_size(
     max_trials: int = 25,
     tolerance: float = TOLERANCE,
     on_move: Callable[[Proposal], None] | None = None,
-    guess: Callable[[Trial], int | None] | None = None,
+    guess: Callable[[Trial], Guess | int | None] | None = None,
 ) -> SearchResult:
     """Find the largest accepted batch size in ``[1, upper]``: probe, predict, validate, close.
 
@@ -80,9 +94,10 @@ def search_batch_size(
         on_move: called with each move's :class:`Proposal` (its size clamped to the open sizes) before its
             trial runs; not called for the sizes tried on the way down to the first accepted one.
         guess: given the first accepted trial, a predicted largest size (the traced step's, calibrated by
-            that trial: ``traced_guess`` in ``tuning/sources/traced.py``); where it is above that trial's
-            size, it is the second size tried (the move ``traced``), and the moves go on from what it
-            measured. ``None``: no guess.
+            that trial: ``traced_guess`` in ``tuning/sources/traced.py``), or a :class:`Guess`; where it is
+            above that trial's size, it is the second size tried (the move ``traced``), and the moves go on
+            from what it measured, unless it is a :class:`Guess` to keep and runs: then the search ends
+            there (``"traced"``). ``None``: no guess.
 
     Returns:
         The largest accepted size and the trials.
@@ -119,24 +134,28 @@ def search_batch_size(
 
     # 2. Up the bracket, one move per trial.
     bracket = Bracket(lo=size, hi=hi, upper=upper, tolerance=tolerance)
-    guessed = guess(trials[size]) if guess is not None else None
+    found = guess(trials[size]) if guess is not None else None
+    guessed = Guess(found) if isinstance(found, int) else found
     while True:
         lo = bracket.lo
         ev = Evidence(list(trials.values()), limit_bytes)
         stop = _stop(bracket, ev, len(trials), max_trials, tolerance)
         if stop is not None:
             return SearchResult(lo, tuple(trials.values()), stop)
-        if guessed is not None and lo < guessed < (bracket.hi or guessed + 1):
-            proposal = Proposal(Move.TRACED, guessed, "the traced step's largest size, calibrated")
+        if guessed is not None and lo < guessed.size < (bracket.hi or guessed.size + 1):
+            why = "the traced largest size, calibrated" + (", less the headroom" if guessed.kept else "")
+            proposal = Proposal(Move.TRACED, guessed.size, why)
         else:
-            proposal = next_move(bracket, ev, tolerance)
-        guessed = None
+            proposal, guessed = next_move(bracket, ev, tolerance), None
         move, size = proposal.move, min(max(proposal.size, lo + 1), bracket.top)
         if on_move is not None:
             on_move(Proposal(move, size, proposal.reason))
         if move is Move.EDGE:
             bracket.edge_at = lo
         ok = accepted(run(size), limit_bytes)
+        if move is Move.TRACED and ok and guessed is not None and guessed.kept:
+            return SearchResult(size, tuple(trials.values()), "traced")
+        guessed = None
         if move is Move.EDGE and ok and ev.has_model:
             bracket.refuted = True
         if ok:

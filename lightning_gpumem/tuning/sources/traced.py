@@ -23,9 +23,10 @@ from dataclasses import dataclass, field, replace
 from lightning_gpumem._core.alloc_events import Event
 from lightning_gpumem._core.units import GIB
 from lightning_gpumem._hw.trace import Trace
+from lightning_gpumem.tuning.search.headroom import headroom_size
 from lightning_gpumem.tuning.search.model import Trial
 from lightning_gpumem.tuning.search.plan import Prediction
-from lightning_gpumem.tuning.search.policy import search_batch_size
+from lightning_gpumem.tuning.search.policy import Guess, search_batch_size
 from lightning_gpumem.tuning.sources.affine import AffineStreams
 from lightning_gpumem.tuning.sources.allocator import Replay
 from lightning_gpumem.tuning.sources.steps import replay_steady
@@ -169,14 +170,16 @@ class TracedPlan:
 
 
 def traced_guess(
-    source: TracedSource, limit: int, *, upper: int, init_val: int
-) -> Callable[[Trial], int | None]:
+    source: TracedSource, limit: int, *, upper: int, init_val: int, headroom: float = 0.0
+) -> Callable[[Trial], Guess | None]:
     """The search's ``guess`` from a trace: its largest size, calibrated by the first real trial.
 
     The traced search under ``limit`` runs now, before any real trial (each size's stream traced or made
     once, and kept). The guess, given the first real trial, searches the replays again under ``limit``
     less what that trial's reserved peak measured above its replay's (the memory the trace does not see,
-    or sees too much of, taken as fixed): milliseconds, the streams are kept.
+    or sees too much of, taken as fixed): milliseconds, the streams are kept. Less ``headroom``
+    (``search/headroom.py``), where that gives something up, it is the size to keep: run once, it ends the
+    search, with no trial of the largest size and the edge above it.
 
     Raises:
         CannotTrace: where the step cannot be traced.
@@ -185,7 +188,7 @@ def traced_guess(
         source.under(limit), init_val=init_val, upper=upper, limit_bytes=limit, tolerance=0.0
     )
 
-    def guess(trial: Trial) -> int | None:
+    def largest(trial: Trial) -> int | None:
         replayed = source.under(None)(trial.batch_size)
         if trial.peak_bytes is None or replayed.peak_bytes is None:
             return first.batch_size
@@ -199,6 +202,13 @@ def traced_guess(
             limit_bytes=shifted,
             tolerance=0.0,
         ).batch_size
+
+    def guess(trial: Trial) -> Guess | None:
+        found = largest(trial)
+        if found is None:
+            return None
+        kept = headroom_size(found, headroom)
+        return Guess(kept, kept=kept < found)
 
     return guess
 

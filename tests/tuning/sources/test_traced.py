@@ -10,7 +10,8 @@ from torch import nn
 
 from lightning_gpumem._core.units import GIB, MIB
 from lightning_gpumem._hw.trace import Trace, trace_training
-from lightning_gpumem.tuning.search import search_batch_size
+from lightning_gpumem.tuning.search import Guess, leave_headroom, search_batch_size
+from lightning_gpumem.tuning.search.headroom import headroom_size
 from lightning_gpumem.tuning.search.model import Trial, accepted
 from lightning_gpumem.tuning.search.moves import Move, Proposal
 from lightning_gpumem.tuning.sources.allocator import replay
@@ -144,3 +145,37 @@ def test_a_traced_guess_past_the_boundary_steps_back():
         assert [t.batch_size for t in found.trials] == tried
     below_first = search_batch_size(real, upper=4096, limit_bytes=24 * GIB, guess=lambda _: 1)
     assert below_first.batch_size == 46  # a guess at or below the first trial is not tried
+
+
+def test_a_guess_to_keep_ends_the_search_where_it_runs_and_the_headroom_is_not_given_twice():
+    def real(size: int) -> Trial:  # 1 GiB fixed, 0.5 GiB a sample: 46 fit in 24 GiB
+        peak = GIB + size * GIB // 2
+        return Trial(size, fits=peak <= 24 * GIB, peak_bytes=peak if peak <= 24 * GIB else None)
+
+    found = search_batch_size(real, upper=4096, limit_bytes=24 * GIB, guess=lambda _: Guess(44, kept=True))
+    assert (found.batch_size, found.reason) == (44, "traced")
+    assert [t.batch_size for t in found.trials] == [2, 44]
+    assert leave_headroom(real, found, 0.05, 24 * GIB, 25) == found  # no trial, nothing more given up
+    # not to keep: the edge above it runs, as for a plain size
+    plain = search_batch_size(real, upper=4096, limit_bytes=24 * GIB, guess=lambda _: Guess(44))
+    assert plain.reason != "traced"
+    assert plain.batch_size == 46
+    # a kept guess that fails steps back, and the search and its headroom go on as without a guess
+    over = search_batch_size(real, upper=4096, limit_bytes=24 * GIB, guess=lambda _: Guess(48, kept=True))
+    assert (over.batch_size, over.reason) == (46, "bracketed")
+    assert [t.batch_size for t in over.trials][:3] == [2, 48, 47]
+    assert leave_headroom(real, over, 0.05, 24 * GIB, 25).batch_size == 44
+
+
+def test_with_a_headroom_the_traced_guess_is_the_size_kept_and_runs_alone():
+    source = TracedSource(_tracer(_mlp()))
+    limit = 160 * MIB
+    exact = search_batch_size(source.under(limit), upper=1 << 16, limit_bytes=limit, tolerance=0.0)
+    assert exact.batch_size is not None
+    assert exact.batch_size > 100
+    guess = traced_guess(source, limit, upper=1 << 16, init_val=2, headroom=0.05)
+    found = search_batch_size(source.under(limit), upper=1 << 16, limit_bytes=limit, guess=guess)
+    assert found.reason == "traced"
+    assert [t.batch_size for t in found.trials] == [2, headroom_size(exact.batch_size, 0.05)]
+    small = traced_guess(source, limit, upper=1 << 16, init_val=2, headroom=0.0)(found.trials[0])
+    assert small == Guess(exact.batch_size, kept=False)  # nothing given up: the edge above it still runs
