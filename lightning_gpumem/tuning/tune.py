@@ -261,7 +261,8 @@ def tune_traced(
             f" {name}={size}."
         )
         return None
-    kept = headroom_size(largest, tuner.headroom)
+    # as the search's headroom: nothing given up where memory did not bound the size (`max_val`, the data)
+    kept = largest if largest >= upper else headroom_size(largest, tuner.headroom)
     _session.apply_batch_size(trainer, name, kept, accumulation_for(kept), rebuild_optimizers=True)
     rank_zero_info(
         f"BatchSizeTuner: {trainer.strategy.root_device} has no memory allocator to measure: {name}={kept},"

@@ -25,6 +25,8 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 from lightning_gpumem import BatchSizeTuner
+from lightning_gpumem._core.units import MIB
+from lightning_gpumem.tuning.sources.traced import CONTEXT_BYTES
 from tests.helpers.ddp import run_script
 from tests.helpers.fakes import kept
 from tests.helpers.trainer import quiet_trainer
@@ -398,7 +400,7 @@ class Row:
         chosen = first.optimal_batch_size
         assert chosen is not None
         assert chosen != self.init, f"the row needs no tuning: {self.init} was chosen"
-        assert any(not t.fits for t in first.trials), "no trial ran out of memory: the row tests no OOM"
+        self.check_search(first)
         for later in tuners[1:]:  # resumed fits: the size comes back, re-tuned or from the tuner's state
             assert later.optimal_batch_size == chosen
             retunes = self.tuner.get("retune_on_resume", False)
@@ -415,6 +417,38 @@ class Row:
         by_hand = capture(trainer, root / "by_hand")
         assert self.premise(by_hand), "the fit by hand does not exercise what the row is named for"
         return [tuned], [by_hand]
+
+    def check_search(self, tuner: BatchSizeTuner) -> None:
+        """What the tuned fit's search must have done: here, a trial ran out of memory."""
+        assert any(not t.fits for t in tuner.trials), "no trial ran out of memory: the row tests no OOM"
+
+
+class WideNet(Net):
+    """`Net` with a wide temporary (2 MiB a sample) that the trace counts: memory bounds the traced size."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.a(x))
+        wide = hidden.repeat(1, 65536)
+        return self.b(hidden) + 0.0 * wide.mean()
+
+
+# a CPU Trainer, a budget in bytes: the size traced (about 16 of WideNet), no trial
+TRACED = {"budget": CONTEXT_BYTES + 110 * MIB, "max_val": None}
+
+
+@dataclass(frozen=True)
+class TracedRow(Row):
+    """A CPU Trainer with a budget in bytes: the tuner traces the step on fake tensors and runs no trial.
+
+    The trace copies the module and optimizer and draws the first batches; the fit must not see it.
+    """
+
+    model: Callable[..., Net] = WideNet
+    model_kwargs: Mapping[str, Any] = field(default_factory=dict)  # no simulated OOM: nothing runs for real
+    tuner: Mapping[str, Any] = field(default_factory=lambda: TRACED)
+
+    def check_search(self, tuner: BatchSizeTuner) -> None:
+        assert not tuner.trials, "a traced size runs no trial"
 
 
 @dataclass(frozen=True)
@@ -567,6 +601,17 @@ ROWS = [
     pytest.param(DdpRow(), id="21-ddp-2-cpu-ranks-oom-on-rank1-only", marks=pytest.mark.ddp),
     pytest.param(Row(tuner={"length_fn": _fake_length}), id="22a-length-fn-longest-samples-first"),
     pytest.param(Row(datamodule={}, tuner={"length_fn": _fake_length}), id="22b-length-fn-datamodule"),
+    pytest.param(TracedRow(), id="23a-cpu-traced-budget"),
+    pytest.param(TracedRow(trainer={"accumulate_grad_batches": 4}), id="23b-cpu-traced-accumulate4"),
+    pytest.param(
+        TracedRow(model_kwargs={"optimizer": "sgd", "scheduler": "onecycle"}), id="23c-cpu-traced-onecycle"
+    ),
+    pytest.param(TracedRow(datamodule={}), id="23d-cpu-traced-datamodule"),
+    pytest.param(TracedRow(**_resume(3, 8)), id="23e-cpu-traced-resume-mid-epoch-size-from-tuner-state"),
+    pytest.param(
+        TracedRow(callbacks=_checkpoint_top2, trainer={"max_epochs": 3, "num_sanity_val_steps": 0}),
+        id="23f-cpu-traced-modelcheckpoint-top2",
+    ),
 ]
 
 

@@ -187,6 +187,13 @@ def test_on_a_cpu_the_tuner_sets_the_traced_size_less_the_headroom_with_one_line
         assert torch.equal(a, b), name  # the same fit as with that size set by hand
 
 
+def test_on_a_cpu_nothing_is_given_up_where_the_data_bounds_the_traced_size(caplog):
+    tuned = Wide()
+    tuner = BatchSizeTuner(budget="16GiB", headroom=0.05)  # every size up to the dataset's 4096 fits
+    quiet_trainer(accelerator="cpu", max_steps=1, limit_val_batches=0, callbacks=[tuner]).fit(tuned)
+    assert tuner.optimal_batch_size == tuned.batch_size == 4096  # as the search: no headroom at `upper`
+
+
 def test_on_a_cpu_a_step_the_tuner_cannot_trace_keeps_the_size_with_the_warning():
     model = Wide(item=True)
     tuner = BatchSizeTuner(budget="2GiB")
