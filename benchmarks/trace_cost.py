@@ -1,0 +1,89 @@
+"""Where a trace's time goes: the traced step against the same step on meta tensors, on a CPU.
+
+``BatchSizeTuner(start="trace")`` traces two sizes, two training steps and a validation step each, before its
+first trial (``docs/benchmarks.md``, "Starting from a trace"); this measures one such trace per workload
+(``benchmarks/traced_plan.py``'s tracer, at size 4, after one at size 2 to warm the caches) and, as a floor, the
+same steps on meta tensors with no dispatch mode and no recording: PyTorch's meta kernels and the model's own
+Python, what any trace on shapes alone pays (bf16 autocast on the CPU, AdamW with ``foreach``)::
+
+    python benchmarks/trace_cost.py --models gpt,gpt-longval,hf-gpt2 --json benchmarks/results/trace-cost-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _tuner_models as M
+from traced_plan import tracer
+
+
+def meta_steps(w: M.Workload, size: int, steps: int) -> float:
+    """Seconds of ``steps`` training steps and a validation step on meta tensors, nothing recorded."""
+    with torch.device("meta"):
+        model = M.build_model(w)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, foreach=True)  # CUDA's default path
+    batch = [t.to("meta") for t in M.first_batch(w, M.build_dataset(w), size)]
+    val_batch = [t.to("meta") for t in M.first_batch(w, M.build_val_dataset(w), size)]
+    start = time.perf_counter()
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = M.compute_loss(w, model, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        M.compute_loss(w, model, val_batch, validation=True)
+    return time.perf_counter() - start
+
+
+def measure(name: str, steps: int) -> dict[str, Any]:
+    w = M.workload(name, False)
+    with torch.device("meta"):  # the trace needs the shapes only
+        model = M.build_model(w)
+    trace_at = tracer(w, model, steps=steps)
+    trace_at(2)
+    start = time.perf_counter()
+    trace = trace_at(4)
+    traced = time.perf_counter() - start
+    meta_steps(w, 2, steps)
+    floor = meta_steps(w, 4, steps)
+    return {
+        "model": name,
+        "steps": steps,
+        "events": len(trace.events),
+        "trace_seconds": round(traced, 3),
+        "meta_seconds": round(floor, 3),
+        "trace_over_meta": round(traced / floor, 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", default="gpt,gpt-longval,hf-gpt2")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(2)
+    rows = []
+    for name in args.models.split(","):
+        rows.append(measure(name, args.steps))
+        print(json.dumps(rows[-1]), flush=True)
+    if args.json:
+        report = {"torch": torch.__version__, "threads": 2, "workloads": rows}
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
