@@ -91,7 +91,8 @@ class BatchSizeTuner(Callback):
         start: ``"probe"``: the search starts from its first trial alone. ``"trace"``: the training (and
             validation) step is first traced on fake tensors (as :class:`MemoryPlanner` does without a GPU),
             and the second trial is the largest size its replay fits in the budget, shifted by what the
-            first trial measured above the trace; the search closes in from there
+            first trial measured above the trace, less ``headroom``: where the headroom gave something up
+            and that size runs, it is kept (two trials); else the search closes in from there
             (``docs/batch_size_tuner.md``, "Starting from a trace"). Not for batches whose shapes vary; a
             step that cannot be traced gives one warning and the search from its probe.
 
