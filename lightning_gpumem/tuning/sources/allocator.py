@@ -30,15 +30,19 @@ function here per function there (named in each docstring):
 Simplifications: no CUDA graphs or private pools, no ``record_stream`` (a free is final at once: the stream
 fed here should carry the allocator's ``free_completed``, not ``free_requested``), no garbage collection, no
 ``roundup_power2_divisions``, no failure of ``cudaMalloc`` itself (only the cap refuses; give the usable
-device memory as the cap to ask "will it fit?"). Segment addresses are handed out as ``cudaMalloc`` gave
-them out in the recorded H100 histories: the large pool's top down (a later segment below the earlier ones),
-the small pool's 2 MiB segments bottom up (all increasing made three of the 18 complete recorded replays
-differ from their run, all decreasing one; this way none). The driver may also reuse a freed range. The
-address only breaks ties between free blocks of equal size (the lowest address first), so a replay can differ
-from a run there and nowhere else. An expandable segment has 1 TiB of address space (the allocator takes
-1.125 times the device's memory), so it never runs out of it. With a cap and expandable segments the
-allocator checks the request's segment size (``get_allocation_size``) but maps whole pages, so reserved may
-pass the cap by part of a page, as it does on the GPU.
+device memory as the cap to ask "will it fit?"). Segment addresses are handed out as ``cudaMalloc`` gave them
+out in most recorded H100 histories: the large pool's top down (a later segment below the earlier ones), the
+small pool's 2 MiB segments bottom up (15 of the 20 complete recorded streams of ``cudaMalloc`` segments
+replay exactly with these, as many as with all increasing or all decreasing addresses; on the first 18, these
+did best). The driver's own placement is more involved (ranges reserved top down, segments placed bottom up
+within them, freed ranges reused), and the address only breaks ties between free blocks of equal size (the
+lowest address first), so a replay can differ from a run there and nowhere else: given the recorded addresses
+(``addresses``), every complete recorded stream of ``cudaMalloc`` segments replays exactly, the five the
+model's own addresses miss included (``tests/tuning/sources/test_allocator_fidelity.py``). An expandable
+segment has 1 TiB of address space (the allocator takes 1.125 times the device's memory), so it never runs
+out of it. With a cap and expandable segments the allocator checks the request's segment size
+(``get_allocation_size``) but maps whole pages, so reserved may pass the cap by part of a page, as it does on
+the GPU.
 """
 
 from __future__ import annotations
@@ -133,6 +137,9 @@ class AllocatorModel:
             memory); ``None`` for none.
         expandable_segments: model ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
         max_split_size: ``max_split_size_mb`` in bytes (above 20 MiB); ``None`` (the default) for unlimited.
+        addresses: the segments' start addresses in the order ``cudaMalloc`` gave them (a recorded history's
+            ``segment_alloc`` events), in place of the model's own while they last; they break ties between
+            free blocks of one size as on the device. Not with ``expandable_segments``.
 
     Example:
         >>> model = AllocatorModel()
@@ -151,12 +158,19 @@ class AllocatorModel:
         limit_bytes: int | None = None,
         expandable_segments: bool = False,
         max_split_size: int | None = None,
+        addresses: Iterable[int] | None = None,
     ) -> None:
         if limit_bytes is not None:
             require_int("AllocatorModel", "limit_bytes", limit_bytes, 0)
         require_flags("AllocatorModel", expandable_segments=expandable_segments)
         if max_split_size is not None:
             require_int("AllocatorModel", "max_split_size", max_split_size, LARGE_BUFFER_BYTES + 1)
+        if addresses is not None and expandable_segments:
+            raise ValueError(
+                "`AllocatorModel(addresses=..., expandable_segments=True)` is not valid. Expected addresses"
+                " only for `cudaMalloc` segments (expandable segments map pages into their own range)."
+            )
+        self._given = None if addresses is None else iter(addresses)
         self._limit = limit_bytes
         self._expandable = expandable_segments
         self._max_split = _UNLIMITED if max_split_size is None else max_split_size
@@ -565,8 +579,12 @@ class AllocatorModel:
     def _take_addresses(self, size: int, small: bool) -> int:
         """A fresh range of ``size`` bytes of addresses: its start.
 
-        The small pool's segments above every one it took before, the large pool's below.
+        The next of the addresses given, else the small pool's segments above every one it took before, the
+        large pool's below.
         """
+        given = None if self._given is None else next(self._given, None)
+        if given is not None:
+            return given
         if small:
             self._next_small += size
             return self._next_small - size
@@ -590,6 +608,7 @@ def replay(
     limit_bytes: int | None = None,
     expandable_segments: bool = False,
     max_split_size: int | None = None,
+    addresses: Iterable[int] | None = None,
 ) -> Replay:
     """Replay an allocation stream through a fresh :class:`AllocatorModel` and report its peaks.
 
@@ -602,6 +621,7 @@ def replay(
         limit_bytes: the cap in bytes (``set_per_process_memory_fraction``); ``None`` for none.
         expandable_segments: model ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
         max_split_size: ``max_split_size_mb`` in bytes; ``None`` (the default) for unlimited.
+        addresses: the segments' start addresses as ``cudaMalloc`` gave them (:class:`AllocatorModel`).
 
     Returns:
         The peaks (bytes) and counters; :attr:`Replay.fits` says whether every request was served.
@@ -621,7 +641,10 @@ def replay(
         False
     """
     model = AllocatorModel(
-        limit_bytes=limit_bytes, expandable_segments=expandable_segments, max_split_size=max_split_size
+        limit_bytes=limit_bytes,
+        expandable_segments=expandable_segments,
+        max_split_size=max_split_size,
+        addresses=addresses,
     )
     for index, event in enumerate(events):
         try:
