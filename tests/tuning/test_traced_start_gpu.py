@@ -42,7 +42,7 @@ def test_with_the_default_headroom_the_traced_size_less_it_is_kept_after_two_tri
     largest = _tuned("probe", budget).optimal_batch_size  # the largest size that runs
     sizes = [(t.batch_size, t.fits) for t in traced.trials]
     print(f"\nheadroom 0.05: trace {sizes}; probe {[(t.batch_size, t.fits) for t in probed.trials]}")
-    assert sizes[-1] == (traced.optimal_batch_size, True)
+    assert (traced.optimal_batch_size, True) in sizes  # the size kept ran
     assert len(traced.trials) <= 3  # the probe and the size kept (a step back where it failed)
     assert abs(traced.optimal_batch_size - probed.optimal_batch_size) <= 0.02 * probed.optimal_batch_size
     assert traced.optimal_batch_size <= largest

@@ -179,7 +179,7 @@ def traced_guess(
     less what that trial's reserved peak measured above its replay's (the memory the trace does not see,
     or sees too much of, taken as fixed): milliseconds, the streams are kept. Less ``headroom``
     (``search/headroom.py``), where that gives something up, it is the size to keep: run once, it ends the
-    search, with no trial of the largest size and the edge above it.
+    search, with no trial of the largest size and the edge above it. Nothing is given up at ``upper``.
 
     Raises:
         CannotTrace: where the step cannot be traced.
@@ -207,7 +207,8 @@ def traced_guess(
         found = largest(trial)
         if found is None:
             return None
-        kept = headroom_size(found, headroom)
+        # as the search's headroom: nothing is given up where memory did not bound the size (`upper`)
+        kept = found if found >= upper else headroom_size(found, headroom)
         return Guess(kept, kept=kept < found)
 
     return guess

@@ -179,3 +179,15 @@ def test_with_a_headroom_the_traced_guess_is_the_size_kept_and_runs_alone():
     assert [t.batch_size for t in found.trials] == [2, headroom_size(exact.batch_size, 0.05)]
     small = traced_guess(source, limit, upper=1 << 16, init_val=2, headroom=0.0)(found.trials[0])
     assert small == Guess(exact.batch_size, kept=False)  # nothing given up: the edge above it still runs
+
+
+def test_at_the_upper_bound_the_traced_guess_gives_nothing_up():
+    source = TracedSource(_tracer(_mlp()))
+    limit = 160 * MIB
+    exact = search_batch_size(source.under(limit), upper=1 << 16, limit_bytes=limit, tolerance=0.0)
+    assert exact.batch_size is not None
+    upper = exact.batch_size // 2  # the data ends before memory does
+    guess = traced_guess(source, limit, upper=upper, init_val=2, headroom=0.05)
+    found = search_batch_size(source.under(limit), upper=upper, limit_bytes=limit, guess=guess)
+    assert (found.batch_size, found.reason) == (upper, "upper_bound")  # as without a trace: nothing given up
+    assert [t.batch_size for t in found.trials] == [2, upper]
