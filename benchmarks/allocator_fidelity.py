@@ -24,7 +24,10 @@ is printed and saved as ``DIR/summary.json``.
 replayed peak reserved, peak allocated, peak requested, segments (``segment.all.peak``; the default mode
 only: torch counts no segments for expandable ones), device allocations and frees (``num_device_alloc``,
 ``num_device_free``: ``cudaMalloc`` and ``cudaFree`` calls, or page maps and unmaps), retries, OOMs, and
-whether every phase's peaks match. Exit status 1 when a case's peak reserved differs.
+whether every phase's peaks match. Exit status 1 when a case's peak reserved differs. With
+``--recorded-addresses`` the streams of ``cudaMalloc`` segments replay with the addresses the driver gave their
+segments (``segment_addresses``) in place of the model's own: what is left differs for another reason than
+where a segment lies.
 
 The size of a trace's ``alloc`` entry is the size requested (the allocator records ``orig_size``; if a torch
 version recorded the rounded block size instead, the replay is the same: ``round_size`` is idempotent, only
@@ -371,8 +374,11 @@ COLUMNS = (
 COUNTS = ("retries", "ooms")
 
 
-def check(directory: Path) -> int:
-    """Replay the streams saved in ``directory`` against their real runs; 1 if a peak reserved differs."""
+def check(directory: Path, recorded_addresses: bool = False) -> int:
+    """Replay the streams saved in ``directory`` against their real runs; 1 if a peak reserved differs.
+
+    ``recorded_addresses``: each stream of ``cudaMalloc`` segments replays with its own segments' addresses.
+    """
     sys.path.insert(0, str(REPO_ROOT))
     from lightning_gpumem._core.alloc_events import Event
     from lightning_gpumem.tuning.sources.allocator import replay
@@ -385,7 +391,13 @@ def check(directory: Path) -> int:
     for path in paths:
         data = _load(path)
         events, real = replayable(Event, data)
-        result = replay(events, limit_bytes=data["limit_bytes"], expandable_segments=data["expandable"])
+        given = segment_addresses(data) if recorded_addresses and not data["expandable"] else None
+        result = replay(
+            events,
+            limit_bytes=data["limit_bytes"],
+            expandable_segments=data["expandable"],
+            addresses=given,
+        )
         row: dict[str, Any] = {"case": data["case"], "events": len(events), "torch": data["torch"]}
         for key in (*COLUMNS, *COUNTS):
             model_value = getattr(result, key)
@@ -402,6 +414,11 @@ def check(directory: Path) -> int:
     _print(rows)
     (directory / "summary.json").write_text(json.dumps(rows, indent=1), encoding="utf-8")
     return 0 if all(row["peak_reserved"][0] == row["peak_reserved"][1] for row in rows) else 1
+
+
+def segment_addresses(data: dict[str, Any]) -> list[int]:
+    """A saved case's segment addresses, in the order the driver gave them (``AllocatorModel(addresses=)``)."""
+    return [item[1] for item in data["events"] if item[0] == "s"]
 
 
 def replayable(event_type: Any, data: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
@@ -486,6 +503,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--check", type=Path, metavar="DIR", help="replay the streams saved in DIR, compare (no GPU)"
     )
+    parser.add_argument(
+        "--recorded-addresses",
+        action="store_true",
+        help="with --check: replay with the driver's segment addresses, not the model's",
+    )
     parser.add_argument("--gpt", default="", help="batch sizes: the 236M GPT's real streams under --cap-gib")
     parser.add_argument(
         "--gpt-workload",
@@ -506,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         worker(model, int(batch), mode, args.limit, args.out)
         return 0
     if args.check is not None and args.out is None:
-        return check(args.check)
+        return check(args.check, args.recorded_addresses)
     if args.out is not None and not args.worker:
         sizes = [int(text) for text in args.gpt.split(",") if text]
         models = [name for name in args.models.split(",") if name]

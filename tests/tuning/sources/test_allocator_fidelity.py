@@ -86,7 +86,7 @@ def test_with_the_recorded_segment_addresses_every_native_stream_replays_exactly
     with gzip.open(STREAMS / f"{case}.json.gz", "rt", encoding="utf-8") as file:
         data = json.load(file)
     events, real = _fidelity().replayable(Event, data)
-    addresses = [item[1] for item in data["events"] if item[0] == "s"]
+    addresses = _fidelity().segment_addresses(data)
     result = replay(events, limit_bytes=data["limit_bytes"], addresses=addresses)
     for key in (*COUNTERS, "retries", "ooms"):
         assert (key, getattr(result, key)) == (key, real[key])
