@@ -24,10 +24,11 @@ is printed and saved as ``DIR/summary.json``.
 replayed peak reserved, peak allocated, peak requested, segments (``segment.all.peak``; the default mode
 only: torch counts no segments for expandable ones), device allocations and frees (``num_device_alloc``,
 ``num_device_free``: ``cudaMalloc`` and ``cudaFree`` calls, or page maps and unmaps), retries, OOMs, and
-whether every phase's peaks match. Exit status 1 when a case's peak reserved differs. With
-``--recorded-addresses`` the streams of ``cudaMalloc`` segments replay with the addresses the driver gave their
-segments (``segment_addresses``) in place of the model's own: what is left differs for another reason than
-where a segment lies.
+whether every phase's peaks match. Exit status 1 when a case's peak reserved differs. ``--addresses``: where
+the streams of ``cudaMalloc`` segments place their segments: ``model`` (the model's own, the default),
+``recorded`` (the addresses the driver gave them, ``segment_addresses``: what is left differs for another
+reason than where a segment lies), ``increasing`` or ``decreasing`` (each segment above, or below, all before
+it).
 
 The size of a trace's ``alloc`` entry is the size requested (the allocator records ``orig_size``; if a torch
 version recorded the rounded block size instead, the replay is the same: ``round_size`` is idempotent, only
@@ -374,10 +375,10 @@ COLUMNS = (
 COUNTS = ("retries", "ooms")
 
 
-def check(directory: Path, recorded_addresses: bool = False) -> int:
+def check(directory: Path, addresses: str = "model") -> int:
     """Replay the streams saved in ``directory`` against their real runs; 1 if a peak reserved differs.
 
-    ``recorded_addresses``: each stream of ``cudaMalloc`` segments replays with its own segments' addresses.
+    ``addresses``: where each stream of ``cudaMalloc`` segments puts its segments (``--addresses``).
     """
     sys.path.insert(0, str(REPO_ROOT))
     from lightning_gpumem._core.alloc_events import Event
@@ -391,7 +392,7 @@ def check(directory: Path, recorded_addresses: bool = False) -> int:
     for path in paths:
         data = _load(path)
         events, real = replayable(Event, data)
-        given = segment_addresses(data) if recorded_addresses and not data["expandable"] else None
+        given = None if data["expandable"] else placed(data, addresses)
         result = replay(
             events,
             limit_bytes=data["limit_bytes"],
@@ -419,6 +420,24 @@ def check(directory: Path, recorded_addresses: bool = False) -> int:
 def segment_addresses(data: dict[str, Any]) -> list[int]:
     """A saved case's segment addresses, in the order the driver gave them (``AllocatorModel(addresses=)``)."""
     return [item[1] for item in data["events"] if item[0] == "s"]
+
+
+def placed(data: dict[str, Any], addresses: str) -> list[int] | None:
+    """The segment addresses ``--addresses`` names for a saved case (``None``: the model's own)."""
+    if addresses == "model":
+        return None
+    if addresses == "recorded":
+        return segment_addresses(data)
+    sizes = [item[2] for item in data["events"] if item[0] == "s"]
+    start, sign = (1 << 40, 1) if addresses == "increasing" else (1 << 44, -1)
+    out = []
+    for size in sizes:
+        if sign < 0:
+            start -= size
+        out.append(start)
+        if sign > 0:
+            start += size
+    return out
 
 
 def replayable(event_type: Any, data: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
@@ -504,9 +523,10 @@ def main(argv: list[str] | None = None) -> int:
         "--check", type=Path, metavar="DIR", help="replay the streams saved in DIR, compare (no GPU)"
     )
     parser.add_argument(
-        "--recorded-addresses",
-        action="store_true",
-        help="with --check: replay with the driver's segment addresses, not the model's",
+        "--addresses",
+        default="model",
+        choices=("model", "recorded", "increasing", "decreasing"),
+        help="with --check: where the segments lie (the model's own, the driver's, or all up or down)",
     )
     parser.add_argument("--gpt", default="", help="batch sizes: the 236M GPT's real streams under --cap-gib")
     parser.add_argument(
@@ -528,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         worker(model, int(batch), mode, args.limit, args.out)
         return 0
     if args.check is not None and args.out is None:
-        return check(args.check, args.recorded_addresses)
+        return check(args.check, args.addresses)
     if args.out is not None and not args.worker:
         sizes = [int(text) for text in args.gpt.split(",") if text]
         models = [name for name in args.models.split(",") if name]

@@ -33,16 +33,15 @@ fed here should carry the allocator's ``free_completed``, not ``free_requested``
 device memory as the cap to ask "will it fit?"). Segment addresses are handed out as ``cudaMalloc`` gave them
 out in most recorded H100 histories: the large pool's top down (a later segment below the earlier ones), the
 small pool's 2 MiB segments bottom up (15 of the 20 complete recorded streams of ``cudaMalloc`` segments
-replay exactly with these, as many as with all increasing or all decreasing addresses; on the first 18, these
-did best). The driver's own placement is more involved (ranges reserved top down, segments placed bottom up
-within them, freed ranges reused), and the address only breaks ties between free blocks of equal size (the
-lowest address first), so a replay can differ from a run there and nowhere else: given the recorded addresses
-(``addresses``), every complete recorded stream of ``cudaMalloc`` segments replays exactly, the five the
-model's own addresses miss included (``tests/tuning/sources/test_allocator_fidelity.py``). An expandable
-segment has 1 TiB of address space (the allocator takes 1.125 times the device's memory), so it never runs
-out of it. With a cap and expandable segments the allocator checks the request's segment size
-(``get_allocation_size``) but maps whole pages, so reserved may pass the cap by part of a page, as it does on
-the GPU.
+replay exactly with these, 14 with all addresses increasing or all decreasing:
+``benchmarks/allocator_fidelity.py --check --addresses``). The driver's own placement is more involved, and
+the address only breaks ties between free blocks of equal size (the lowest address first), so a replay can
+differ from a run there and nowhere else: given the recorded addresses (``addresses``), every complete
+recorded stream of ``cudaMalloc`` segments replays exactly, the five the model's own addresses miss included
+(``tests/tuning/sources/test_allocator_fidelity.py``). An expandable segment has 1 TiB of address space (the
+allocator takes 1.125 times the device's memory), so it never runs out of it. With a cap and expandable
+segments the allocator checks the request's segment size (``get_allocation_size``) but maps whole pages, so
+reserved may pass the cap by part of a page, as it does on the GPU.
 """
 
 from __future__ import annotations
