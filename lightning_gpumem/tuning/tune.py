@@ -27,7 +27,7 @@ from lightning_gpumem.tuning.search import (
     search_batch_size,
     until_data_ends,
 )
-from lightning_gpumem.tuning.search.headroom import TUNER_TOLERANCE, headroom_size
+from lightning_gpumem.tuning.search.headroom import TUNER_TOLERANCE, size_to_keep
 from lightning_gpumem.tuning.search.model import Trial
 from lightning_gpumem.tuning.sources.affine import AffineStreams
 from lightning_gpumem.tuning.sources.traced import traced_guess
@@ -261,8 +261,7 @@ def tune_traced(
             f" {name}={size}."
         )
         return None
-    # as the search's headroom: nothing given up where memory did not bound the size (`max_val`, the data)
-    kept = largest if largest >= upper else headroom_size(largest, tuner.headroom)
+    kept = size_to_keep(largest, tuner.headroom, upper)
     _session.apply_batch_size(trainer, name, kept, accumulation_for(kept), rebuild_optimizers=True)
     rank_zero_info(
         f"BatchSizeTuner: {trainer.strategy.root_device} has no memory allocator to measure: {name}={kept},"

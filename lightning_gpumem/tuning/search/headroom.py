@@ -52,6 +52,15 @@ def headroom_size(largest: int, headroom: float) -> int:
     return max(1, min(largest, kept))
 
 
+def size_to_keep(largest: int, headroom: float, upper: int) -> int:
+    """:func:`headroom_size` of ``largest``, or all of it where it is ``upper``: memory did not bound it.
+
+    >>> size_to_keep(40, 0.05, upper=4096), size_to_keep(64, 0.05, upper=64)
+    (38, 64)
+    """
+    return largest if largest >= upper else headroom_size(largest, headroom)
+
+
 def leave_headroom(
     run_trial: TrialSource, result: SearchResult, headroom: float, limit_bytes: int | None, max_trials: int
 ) -> SearchResult:

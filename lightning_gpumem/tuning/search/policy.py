@@ -76,7 +76,7 @@ def search_batch_size(
     max_trials: int = 25,
     tolerance: float = TOLERANCE,
     on_move: Callable[[Proposal], None] | None = None,
-    guess: Callable[[Trial], Guess | int | None] | None = None,
+    guess: Callable[[Trial], Guess | None] | None = None,
 ) -> SearchResult:
     """Find the largest accepted batch size in ``[1, upper]``: probe, predict, validate, close.
 
@@ -93,11 +93,11 @@ def search_batch_size(
             always exact. A step back steps this fraction of the size that was just too large (at least 1).
         on_move: called with each move's :class:`Proposal` (its size clamped to the open sizes) before its
             trial runs; not called for the sizes tried on the way down to the first accepted one.
-        guess: given the first accepted trial, a predicted largest size (the traced step's, calibrated by
-            that trial: ``traced_guess`` in ``tuning/sources/traced.py``), or a :class:`Guess`; where it is
-            above that trial's size, it is the second size tried (the move ``traced``), and the moves go on
-            from what it measured, unless it is a :class:`Guess` to keep and runs: then the search ends
-            there (``"traced"``). ``None``: no guess.
+        guess: given the first accepted trial, a :class:`Guess` (the traced step's, calibrated by that
+            trial: ``traced_guess`` in ``tuning/sources/traced.py``); where its size is above that trial's,
+            it is the second size tried (the move ``traced``), and the moves go on from what it measured,
+            unless it is the size to keep and runs: then the search ends there (``"traced"``). ``None``: no
+            guess.
 
     Returns:
         The largest accepted size and the trials.
@@ -134,8 +134,7 @@ def search_batch_size(
 
     # 2. Up the bracket, one move per trial.
     bracket = Bracket(lo=size, hi=hi, upper=upper, tolerance=tolerance)
-    found = guess(trials[size]) if guess is not None else None
-    guessed = Guess(found) if isinstance(found, int) else found
+    guessed = guess(trials[size]) if guess is not None else None
     while True:
         lo = bracket.lo
         ev = Evidence(list(trials.values()), limit_bytes)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from lightning_gpumem._core.alloc_events import Event
 from lightning_gpumem._core.units import GIB
 from lightning_gpumem._hw.trace import Trace
-from lightning_gpumem.tuning.search.headroom import headroom_size
+from lightning_gpumem.tuning.search.headroom import size_to_keep
 from lightning_gpumem.tuning.search.model import Trial
 from lightning_gpumem.tuning.search.plan import Prediction
 from lightning_gpumem.tuning.search.policy import Guess, search_batch_size
@@ -207,8 +207,7 @@ def traced_guess(
         found = largest(trial)
         if found is None:
             return None
-        # as the search's headroom: nothing is given up where memory did not bound the size (`upper`)
-        kept = found if found >= upper else headroom_size(found, headroom)
+        kept = size_to_keep(found, headroom, upper)
         return Guess(kept, kept=kept < found)
 
     return guess

@@ -140,10 +140,10 @@ def test_a_traced_guess_past_the_boundary_steps_back():
         return Trial(size, fits=peak <= 24 * GIB, peak_bytes=peak if peak <= 24 * GIB else None)
 
     for guess, tried in ((47, [2, 47, 46]), (46, [2, 46]), (45, [2, 45, 46]), (50, [2, 50, 49, 47, 43, 46])):
-        found = search_batch_size(real, upper=4096, limit_bytes=24 * GIB, guess=lambda _, g=guess: g)
+        found = search_batch_size(real, upper=4096, limit_bytes=24 * GIB, guess=lambda _, g=guess: Guess(g))
         assert found.batch_size == 46
         assert [t.batch_size for t in found.trials] == tried
-    below_first = search_batch_size(real, upper=4096, limit_bytes=24 * GIB, guess=lambda _: 1)
+    below_first = search_batch_size(real, upper=4096, limit_bytes=24 * GIB, guess=lambda _: Guess(1))
     assert below_first.batch_size == 46  # a guess at or below the first trial is not tried
 
 
