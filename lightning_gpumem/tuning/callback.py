@@ -282,7 +282,8 @@ class BatchSizeTuner(Callback):
 
     def _apply(self, trainer: pl.Trainer, result: SearchResult, shapes: list[Shapes]) -> None:
         """Keep the size found (the session applied it), or say why there is none."""
-        self.optimal_batch_size = refuse_none(result, self.budget_bytes)
+        tokens = self.searched.tokens is not None
+        self.optimal_batch_size = refuse_none(result, self.budget_bytes, self.batch_arg_name, tokens)
         self._accumulation = trainer.accumulate_grad_batches
         size, accumulation = self.searched.original
         if self.keep_effective_batch and self._accumulation != accumulation:

@@ -130,7 +130,9 @@ def squeeze_warning(name: str, chosen: Trial) -> str | None:
 Shapes = tuple[tuple[int, ...], ...]  # a batch's tensor shapes, less the batch dimension
 
 
-def refuse_none(result: SearchResult, budget_bytes: int | None) -> int:
+def refuse_none(
+    result: SearchResult, budget_bytes: int | None, name: str = "batch_size", tokens: bool = False
+) -> int:
     """The size the search kept.
 
     Raises:
@@ -145,10 +147,12 @@ def refuse_none(result: SearchResult, budget_bytes: int | None) -> int:
             " below the largest one (allocator fragmentation; trials:"
             f" {[(t.batch_size, t.fits) for t in result.trials]}). Raise `headroom`."
         )
+    smallest = min((t.batch_size for t in result.trials), default=1)
+    alone = " (the longest sample's cost alone)" if tokens else ""
     raise RuntimeError(
-        f"BatchSizeTuner: even batch_size=1 does not fit the budget of {budget} ({len(result.trials)}"
-        " trials). Lower the memory per sample (precision='bf16-mixed', activation checkpointing) or raise"
-        " `budget`."
+        f"BatchSizeTuner: even {name}={smallest}{alone} does not fit the budget of {budget}"
+        f" ({len(result.trials)} trials). Lower the memory per sample (precision='bf16-mixed', activation"
+        " checkpointing) or raise `budget`."
     )
 
 

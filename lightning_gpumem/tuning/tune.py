@@ -111,11 +111,14 @@ def tune(
         varies = bool(tokens or length_fn)
         guess = _traced_guess(trainer, limit, upper, init_val, validate, headroom, varies=varies)
 
+    lower = init_val if tokens else 1  # a token budget below the longest sample's cost holds no epoch
+
     def search(run: TrialSource, top: int) -> SearchResult:
         return search_batch_size(
             run,
             init_val=init_val,
             upper=top,
+            lower=min(lower, top),
             limit_bytes=limit,
             max_trials=MAX_TRIALS,
             tolerance=TUNER_TOLERANCE,
@@ -145,7 +148,7 @@ def tune(
                 limit
             ):  # trials run with the allocator capped at the budget, as the fit will be
                 result = until_data_ends(search, bench.run, upper)
-                result = leave_headroom(bench.run, result, headroom, limit, MAX_TRIALS)
+                result = leave_headroom(bench.run, result, headroom, limit, MAX_TRIALS, lower)
             if result.batch_size is not None:  # applied when the session is left
                 bench.session.choose(result.batch_size, accumulation_for(result.batch_size))
             shapes = sorted(bench.session.shapes)

@@ -799,6 +799,31 @@ def test_where_nothing_down_to_one_runs_the_walk_keeps_nothing():
     assert result.batch_size is None
 
 
+def test_the_walk_never_goes_below_lower():
+    searched = _searched({11: OK, 12: None}, [11, 12])
+    walk = {10: None, 9: None, 8: None}  # steps 1, 2 (to 7: below 8, so 8)
+    result = walk_down(_replay(walk), searched, start=10, limit_bytes=24 * GIB, lower=8)
+    assert _walked(result, searched) == [(10, False), (9, False), (8, False)]
+    assert result.batch_size is None
+
+
+def test_the_search_never_tries_a_size_below_lower():
+    run = curve(fixed=20 * GIB, per_sample=GIB)  # 4 samples fit the card
+    result = search_batch_size(run, init_val=64, upper=1000, lower=10)
+    assert result.batch_size is None
+    assert result.reason == "nothing_fits"
+    assert min(t.batch_size for t in result.trials) == 10
+    assert (
+        search_batch_size(curve(fixed=0, per_sample=GIB), init_val=64, upper=1000, lower=10).batch_size == 24
+    )
+
+
+@pytest.mark.parametrize("lower", [0, 1001])
+def test_lower_is_checked(lower):
+    with pytest.raises(ValueError, match=f"lower={lower}"):
+        search_batch_size(curve(fixed=0, per_sample=GIB), upper=1000, lower=lower)
+
+
 @pytest.mark.parametrize("start", [0, 76])
 def test_the_walk_starts_from_a_size_up_to_the_result(start):
     searched = _searched({2: OK, 75: OK, 76: None}, [2, 75, 76])

@@ -1,48 +1,111 @@
-"""``BatchSizeTuner(start="trace")`` on a real GPU (`pytest -m gpu`): the traced size second, the same answer."""
+"""``BatchSizeTuner(start="trace")`` on a real GPU (`pytest -m gpu`): the traced size second, the GPU's verdicts.
+
+The MLP's memory is not monotone in the batch size near these budgets: the allocator's segments fragment
+differently at each size (on the H100 at 2 GiB, 10624 runs, 10731 does not, 11737 does). The trace replays
+that: where the GPU's allocator did not give its cache back, each size either start tried runs in the replay
+exactly where it ran on the GPU. The traced start keeps the largest size below the first one that fails, which
+may be below a larger size that runs past a failing one (the probe's search can jump there).
+"""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+import torch
 from lightning.pytorch import seed_everything
+from torch import nn
 
 from lightning_gpumem import BatchSizeTuner
+from lightning_gpumem._core.kernels import Device
 from lightning_gpumem._core.units import GIB
-from tests.tuning.test_callback_gpu import WideMLP, _fit
+from lightning_gpumem._hw.trace import trace_training
+from lightning_gpumem.tuning.search.model import Trial
+from lightning_gpumem.tuning.sources.steps import replay_steady
+from tests.helpers.trainer import quiet_trainer
+from tests.tuning.test_callback_gpu import WideMLP, _fit, _warm_up
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:`weights_only` was not set")]
 
 
-def _tuned(start: str, budget: int, headroom: float = 0.0) -> BatchSizeTuner:
+def _tuned(start: str, budget: int, headroom: float = 0.0, capped_fit: bool = True) -> BatchSizeTuner:
+    """The tuner after a fit: under the cap (``capped_fit``), or a fit of one step without it.
+
+    With no headroom the size kept is the largest that ran in the trials, which the fit's later steps may not
+    run in the same budget (docs/batch_size_tuner.md, "Limits"): such fits run uncapped; the trials ran under
+    the budget either way.
+    """
     seed_everything(0)
     tuner = BatchSizeTuner(budget=budget, headroom=headroom, start=start)
-    _fit(tuner, WideMLP(), budget)
+    if capped_fit:
+        _fit(tuner, WideMLP(), budget)
+    else:
+        _warm_up()  # as `_fit`: the process's cuBLAS workspaces exist before the trials
+        quiet_trainer(
+            accelerator="gpu",
+            devices=1,
+            max_steps=1,
+            limit_val_batches=1,
+            num_sanity_val_steps=0,
+            callbacks=[tuner],
+        ).fit(WideMLP())
     return tuner
 
 
-@pytest.mark.parametrize("budget", [2 * GIB, 3 * GIB])
-def test_the_traced_start_finds_the_probes_size_in_at_most_as_many_trials(budget):
-    traced = _tuned("trace", budget)
-    probed = _tuned("probe", budget)
-    sizes = [(t.batch_size, t.fits) for t in traced.trials]
-    print(
-        f"\n{budget / GIB:.0f} GiB: trace {sizes}; probe {[(t.batch_size, t.fits) for t in probed.trials]}"
+def _replayed(size: int, budget: int) -> tuple[bool, int]:
+    """Whether ``size`` runs in the replay of WideMLP's traced step under ``budget``, and the retries."""
+    net = copy.deepcopy(WideMLP().net)
+
+    def loss(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return nn.functional.cross_entropy(module(batch[0]), batch[1])
+
+    properties = torch.cuda.get_device_properties(0)
+    trace = trace_training(
+        net,
+        lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+        loss,
+        (torch.empty(size, 1024), torch.zeros(size, dtype=torch.long)),
+        steps=2,
+        validate=loss,
+        device=Device(properties.multi_processor_count, properties.max_threads_per_multi_processor),
     )
-    assert abs(traced.optimal_batch_size - probed.optimal_batch_size) <= 0.01 * probed.optimal_batch_size
-    assert len(traced.trials) <= len(probed.trials)
-    assert (
-        len(traced.trials) <= 4
-    )  # the probe, the traced size, the edge (and the size kept, where it moved)
+    assert trace.cannot_trace is None
+    replayed, _ = replay_steady(trace.events, limit_bytes=budget)
+    return replayed.fits, replayed.retries
+
+
+def _verdicts(trials: list[Trial], budget: int) -> list[tuple[int, bool, int | None, bool, int]]:
+    """Per size tried: the GPU's verdict and retries, the replay's."""
+    sizes = {t.batch_size: t for t in trials}
+    return [(s, t.fits, t.retries, *_replayed(s, budget)) for s, t in sorted(sizes.items())]
+
+
+@pytest.mark.parametrize("budget", [2 * GIB, 3 * GIB])
+def test_the_traced_start_runs_few_trials_and_the_replay_gives_the_gpus_verdicts(budget):
+    traced = _tuned("trace", budget, capped_fit=False)
+    probed = _tuned("probe", budget, capped_fit=False)
+    verdicts = _verdicts([*traced.trials, *probed.trials], budget)
+    print(
+        f"\n{budget / GIB:.0f} GiB: trace {[(t.batch_size, t.fits) for t in traced.trials]}; probe"
+        f" {[(t.batch_size, t.fits) for t in probed.trials]}\n(size, GPU runs, GPU retries, replay runs,"
+        f" replay retries): {verdicts}"
+    )
+    assert (traced.optimal_batch_size, True) in [(t.batch_size, t.fits) for t in traced.trials]
+    assert len(traced.trials) <= min(4, len(probed.trials))  # the probe, the traced size, the edge
+    assert traced.optimal_batch_size <= probed.optimal_batch_size
     assert all(t.peak_bytes <= budget for t in traced.trials if t.fits)
+    if budget == 2 * GIB:  # measured on the H100: every size either start tries, none run by retries
+        assert [(size, gpu) for size, gpu, retries, *_ in verdicts if retries == 0 or not gpu] == [
+            (size, replay) for size, gpu, retries, replay, _ in verdicts if retries == 0 or not gpu
+        ]
 
 
-def test_with_the_default_headroom_the_traced_size_less_it_is_kept_after_two_trials():
+def test_with_a_headroom_the_traced_size_less_it_is_kept_after_two_trials_and_the_fit_runs():
     budget = 3 * GIB
-    traced = _tuned("trace", budget, headroom=0.05)
-    probed = _tuned("probe", budget, headroom=0.05)
-    largest = _tuned("probe", budget).optimal_batch_size  # the largest size that runs
+    traced = _tuned("trace", budget, headroom=0.05)  # the fit runs under the cap: an OOM fails the test
+    largest = _tuned("probe", budget, capped_fit=False).optimal_batch_size  # the largest size that ran
     sizes = [(t.batch_size, t.fits) for t in traced.trials]
-    print(f"\nheadroom 0.05: trace {sizes}; probe {[(t.batch_size, t.fits) for t in probed.trials]}")
+    print(f"\nheadroom 0.05: trace {sizes}; the probe's largest size {largest}")
     assert (traced.optimal_batch_size, True) in sizes  # the size kept ran
     assert len(traced.trials) <= 3  # the probe and the size kept (a step back where it failed)
-    assert abs(traced.optimal_batch_size - probed.optimal_batch_size) <= 0.02 * probed.optimal_batch_size
     assert traced.optimal_batch_size <= largest

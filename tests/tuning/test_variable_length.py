@@ -231,6 +231,27 @@ def test_a_token_budget_below_the_longest_sample_is_refused():
         tuner_trainer(BatchSizeTuner(batch_arg_name="max_tokens", max_val=100)).fit(model)
 
 
+def test_where_the_longest_sample_alone_runs_out_of_memory_the_tuner_says_so_and_tries_no_smaller_budget():
+    model = TokenModel(skewed_lengths(), limit=200)  # the longest sample costs 256 padded tokens
+    model.max_tokens = 512
+    tuner = BatchSizeTuner(batch_arg_name="max_tokens", max_val=SEARCH)
+    with pytest.raises(
+        RuntimeError, match=r"even max_tokens=256 \(the longest sample's cost alone\) does not fit"
+    ):
+        tuner_trainer(tuner).fit(model)
+    assert [t.batch_size for t in tuner.trials] == [256]  # no budget below it: its sampler refuses one
+
+
+@pytest.mark.parametrize("limit", [256, 258, 300])
+def test_near_the_longest_sample_the_headroom_keeps_no_budget_below_it(limit):
+    model = TokenModel(skewed_lengths(), limit=limit)
+    model.max_tokens = 512
+    tuner = BatchSizeTuner(batch_arg_name="max_tokens", headroom=0.2, max_val=SEARCH)
+    tuner_trainer(tuner).fit(model)
+    assert min(t.batch_size for t in tuner.trials) == 256
+    assert model.max_tokens == tuner.optimal_batch_size == max(256, math.ceil(0.8 * limit))
+
+
 def test_the_tuned_budget_and_its_padding_are_logged(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 

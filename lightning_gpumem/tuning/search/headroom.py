@@ -62,21 +62,30 @@ def size_to_keep(largest: int, headroom: float, upper: int) -> int:
 
 
 def leave_headroom(
-    run_trial: TrialSource, result: SearchResult, headroom: float, limit_bytes: int | None, max_trials: int
+    run_trial: TrialSource,
+    result: SearchResult,
+    headroom: float,
+    limit_bytes: int | None,
+    max_trials: int,
+    lower: int = 1,
 ) -> SearchResult:
     """Give up ``headroom`` of the largest size the budget holds, and run the size kept.
 
     The largest size the budget holds is :func:`largest_held`'s. Nothing is given up where memory did not
     bound the search (it stopped at ``upper``), nor where the search kept the traced size (``"traced"``: the
     headroom is already given up below the traced largest size, and that size ran). The size kept is at
-    most the search's result; :func:`walk_down` runs it where no trial of the search did (and, where it does
-    not run, the sizes below it) under the search's trial budget.
+    most the search's result and at least ``lower`` (the search's smallest size); :func:`walk_down` runs it
+    where no trial of the search did (and, where it does not run, the sizes below it down to ``lower``) under
+    the search's trial budget.
     """
     largest = result.batch_size
     if largest is None or result.reason in ("upper_bound", "traced"):
         return result
     size = min(largest, headroom_size(largest_held(result, limit_bytes) or largest, headroom))
-    return walk_down(run_trial, result, start=size, limit_bytes=limit_bytes, max_trials=max_trials)
+    size = max(min(lower, largest), size)
+    return walk_down(
+        run_trial, result, start=size, limit_bytes=limit_bytes, max_trials=max_trials, lower=min(lower, size)
+    )
 
 
 def walk_down(
@@ -86,32 +95,35 @@ def walk_down(
     start: int,
     limit_bytes: int | None = None,
     max_trials: int = 25,
+    lower: int = 1,
 ) -> SearchResult:
-    """Keep ``start`` where it is accepted, else the largest accepted size below it.
+    """Keep ``start`` where it is accepted, else the largest accepted size below it, down to ``lower``.
 
     ``start`` is at most the search's result. With ``start`` the result, that is the result, with no trial.
     Else, from ``size = start`` and ``step`` 1% of ``start`` (rounded up), in turn: where a trial of the
     search accepted a size from ``size`` up to, not including, the last size the walk tried (``start``
     included, the first time), the largest such size is kept without running again; else ``size`` runs, and
-    is kept if accepted; else ``size`` goes ``step`` lower (not below 1) and ``step`` doubles: 1%, 2%, 4%...
-    of ``start``.
+    is kept if accepted; else ``size`` goes ``step`` lower (not below ``lower``) and ``step`` doubles: 1%,
+    2%, 4%... of ``start``.
 
     Args:
         run_trial: runs a trial at a batch size and reports it, as in :func:`search_batch_size`; called at
             most once per size, never for a size the result's trials accepted.
         result: the search's result; the walk's trials are added to its trials.
-        start: the size to keep where it is accepted, in ``[1, result.batch_size]``.
+        start: the size to keep where it is accepted, in ``[lower, result.batch_size]``.
         limit_bytes: peaks above this are rejected like OOMs, as in the search.
         max_trials: the trials of the search and of the walk together: once there are this many and no size
             is kept, the walk stops at the largest size below that a trial accepted.
+        lower: the smallest size the walk may run (a token budget's: the longest sample's cost).
 
     Returns:
         The size kept, every trial in order (the search's, then the walk's) and the search's stop reason.
-        ``batch_size`` is ``None`` where none is kept: the result's is ``None``, the walk reached 1 and it
-        was rejected, or ``max_trials`` trials ran first and none of them accepted a size below the walk's.
+        ``batch_size`` is ``None`` where none is kept: the result's is ``None``, the walk reached ``lower``
+        and it was rejected, or ``max_trials`` trials ran first and none of them accepted a size below the
+        walk's.
 
     Raises:
-        ValueError: if ``start`` is not in ``[1, result.batch_size]``.
+        ValueError: if ``start`` is not in ``[lower, result.batch_size]``.
 
     Example:
         >>> from lightning_gpumem.tuning.search.model import Trial
@@ -125,8 +137,8 @@ def walk_down(
     best = result.batch_size
     if best is None:
         return result
-    if not 1 <= start <= best:
-        raise ValueError(f"`start={start}` must be in [1, {best}], the search's result.")
+    if not 1 <= lower <= start <= best:
+        raise ValueError(f"`start={start}` must be in [{lower}, {best}]: `lower` up to the search's result.")
     if start == best:
         return result
     trials = [*result.trials]
@@ -142,6 +154,6 @@ def walk_down(
         trials.append(trial)
         if accepted(trial, limit_bytes):
             return replace(result, batch_size=size, trials=tuple(trials))
-        if size == 1:
+        if size == lower:
             return replace(result, batch_size=None, trials=tuple(trials))
-        failed, size, step = size, max(1, size - step), 2 * step
+        failed, size, step = size, max(lower, size - step), 2 * step

@@ -72,13 +72,14 @@ def search_batch_size(
     *,
     init_val: int = 2,
     upper: int,
+    lower: int = 1,
     limit_bytes: int | None = None,
     max_trials: int = 25,
     tolerance: float = TOLERANCE,
     on_move: Callable[[Proposal], None] | None = None,
     guess: Callable[[Trial], Guess | None] | None = None,
 ) -> SearchResult:
-    """Find the largest accepted batch size in ``[1, upper]``: probe, predict, validate, close.
+    """Find the largest accepted batch size in ``[lower, upper]``: probe, predict, validate, close.
 
     See the module docstring.
 
@@ -86,6 +87,8 @@ def search_batch_size(
         run_trial: runs a trial at a batch size and reports it; called at most once per size.
         init_val: first size tried (clamped to ``upper``).
         upper: largest size that may be tried (``max_val``, or the samples an epoch draws).
+        lower: smallest size that may be tried (a token budget's: the longest sample's cost); where it is
+            rejected, nothing fits (``"nothing_fits"``).
         limit_bytes: peaks above this are rejected like OOMs; ``None`` accepts any size that runs.
         max_trials: stop after this many trials with the best size found.
         tolerance: stop once the sizes between the largest accepted and the smallest rejected one are at most
@@ -112,6 +115,8 @@ def search_batch_size(
     """
     if upper < 1:
         raise ValueError(f"`upper={upper}` must be at least 1.")
+    if not 1 <= lower <= upper:
+        raise ValueError(f"`lower={lower}` must be at least 1 and at most `upper={upper}`.")
     trials: dict[int, Trial] = {}
 
     def run(batch_size: int) -> Trial:
@@ -119,18 +124,18 @@ def search_batch_size(
             trials[batch_size] = run_trial(batch_size)
         return trials[batch_size]
 
-    # 1. One accepted size, going down from init_val.
-    size = max(1, min(init_val, upper))
+    # 1. One accepted size, going down from init_val, never below `lower`.
+    size = max(lower, min(init_val, upper))
     hi: int | None = None
     while not accepted(run(size), limit_bytes):
         hi = size
-        if size == 1:
+        if size == lower:
             return SearchResult(None, tuple(trials.values()), "nothing_fits")
         if len(trials) >= max_trials:
             return SearchResult(None, tuple(trials.values()), "max_trials")
         ev = Evidence(list(trials.values()), limit_bytes)
         below = ev.safe_size(trials[size])  # the line through the origin
-        size = below if below is not None and 1 <= below < size else max(1, size // 2)
+        size = below if below is not None and lower <= below < size else max(lower, size // 2)
 
     # 2. Up the bracket, one move per trial.
     bracket = Bracket(lo=size, hi=hi, upper=upper, tolerance=tolerance)
