@@ -4,7 +4,9 @@ The MLP's memory is not monotone in the batch size near these budgets: the alloc
 differently at each size (on the H100 at 2 GiB, 10624 runs, 10731 does not, 11737 does). The trace replays
 that: where the GPU's allocator did not give its cache back, each size either start tried runs in the replay
 exactly where it ran on the GPU. The traced start keeps the largest size below the first one that fails, which
-may be below a larger size that runs past a failing one (the probe's search can jump there).
+may be below a larger size that runs past a failing one (the probe's search can jump there). At 3 GiB the GPU
+runs sizes above the traced largest one in a trial by giving its cache back (the fit's later steps may not run
+them), so the edge runs and the search goes on as without a trace.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def _verdicts(trials: list[Trial], budget: int) -> list[tuple[int, bool, int | N
 
 
 @pytest.mark.parametrize("budget", [2 * GIB, 3 * GIB])
-def test_the_traced_start_runs_few_trials_and_the_replay_gives_the_gpus_verdicts(budget):
+def test_the_replay_gives_the_gpus_verdicts_and_the_traced_start_runs_few_trials(budget):
     traced = _tuned("trace", budget, capped_fit=False)
     probed = _tuned("probe", budget, capped_fit=False)
     verdicts = _verdicts([*traced.trials, *probed.trials], budget)
@@ -90,14 +92,15 @@ def test_the_traced_start_runs_few_trials_and_the_replay_gives_the_gpus_verdicts
         f" {[(t.batch_size, t.fits) for t in probed.trials]}\n(size, GPU runs, GPU retries, replay runs,"
         f" replay retries): {verdicts}"
     )
+    # a size that ran only by the allocator giving its cache back may not run the fit's later steps, which
+    # the replay repeats until the layout settles: there the replay may say no
+    plain = [(size, gpu, replay) for size, gpu, retries, replay, _ in verdicts if retries == 0 or not gpu]
+    assert [(size, gpu) for size, gpu, _ in plain] == [(size, replay) for size, _, replay in plain]
     assert (traced.optimal_batch_size, True) in [(t.batch_size, t.fits) for t in traced.trials]
-    assert len(traced.trials) <= min(4, len(probed.trials))  # the probe, the traced size, the edge
-    assert traced.optimal_batch_size <= probed.optimal_batch_size
     assert all(t.peak_bytes <= budget for t in traced.trials if t.fits)
-    if budget == 2 * GIB:  # measured on the H100: every size either start tries, none run by retries
-        assert [(size, gpu) for size, gpu, retries, *_ in verdicts if retries == 0 or not gpu] == [
-            (size, replay) for size, gpu, retries, replay, _ in verdicts if retries == 0 or not gpu
-        ]
+    if budget == 2 * GIB:  # on the H100 the edge above the traced size fails: the search ends there
+        assert len(traced.trials) <= min(4, len(probed.trials))  # the probe, the traced size, the edge
+        assert traced.optimal_batch_size <= probed.optimal_batch_size
 
 
 def test_with_a_headroom_the_traced_size_less_it_is_kept_after_two_trials_and_the_fit_runs():
