@@ -154,6 +154,44 @@ def test_with_gradient_accumulation_every_trial_reaches_an_optimizer_step():
     assert model.optimizer_steps > 0
 
 
+class StateOOM(OOMModel):
+    """Adam's state is the memory that runs out: a training step above 400 samples runs out of memory once the
+    optimizer holds state (the second step on), as a real step does where the state no longer fits."""
+
+    def __init__(self, batch_size: int = 2):
+        super().__init__(batch_size=batch_size, n=640)
+        self.in_fit = False
+        self.trial_steps: dict[int, int] = {}
+
+    def training_step(self, batch, batch_idx):
+        size = batch.shape[0]
+        if not self.in_fit:
+            self.trial_steps[size] = self.trial_steps.get(size, 0) + 1
+        if size > 400 and self.optimizers().optimizer.state:
+            raise _oom(" with the optimizer's state")
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        return DataLoader(self.train_data, batch_size=self.batch_size, shuffle=True, drop_last=True)
+
+
+def test_a_trial_whose_epoch_is_shorter_than_its_steps_goes_on_into_the_next_epoch():
+    # An epoch of one batch (sizes above 320 of 640 samples): a trial that stopped at the epoch's end ran one step,
+    # the only one without the optimizer's state, so it took sizes whose second step runs out of memory.
+    model = StateOOM()
+    tuner = BatchSizeTuner(max_val=CPU_SEARCH, headroom=0.0)
+    trainer = tuner_trainer(None, callbacks=[tuner, InFit()], max_epochs=3, limit_val_batches=0)
+    error = _fit_catching_oom(trainer, model)
+    assert error is None, f"the fit ran out of memory at the tuned size: {error}"
+    assert tuner.optimal_batch_size is not None
+    assert 396 <= tuner.optimal_batch_size <= 400  # the search closes to within 1%
+    assert all(steps >= 2 for steps in model.trial_steps.values())  # the first with state ran in every trial
+    assert trainer.global_step == 3 * (640 // tuner.optimal_batch_size)
+
+
 def test_keep_effective_batch_searches_the_micro_batch_with_accumulation_scaled_per_trial():
     # Finding 3 (keep_effective_batch=True): each trial runs at its own accumulation, size x accumulation ~ 8 x 4.
     model = OptimizerStepOOM(batch_size=8)

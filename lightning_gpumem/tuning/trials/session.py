@@ -186,7 +186,9 @@ class TrialSession:
         fit_loop.epoch_loop.max_steps = -1
         fresh = {loop: dict.fromkeys(names, False) for loop, names in saved.loop_flags.items()}
         set_loop_flags(fresh)  # run as a fresh run
-        fit_loop.max_epochs = max(fit_loop.max_epochs or 0, trainer.current_epoch + 2)
+        # an epoch shorter than the trial's steps: the trial goes on into the next epochs, as the fit would
+        # (its second step is the first with the optimizer's state)
+        fit_loop.max_epochs = max(fit_loop.max_epochs or 0, trainer.current_epoch + steps * accumulation + 1)
         for module, training in saved.modes.items():
             module.training = training  # a validation OOM in the trial before left them in eval mode
         for param, flag in saved.requires_grad.items():
@@ -309,7 +311,7 @@ class _TrialCallback(Callback):
         agree_or_raise(trainer)
         if batch_idx + 1 >= trainer.num_training_batches:
             self.epoch_ended = True
-        if len(self.batch_sizes) < self.batches and batch_idx + 1 < trainer.num_training_batches:
+        if len(self.batch_sizes) < self.batches:  # across the epoch's end where it is shorter
             return
         if self.validate:
             self.validated = True
