@@ -119,7 +119,7 @@ def reduce_buffers(
     if not reduced or outputs == 0 or inputs == 0:
         return 0, 0
     reduced_groups, kept_groups = _coalesce(reduced), _coalesce(kept)
-    fastest_reduced = not kept_groups or min(reduced_groups, key=_stride) < min(kept_groups, key=_stride)
+    fastest_reduced = not kept_groups or min(map(_stride, reduced_groups)) < min(map(_stride, kept_groups))
     vec = 1
     if fastest_reduced:
         dim0, dim1 = min(reduced_groups, key=_stride)[0], outputs

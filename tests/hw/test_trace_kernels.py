@@ -157,3 +157,40 @@ def test_the_long_validation_the_h100s_plain_loop_ran_out_of_memory_in_does_not_
     )
     lightning = gpt_tracer(steps=2, workload="gpt-longval")(19).events
     assert replay(lightning, limit_bytes=data["limit_bytes"]).fits
+
+
+LM_STREAMS = ROOT / "benchmarks" / "results" / "traced-lm-h100"
+
+
+def _lm_stream(batch: int) -> dict:
+    with gzip.open(LM_STREAMS / f"tiny-b{batch}-fp32.json.gz", "rt", encoding="utf-8") as file:
+        return json.load(file)
+
+
+@pytest.mark.parametrize(
+    ("shape", "strides", "dims", "staged", "semaphores"),
+    [
+        ((1024, 8192), (8192, 1), (0,), 64 * MIB, 256),  # the vocabulary head's bias gradient, 1024 tokens
+        ((1024, 2048), (2048, 1), (0,), 16 * MIB, 64),  # the feed-forward's first bias
+        ((256, 4, 1536), (6144, 1536, 1), (0, 1), 12 * MIB, 48),  # the attention's packed input bias
+    ],
+)
+def test_a_reduction_over_fewer_tokens_than_features_stages_as_on_the_h100(
+    shape, strides, dims, staged, semaphores
+):
+    # fewer reduced than kept values: the reduced dimensions are still not the fastest moving ones
+    assert reduce_buffers(shape, strides, dims, 4) == (staged, semaphores)
+    allocs = Counter(item[2] for item in _lm_stream(4)["events"] if item[0] == "a")
+    assert allocs[staged] >= 3  # once a training step, in the H100's history
+    assert allocs[semaphores] >= 3
+
+
+@pytest.mark.parametrize("batch", [4, 16])
+def test_the_small_language_models_trace_reserves_what_the_h100_reserved(batch):
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.traced_lm_streams import traced_peaks
+
+    reserved, allocated = traced_peaks(batch)
+    real = _lm_stream(batch)
+    assert reserved == real["reserved"]
+    assert abs(allocated / real["allocated"] - 1) < 0.005
