@@ -4,9 +4,9 @@ The MLP's memory is not monotone in the batch size near these budgets: the alloc
 differently at each size (on the H100 at 2 GiB, 10624 runs, 10731 does not, 11737 does). The trace replays
 that: where the GPU's allocator did not give its cache back, each size either start tried runs in the replay
 exactly where it ran on the GPU. The traced start keeps the largest size below the first one that fails, which
-may be below a larger size that runs past a failing one (the probe's search can jump there). At 3 GiB the GPU
-runs sizes above the traced largest one in a trial by giving its cache back (the fit's later steps may not run
-them), so the edge runs and the search goes on as without a trace.
+may be below a larger size that runs past a failing one (the probe's search can jump there). At 3 GiB a size
+above half the samples is an epoch of one batch: the trials go on into the next epochs, so their second step (the
+first with AdamW's state) is tried, as the replay's is.
 """
 
 from __future__ import annotations
