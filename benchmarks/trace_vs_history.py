@@ -24,8 +24,12 @@ STEPS = 2  # allocator_fidelity.py's
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("stream", type=Path, help="a <workload>-b<size>-*.json.gz of allocator_fidelity.py --gpt")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "stream", type=Path, help="a <workload>-b<size>-*.json.gz of allocator_fidelity.py --gpt"
+    )
     parser.add_argument("--top", type=int, default=8, help="sizes to print on each side")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO_ROOT))
