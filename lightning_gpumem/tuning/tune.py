@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -111,7 +112,8 @@ def tune(
         varies = bool(tokens or length_fn)
         guess = _traced_guess(trainer, limit, upper, init_val, validate, headroom, varies=varies)
 
-    lower = init_val if tokens else 1  # a token budget below the longest sample's cost holds no epoch
+    # a token budget below the longest sample's cost holds no epoch; above it, any may be tried
+    lower = math.ceil(tokens.min_tokens) if tokens else 1
 
     def search(run: TrialSource, top: int) -> SearchResult:
         return search_batch_size(

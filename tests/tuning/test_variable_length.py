@@ -242,6 +242,16 @@ def test_where_the_longest_sample_alone_runs_out_of_memory_the_tuner_says_so_and
     assert [t.batch_size for t in tuner.trials] == [256]  # no budget below it: its sampler refuses one
 
 
+def test_a_first_budget_above_what_fits_searches_down_to_the_longest_samples_cost():
+    model = TokenModel(skewed_lengths(), limit=300)  # the longest sample costs 256 padded tokens
+    model.max_tokens = 512
+    tuner = BatchSizeTuner(batch_arg_name="max_tokens", headroom=0.0, init_val=4096, max_val=SEARCH)
+    tuner_trainer(tuner).fit(model)
+    assert tuner.trials[0].batch_size == 4096
+    assert 297 <= model.max_tokens == tuner.optimal_batch_size <= 300  # the search closes to within 1%
+    assert min(t.batch_size for t in tuner.trials) >= 256
+
+
 @pytest.mark.parametrize("limit", [256, 258, 300])
 def test_near_the_longest_sample_the_headroom_keeps_no_budget_below_it(limit):
     model = TokenModel(skewed_lengths(), limit=limit)

@@ -81,10 +81,10 @@ def leave_headroom(
     largest = result.batch_size
     if largest is None or result.reason in ("upper_bound", "traced"):
         return result
-    size = min(largest, headroom_size(largest_held(result, limit_bytes) or largest, headroom))
-    size = max(min(lower, largest), size)
+    lower = min(lower, largest)
+    size = max(lower, min(largest, headroom_size(largest_held(result, limit_bytes) or largest, headroom)))
     return walk_down(
-        run_trial, result, start=size, limit_bytes=limit_bytes, max_trials=max_trials, lower=min(lower, size)
+        run_trial, result, start=size, limit_bytes=limit_bytes, max_trials=max_trials, lower=lower
     )
 
 
