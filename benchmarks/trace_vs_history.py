@@ -49,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"recorded: reserved {real['peak_reserved']}, allocated {real['peak_allocated']}")
     print(f"its stream replayed: reserved {recorded.peak_reserved}, fits {recorded.fits}")
     print(
-        f"the trace replayed: fits under the cap {capped.fits}; without it reserved {free.peak_reserved}"
+        f"the trace replayed: under the cap fits {capped.fits}, reserved {capped.peak_reserved}"
+        f" ({capped.peak_reserved / recorded.peak_reserved - 1:+.2%} of the stream's replay);"
+        f" without it reserved {free.peak_reserved}"
         f" ({free.peak_reserved / real['peak_reserved'] - 1:+.2%}), allocated {free.peak_allocated}"
         f" ({free.peak_allocated / real['peak_allocated'] - 1:+.2%})"
     )

@@ -57,7 +57,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -89,6 +89,10 @@ _UNTRACEABLE = (
     NotImplementedError,
 )
 _FROM_DATA = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
+_ADD = torch.ops.aten.add.Tensor
+_CUDNN_EXTRA = (
+    256  # bytes cuDNN's attention backward asks beyond its two buffers (H100, torch 2.11: two shapes)
+)
 _HALF = (torch.float16, torch.bfloat16)
 # reductions run by ATen's Reduce.cuh, whose staging buffer the trace asks for (``_core/kernels.py``)
 _REDUCTIONS = {
@@ -330,6 +334,15 @@ class _CannotTrace(Exception):
     """A fake tensor could not do what the step asked; the message says what and where."""
 
 
+class _Sum(NamedTuple):
+    """An ``add`` in backward: its allocation's place in the stream; its output's storage, its operand's."""
+
+    at: int
+    out_key: int
+    first_key: int
+    first_block: int
+
+
 class _Recorder(TorchDispatchMode):
     """Records each new output storage as an allocation and its death as a free.
 
@@ -349,11 +362,13 @@ class _Recorder(TorchDispatchMode):
         self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self._next_block = 1
         self._closed = False
+        self._sum: _Sum | None = None  # an add in backward, until it is known whether it sums in place
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        self._settle()
         states = [self._known(tensor) for tensor in _tensors((args, kwargs))]
         try:
             out = func(*args, **kwargs)
@@ -366,12 +381,63 @@ class _Recorder(TorchDispatchMode):
         host = bool(states) and all(state == _HOST for state in states)
         for tensor in _tensors(out):
             self._see(tensor, host=host)
+        if func is _ADD and self.phase == "backward" and not torch.is_grad_enabled():
+            self._sum = self._gradient_sum(args, kwargs, out)
         if self.device is not None and not host:
             if func in _REDUCTIONS:
                 self._scratch(_reduction_scratch(self.device, args, kwargs))
             elif func in _MATMULS:
                 self._workspaces()
         return out
+
+    def _gradient_sum(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> _Sum | None:
+        """An ``add`` in backward that may be autograd summing two gradients of one tensor.
+
+        On the GPU the engine adds the second gradient into the first where it holds the first's only
+        reference; under a dispatch mode every tensor counts as a subclass, and the sum is a new tensor.
+        :meth:`_settle` decides, once it is known whether the first operand's storage died with the sum.
+        """
+        if len(args) != 2 or kwargs.get("alpha", 1) != 1 or not all(isinstance(a, Tensor) for a in args):
+            return None
+        first, second = args
+        if not isinstance(out, Tensor) or not first.shape == second.shape == out.shape:
+            return None
+        if first.dtype != out.dtype or first.stride() != out.stride() or first.storage_offset() != 0:
+            return None
+        storages = _storage(first), _storage(out)
+        if storages[0] is None or storages[1] is None or storages[0].nbytes() != storages[1].nbytes():
+            return None
+        block = self._state.get(id(storages[0]), _UNTRACKED)
+        last = self.events[-1] if self.events else None
+        fresh = (
+            last is not None and last.action == "alloc" and self._state.get(id(storages[1])) == last.block
+        )
+        if block <= 0 or not fresh:
+            return None
+        return _Sum(len(self.events) - 1, id(storages[1]), id(storages[0]), block)
+
+    def _settle(self) -> None:
+        """A gradient sum whose first operand died before anything else ran: the GPU's in-place sum.
+
+        The sum's allocation and the operand's free leave the stream; the sum lives in the operand's block.
+        """
+        pending, self._sum = self._sum, None
+        if pending is None or pending.first_key in self._state:
+            return
+        later = self.events[pending.at + 1 :]
+        if any(event.action != "free" for event in later):
+            return
+        block = self.events[pending.at].block
+        del self.events[pending.at :]
+        for event in later:
+            if event.block == pending.first_block:
+                continue
+            if event.block == block:
+                event = dataclasses.replace(event, block=pending.first_block)
+            self.events.append(event)
+        if block in self._sizes:  # the sum is alive: in the operand's block
+            self._sizes[pending.first_block] = self._sizes.pop(block)
+            self._state[pending.out_key] = pending.first_block
 
     def _workspaces(self) -> None:
         """The first matrix multiply of the forward's thread, or of autograd's: its handle's workspaces."""
@@ -420,11 +486,13 @@ class _Recorder(TorchDispatchMode):
             self._see(tensor, host=host)
 
     def mark(self, label: str) -> None:
+        self._settle()
         self.phase = {"train": "the step function", "optimizer": "optimizer.step", "val": "validate"}[label]
         self.events.append(Event("mark", label=label))
 
     def close(self) -> list[Event]:
         """Stop recording (frees after the trace, of the copies, are not part of it); the events."""
+        self._settle()
         self._closed = True
         return self.events
 
@@ -586,7 +654,10 @@ class _CudaPolicy(TorchFunctionMode):
                 return self._cast(value, target)
             return value
 
-        return tuple(cast(arg) for arg in args), {key: cast(value) for key, value in kwargs.items()}
+        # last argument first, as CUDA's autocast evaluates its casts (C++ arguments, built with GCC)
+        cast_kwargs = {key: cast(kwargs[key]) for key in reversed(kwargs)}
+        cast_args = [cast(arg) for arg in reversed(args)][::-1]
+        return tuple(cast_args), {key: cast_kwargs[key] for key in kwargs}
 
     def _cast(self, tensor: Tensor, dtype: torch.dtype) -> Tensor:
         """``tensor.to(dtype)``; a float32 weight's cast made once in the region, as autocast caches it."""
@@ -706,7 +777,7 @@ class _FusedAttention(torch.autograd.Function):
         # the kernels write (batch, length, heads, dim) and return it transposed
         out = query.new_empty((batch, length, heads, value.shape[-1])).transpose(1, 2)
         logsumexp = None
-        if kernel != "efficient" or needs_grad:
+        if kernel == "flash" or needs_grad:  # cuDNN's and the efficient kernel's only for a backward
             rows = length if kernel != "efficient" else _round_up(length, 32)
             logsumexp = query.new_empty((batch, heads, rows), dtype=torch.float32)
         ctx.kernel = kernel
@@ -716,14 +787,18 @@ class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         query, key, value = ctx.saved_tensors[:3]
-        grads = [_like_transposed(tensor) for tensor in (query, key, value)]
+        if ctx.kernel == "efficient":
+            grads = [_like_transposed(tensor) for tensor in (query, key, value)]
+        else:  # empty_like each input, its layout kept (a contiguous key's is copied by a view's backward)
+            grads = [torch.empty_like(tensor) for tensor in (query, key, value)]
         if ctx.kernel != "efficient":  # flash_api.cpp's mha_bwd: softmax_d, dq_accum (GQA: dk, dv expanded)
             batch, heads, length, dim = query.shape
             rows = _round_up(length, 128)
             softmax_d = (batch, heads, rows)
             accum = (batch, rows, heads, _round_up(dim, 32 if dim <= 128 else 64))
             if ctx.kernel == "cudnn":  # one workspace of both
-                workspace = query.new_empty(4 * (math.prod(softmax_d) + math.prod(accum)), dtype=torch.uint8)
+                size = 4 * (math.prod(softmax_d) + math.prod(accum)) + _CUDNN_EXTRA
+                workspace = query.new_empty(size, dtype=torch.uint8)
                 del workspace
             else:
                 buffers = [query.new_empty(shape, dtype=torch.float32) for shape in (softmax_d, accum)]
@@ -744,7 +819,24 @@ def _dropout(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     tensor = bound.get("input")
     if bound.get("inplace", False) or not training or not 0 < p < 1 or not isinstance(tensor, Tensor):
         return func(*args, **kwargs)
-    return torch.native_dropout(tensor, p, True)[0]
+    return _Dropout.apply(tensor, p)
+
+
+class _Dropout(torch.autograd.Function):
+    """CUDA's ``native_dropout``: its mask (one byte an element) made before its output; no values."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, p: float) -> Tensor:
+        mask = torch.empty_like(tensor, dtype=torch.bool)
+        out = torch.empty_like(tensor)
+        ctx.save_for_backward(mask)
+        ctx.scale = 1 / (1 - p)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        (mask,) = ctx.saved_tensors
+        return torch.ops.aten.native_dropout_backward(grad, mask, ctx.scale), None
 
 
 def _reduction_scratch(

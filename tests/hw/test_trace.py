@@ -217,13 +217,58 @@ def test_dropout_keeps_a_one_byte_mask_in_training_only():
     assert 8 * 1024 in allocs(cut[1][1])  # torch.bool: CPU's dropout would keep a float32 mask
     assert 8 * 1024 * FLOAT * 2 not in allocs(cut[1][1])
     assert 8 * 1024 not in allocs(cut[-1][1])  # eval: no mask
+    train = allocs(cut[1][1])
+    mask = train.index(8 * 1024)
+    assert train[mask - 1 : mask + 2] == [
+        8 * 1024 * FLOAT,
+        8 * 1024,
+        8 * 1024 * FLOAT,
+    ]  # linear, mask, output
+
+
+class TwoUses(nn.Module):
+    """``a`` feeds two ops: backward sums its two gradients."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.weight * x
+        return a.relu() + a.sigmoid()
+
+
+def test_a_gradient_summed_from_two_uses_is_added_in_place_as_on_the_gpu():
+    """The engine adds a second gradient into the first where it holds the first's only reference
+    (``InputBuffer::accumulate``); under the trace's dispatch mode every tensor counts as a subclass and the sum
+    would be a new tensor: the trace keeps the GPU's in-place sum."""
+    n = 1 << 16
+    trace = trace_training(TwoUses(n), sgd, lambda m, x: m(x).sum(), torch.ones(n))
+    train = phases(trace.events)[1][1]
+    # the batch; the forward's product, ReLU, sigmoid and sum; the backward's two gradients of `a` (the second
+    # summed into the first) and the weight's gradient
+    assert allocs(train).count(n * FLOAT) == 1 + 4 + 3
+
+
+def test_a_sum_outside_backward_is_a_new_tensor():
+    """Only autograd's sums are made in place: a forward's ``x * 2 + x`` under ``no_grad`` is a new tensor even
+    where its first operand dies with it."""
+    n = 1 << 16
+    trace = trace_training(
+        TwoUses(n), sgd, lambda m, x: m(x).sum(), torch.ones(n), validate=lambda m, x: (x * 2) + x
+    )
+    val = phases(trace.events)[-1][1]
+    assert allocs(val) == [n * FLOAT] * 3  # the batch, the product, the sum
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, heads: int, masked: bool = False) -> None:
+    def __init__(self, dim: int, heads: int, masked: bool = False, contiguous_kv: bool = False) -> None:
         super().__init__()
         self.heads = heads
         self.masked = masked
+        self.contiguous_kv = (
+            contiguous_kv  # as a cache that concatenates them (transformers' GPT-2) makes them
+        )
         self.qkv = nn.Linear(dim, 3 * dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -232,6 +277,8 @@ class Attention(nn.Module):
             t.view(batch, length, self.heads, dim // self.heads).transpose(1, 2)
             for t in self.qkv(x).split(dim, dim=2)
         )
+        if self.contiguous_kv:
+            k, v = k.contiguous(), v.contiguous()
         dropout = 0.1 if self.training else 0.0
         if self.masked:
             mask = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
@@ -265,6 +312,26 @@ def test_attention_takes_the_fused_kernels_memory_not_the_math_path(dtype):
     # the output is written (batch, length, heads, dim): transposing it back costs no copy
     element = 2 if dtype else FLOAT  # fp32: the batch and the output; bf16: the input cast and the output
     assert val.count(batch * length * dim * element) == 2
+
+
+def test_attention_gradients_are_laid_out_like_their_inputs():
+    """FlashAttention's and cuDNN's backward make each gradient ``empty_like`` its input: a key and value made
+    contiguous (batch, heads, length, dim) get gradients laid out so, which the view's backward then copies."""
+    batch, length, heads, dim = 2, 200, 4, 128
+
+    def train_allocs(contiguous_kv: bool) -> list[int]:
+        trace = trace_training(
+            Attention(dim, heads, contiguous_kv=contiguous_kv),
+            sgd,
+            lambda m, x: m(x).float().sum(),
+            torch.randn(batch, length, dim),
+            autocast_dtype=torch.bfloat16,
+        )
+        return allocs(phases(trace.events)[1][1])
+
+    # two copies in the forward, two in the backward
+    activation = batch * length * dim * 2
+    assert train_allocs(True).count(activation) == train_allocs(False).count(activation) + 4
 
 
 def test_a_boolean_mask_becomes_a_padded_bias_kept_for_backward():
@@ -305,6 +372,8 @@ def test_autocast_follows_cudas_lists_and_caches_weight_casts():
         return allocs(phases(trace.events)[-1][1])
 
     val = val_allocs(inference_mode=False)
+    # CUDA's autocast casts an op's arguments last first (linear: the bias, the weight, then the input)
+    assert val[1:4] == [256 * 2, 256 * 256 * 2, 16 * 256 * 2]
     assert val.count(256 * 256 * 2) == 1  # the weight cast once for both calls
     assert val.count(16 * 256 * 2) == 3  # the input cast, two linear outputs: bfloat16
     assert val.count(16 * 256 * FLOAT) == 3  # the batch, the layer norm's input cast and output: float32
