@@ -51,7 +51,7 @@ MIB = 2**20
 # model -> its two batch sizes; "lm", "lm-bf16": tests/tuning/sources/test_traced_gpu.py's Tiny, fp32 and bf16 autocast
 MODELS = {"mlp": (64, 512), "transformer": (8, 32), "conv": (16, 128), "lm": (4, 16), "lm-bf16": (4, 16)}
 MODES = ("native", "expandable")
-STEPS = 2
+STEPS = 2  # training steps of a case; --steps (for the GPTs) sets GPUMEM_FIDELITY_STEPS for the workers
 MAX_ENTRIES = 2_000_000  # the history's ring buffer; a case that fills it is reported as truncated
 WORKER_TIMEOUT_S = 600
 
@@ -204,6 +204,7 @@ def worker(model_name: str, batch: int, mode: str, limit: int | None, out: Path)
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(),
         "oom": oom,
+        "steps": int(os.environ.get("GPUMEM_FIDELITY_STEPS", STEPS)) if large else STEPS,
         "real": real,
         "real_phase_peaks": {label: p[:2] for label, p in phases.items()},
         "trace": about,
@@ -239,12 +240,13 @@ def _gpt_case(torch: Any, model_name: str, batch: int, mark: Any) -> None:
     import _tuner_models as M
 
     w = M.workload(model_name, False)
+    steps = int(os.environ.get("GPUMEM_FIDELITY_STEPS", STEPS))
     mark("setup")
     net = M.build_model(w).cuda()
     optimizer = M.make_optimizer(net)
     cpu_batch = M.first_batch(w, M.build_dataset(w), batch)
     val_batch = M.first_batch(w, M.build_val_dataset(w), batch)
-    for _ in range(STEPS):
+    for _ in range(steps):
         mark("forward")
         gpu_batch = [t.cuda() for t in cpu_batch]
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -532,10 +534,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gpt-workload",
         default="gpt",
-        choices=("gpt", "gpt-longval", "hf-gpt2"),
+        choices=("gpt", "gpt-longval", "hf-gpt2", "gpt-ckpt"),
         help="the workload of --gpt (benchmarks/tuner.py's)",
     )
     parser.add_argument("--cap-gib", type=float, default=24.0)
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=STEPS,
+        help="training steps of each --gpt case (the replay of a step"
+        " after the second meets a layout the first two do not show)",
+    )
     parser.add_argument(
         "--models", default="", help=f"comma-separated, of {','.join(MODELS)} (default: all)"
     )
@@ -556,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown = sorted({*models} - {*MODELS} | {*modes} - {*MODES})
         if unknown:
             parser.error(f"unknown models or modes: {unknown}")
+        os.environ["GPUMEM_FIDELITY_STEPS"] = str(args.steps)
         return record(args.out, sizes, args.cap_gib, models, modes, args.gpt_workload)
     parser.error("give one of --out DIR (on a CUDA machine) or --check DIR")
     return 2

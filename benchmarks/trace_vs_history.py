@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-STEPS = 2  # allocator_fidelity.py's
+STEPS = 2  # allocator_fidelity.py's, where a stream does not say
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         data = json.load(file)
     events, real = replayable(Event, data)
     recorded = replay(events, limit_bytes=data["limit_bytes"])
-    trace = gpt_tracer(steps=STEPS, lightning=False, workload=data["model"])(data["batch"]).events
+    steps = data.get("steps", STEPS)
+    trace = gpt_tracer(steps=steps, lightning=False, workload=data["model"])(data["batch"]).events
     capped, free = replay(trace, limit_bytes=data["limit_bytes"]), replay(trace)
     print(f"{data['case']} ({data['device']}, torch {data['torch']}), cap {data['limit_bytes']}")
     print(f"recorded: reserved {real['peak_reserved']}, allocated {real['peak_allocated']}")
