@@ -173,7 +173,9 @@ def worker(model_name: str, batch: int, mode: str, limit: int | None, out: Path)
     oom = False
     try:
         large = model_name.startswith(("gpt", "hf-"))  # benchmarks/tuner.py's workloads
-        (_gpt_case if large else _small_case)(torch, model_name, batch, mark)
+        lightning = large and os.environ.get("GPUMEM_FIDELITY_LIGHTNING") == "1"
+        case = _lightning_case if lightning else _gpt_case if large else _small_case
+        case(torch, model_name, batch, mark)
     except RuntimeError as error:  # torch.OutOfMemoryError, also when autograd re-raises it from backward
         if "out of memory" not in str(error):
             raise
@@ -205,6 +207,7 @@ def worker(model_name: str, batch: int, mode: str, limit: int | None, out: Path)
         "device": torch.cuda.get_device_name(),
         "oom": oom,
         "steps": int(os.environ.get("GPUMEM_FIDELITY_STEPS", STEPS)) if large else STEPS,
+        "lightning": lightning,
         "real": real,
         "real_phase_peaks": {label: p[:2] for label, p in phases.items()},
         "trace": about,
@@ -264,6 +267,60 @@ def _gpt_case(torch: Any, model_name: str, batch: int, mark: Any) -> None:
         M.compute_loss(w, net, gpu_batch, validation=True)
     del gpu_batch
     torch.cuda.synchronize()
+
+
+def _lightning_case(torch: Any, model_name: str, batch: int, mark: Any, quick: bool = False) -> None:
+    """The tuner benchmark's fit at a fixed size, as its true-max candidates run it (``benchmarks/tuner.py``):
+    ``--steps`` training steps on shuffled batches and one validation batch, ``bf16-mixed``; the marks from
+    Lightning's hooks (``quick``: the CPU smoke test's tiny workload, 32-bit)."""
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _harness as H
+    import _tuner_models as M
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+    from tuner import _lightning_classes
+
+    steps = int(os.environ.get("GPUMEM_FIDELITY_STEPS", STEPS))
+    module_cls, _, _ = _lightning_classes(tuner=False)
+    w = M.workload(model_name, quick)
+    pl.seed_everything(0, verbose=False)
+    mark("setup")
+    model = module_cls(w)
+    model.batch_size = batch
+
+    class Marks(Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            mark("forward")
+
+        def on_before_backward(self, *args: Any) -> None:
+            mark("backward")
+
+        def on_before_optimizer_step(self, *args: Any) -> None:
+            mark("optimizer")
+
+        def on_validation_start(self, *args: Any) -> None:
+            mark("validation")
+
+    cuda = torch.cuda.is_available()
+    with tempfile.TemporaryDirectory(prefix="fidelity_fit_") as root:
+        trainer = pl.Trainer(
+            accelerator="gpu" if cuda else "cpu",
+            devices=1,
+            precision="bf16-mixed" if cuda else "32-true",
+            max_steps=steps,
+            val_check_interval=steps,
+            check_val_every_n_epoch=None,
+            limit_val_batches=1,
+            num_sanity_val_steps=0,
+            callbacks=[Marks()],
+            default_root_dir=root,
+            **H.QUIET_TRAINER,
+        )
+        trainer.fit(model)
+    if cuda:
+        torch.cuda.synchronize()
 
 
 def _build(torch: Any, name: str, batch: int) -> tuple[Any, Any, Any, Any]:
@@ -539,6 +596,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--cap-gib", type=float, default=24.0)
     parser.add_argument(
+        "--lightning",
+        action="store_true",
+        help="each --gpt case as benchmarks/tuner.py's true-max fit runs it (Lightning, shuffled batches, bf16-mixed)",
+    )
+    parser.add_argument(
         "--steps",
         type=int,
         default=STEPS,
@@ -566,6 +628,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"unknown models or modes: {unknown}")
         os.environ["GPUMEM_FIDELITY_STEPS"] = str(args.steps)
+        os.environ["GPUMEM_FIDELITY_LIGHTNING"] = "1" if args.lightning else "0"
         return record(args.out, sizes, args.cap_gib, models, modes, args.gpt_workload)
     parser.error("give one of --out DIR (on a CUDA machine) or --check DIR")
     return 2

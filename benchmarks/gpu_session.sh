@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_session.sh [PART]...   (default: tests monitor microbatch)
 #   PART: tests, monitor, microbatch, microbatch-gpt, microbatch-gpt-profile, profile, tuner, tuner-gpt, tuner-resnet,
 #         tuner-resnet-12, tuner-longval, plan, plan-expandable, tuner-predict, tuner-predict-12, tuner-42a, tuner-42b,
-#         tuner-42c, tuner-42-all, token-budget, fidelity, ddp2
+#         tuner-42c, tuner-42-all, token-budget, fidelity, fidelity-fit, ddp2
 #
 # plan: MemoryPlanner's predictions against measured peaks on six workloads (benchmarks/plan.py) -> plan.json, .log;
 # plan-expandable: the same for the two GPTs with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; tuner-predict:
@@ -25,6 +25,10 @@
 # tuner-42-all: the five workloads of tuner-42a/b/c in one part, without the true-maximum search (the true maxima
 # are the model's and the cap's, measured by the three parts) and without previous-predict: the default, the
 # previous method="search" and binsearch (TUNER42_FINDERS overrides), about 8-9 minutes on an H100 -> tuner-42-all.json, .log.
+#
+# fidelity-fit: the allocator histories of benchmarks/tuner.py's true-max fit (Lightning, shuffled batches,
+# FIDELITY_FIT_STEPS steps and a validation batch) at FIDELITY_FIT sizes of FIDELITY_FIT_WORKLOAD under 24 GiB
+# (FIDELITY_FIT_PLAIN=" " for the plain loop instead) -> fidelity-fit.tgz, .log; read with trace_vs_history.py.
 #
 # fidelity: real allocator histories (benchmarks/allocator_fidelity.py: FIDELITY_MODELS, FIDELITY_MODES; the 236M
 # GPT at FIDELITY_GPT under 24 GiB, with 4096-token validation at FIDELITY_LONGVAL, HF GPT-2 at FIDELITY_HF)
@@ -120,6 +124,10 @@ for part in "${parts[@]}"; do
       HF_HUB_OFFLINE=1 PYTHONPATH=. timeout ${FIDELITY_HF_S:-60} python3 benchmarks/allocator_fidelity.py \
       --out /tmp/gpumem-fidelity-gpt --gpt ${FIDELITY_HF:-13} --gpt-workload hf-gpt2 >> "$OUT/fidelity.log" 2>&1;
       tar czf "$OUT/fidelity.tgz" -C /tmp gpumem-fidelity gpumem-fidelity-gpt ;;  # one file: the streams, for --check
+    fidelity-fit) PYTHONPATH=. timeout ${FIDELITY_FIT_S:-240} python3 benchmarks/allocator_fidelity.py \
+      --out /tmp/gpumem-fidelity-fit --gpt ${FIDELITY_FIT:-78,79,80} --gpt-workload ${FIDELITY_FIT_WORKLOAD:-gpt-ckpt} \
+      --steps ${FIDELITY_FIT_STEPS:-4} ${FIDELITY_FIT_PLAIN:---lightning} > "$OUT/fidelity-fit.log" 2>&1;
+      tar czf "$OUT/fidelity-fit.tgz" -C /tmp gpumem-fidelity-fit ;;  # the fit's own streams (issue 43's gpt-ckpt)
     ddp2) timeout ${DDP2_S:-560} python3 benchmarks/ddp2.py --time-limit $(( ${DDP2_S:-560} - 20 )) \
       --json "$OUT/ddp2.json" > "$OUT/ddp2.log" 2>&1 ;;  # two GPUs (issue 30); --cpu: the gloo dry run
     *) echo "unknown part: $part" >&2; false ;;

@@ -1,7 +1,8 @@
 """A workload's trace against a recorded allocator history of the same steps: peaks, and the sizes that differ.
 
 Usage (anywhere; the stream from ``benchmarks/allocator_fidelity.py --out DIR --gpt SIZE --gpt-workload NAME``,
-which records two training steps and a validation step as a plain loop runs them)::
+which records two training steps (``--steps``) and a validation step as a plain loop runs them, or as the tuner
+benchmark's Lightning fit does with ``--lightning``)::
 
     python benchmarks/trace_vs_history.py benchmarks/results/allocator-streams-h100/hf-gpt2-b13-native-capped.json.gz
 
@@ -44,7 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     events, real = replayable(Event, data)
     recorded = replay(events, limit_bytes=data["limit_bytes"])
     steps = data.get("steps", STEPS)
-    trace = gpt_tracer(steps=steps, lightning=False, workload=data["model"])(data["batch"]).events
+    lightning = bool(
+        data.get("lightning")
+    )  # allocator_fidelity.py --lightning: a fit's own batches and order
+    trace = gpt_tracer(steps=steps, lightning=lightning, workload=data["model"])(data["batch"]).events
     capped, free = replay(trace, limit_bytes=data["limit_bytes"]), replay(trace)
     print(f"{data['case']} ({data['device']}, torch {data['torch']}), cap {data['limit_bytes']}")
     print(f"recorded: reserved {real['peak_reserved']}, allocated {real['peak_allocated']}")
