@@ -393,14 +393,20 @@ class _Recorder(TorchDispatchMode):
     def _gradient_sum(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> _Sum | None:
         """An ``add`` in backward that may be autograd summing two gradients of one tensor.
 
-        On the GPU the engine adds the second gradient into the first where it holds the first's only
-        reference; under a dispatch mode every tensor counts as a subclass, and the sum is a new tensor.
-        :meth:`_settle` decides, once it is known whether the first operand's storage died with the sum.
+        On the GPU the engine adds the second gradient into the first where it holds the only reference
+        to the first and to its storage; under a dispatch mode every tensor counts as a subclass, and the sum
+        is a new tensor. :meth:`_settle` decides, once it is known whether the first operand's storage died
+        with the sum. Not told apart: an ``add`` in a backward formula or a custom ``Function``'s backward
+        whose first operand dies with it (rare: the trace then has one buffer fewer there).
         """
         if len(args) != 2 or kwargs.get("alpha", 1) != 1 or not all(isinstance(a, Tensor) for a in args):
             return None
         first, second = args
         if not isinstance(out, Tensor) or not first.shape == second.shape == out.shape:
+            return None
+        # a view shares its storage with its base (a transposed weight's gradient), and one gradient given to
+        # both inputs of an op is both operands: the engine sums those out of place
+        if first._is_view() or _storage(first) is _storage(second):
             return None
         if first.dtype != out.dtype or first.stride() != out.stride() or first.storage_offset() != 0:
             return None

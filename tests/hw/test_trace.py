@@ -250,6 +250,63 @@ def test_a_gradient_summed_from_two_uses_is_added_in_place_as_on_the_gpu():
     assert allocs(train).count(n * FLOAT) == 1 + 4 + 3
 
 
+class ViewFirst(nn.Module):
+    """``a``'s first gradient to arrive is a view (``view``'s backward reshapes the gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(256, 256))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.weight * x
+        return a.sigmoid().sum() + a.view(-1).relu().sum()
+
+
+class Doubled(nn.Module):
+    """``a + a``: one gradient handed to both operands."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.weight * x
+        return (a + a).relu()
+
+
+@pytest.mark.parametrize("model", ["view-first", "doubled"])
+def test_gradients_the_engine_sums_out_of_place_stay_new_tensors(model, monkeypatch):
+    """Where the first gradient is a view (its base shares the storage) or both operands are one tensor, the
+    engine sums into a new tensor (checked on real CPU tensors: the sum's pointer is neither operand's): the
+    trace keeps the new tensor."""
+    module, batch = (
+        (ViewFirst(), torch.ones(256, 256)) if model == "view-first" else (Doubled(4096), torch.ones(4096))
+    )
+
+    def step(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
+        return m(b).sum()
+
+    traced = trace_training(module, sgd, step, batch)
+    monkeypatch.setattr(_trace._Recorder, "_gradient_sum", lambda *args: None)
+    assert trace_training(module, sgd, step, batch) == traced  # no sum was made in place
+    # the engine itself, no dispatch mode: the sum is none of the gradients the graph's nodes handed on
+    a = module.weight * batch
+    loss = a.sigmoid().sum() + a.view(-1).relu().sum() if model == "view-first" else (a + a).relu().sum()
+    made: set[int] = set()
+    nodes, seen = [loss.grad_fn], set()
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        node.register_hook(lambda inputs, _: made.update(g.data_ptr() for g in inputs if g is not None))
+        nodes += [following for following, _ in node.next_functions]
+    summed: list[int] = []
+    a.register_hook(lambda g: summed.append(g.data_ptr()))
+    loss.backward()
+    assert summed[0] not in made
+
+
 def test_a_sum_outside_backward_is_a_new_tensor():
     """Only autograd's sums are made in place: a forward's ``x * 2 + x`` under ``no_grad`` is a new tensor even
     where its first operand dies with it."""

@@ -263,6 +263,9 @@ def test_torch_fake_tensor_privates_the_trace_uses_exist():
     assert torch.ops.aten.lift_fresh.default is not None
     assert torch.ops.aten.lift_fresh_copy.default is not None
     with fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
+        matrix = torch.empty(2, 3)
+        assert matrix.t()._is_view()  # the trace sums a view's gradient out of place
+        assert not matrix._is_view()
         tensor = torch.empty(4)
         storage = weakref.ref(tensor.untyped_storage())
         assert storage() is not None  # alive while its tensor is: the trace's frees follow storages
