@@ -404,23 +404,21 @@ class _Recorder(TorchDispatchMode):
         first, second = args
         if not isinstance(out, Tensor) or not first.shape == second.shape == out.shape:
             return None
-        # a view shares its storage with its base (a transposed weight's gradient), and one gradient given to
-        # both inputs of an op is both operands: the engine sums those out of place
-        if first._is_view() or _storage(first) is _storage(second):
-            return None
         if first.dtype != out.dtype or first.stride() != out.stride() or first.storage_offset() != 0:
             return None
-        storages = _storage(first), _storage(out)
-        if storages[0] is None or storages[1] is None or storages[0].nbytes() != storages[1].nbytes():
+        storage, made = _storage(first), _storage(out)
+        if storage is None or made is None or storage.nbytes() != made.nbytes():
             return None
-        block = self._state.get(id(storages[0]), _UNTRACKED)
+        # a view shares its storage with its base (a transposed weight's gradient), and one gradient given to
+        # both inputs of an op is both operands: the engine sums those out of place
+        if first._is_view() or storage is _storage(second):
+            return None
+        block = self._state.get(id(storage), _UNTRACKED)
         last = self.events[-1] if self.events else None
-        fresh = (
-            last is not None and last.action == "alloc" and self._state.get(id(storages[1])) == last.block
-        )
+        fresh = last is not None and last.action == "alloc" and self._state.get(id(made)) == last.block
         if block <= 0 or not fresh:
             return None
-        return _Sum(len(self.events) - 1, id(storages[1]), id(storages[0]), block)
+        return _Sum(len(self.events) - 1, id(made), id(storage), block)
 
     def _settle(self) -> None:
         """A gradient sum whose first operand died before anything else ran: the GPU's in-place sum.
@@ -795,9 +793,9 @@ class _FusedAttention(torch.autograd.Function):
         query, key, value = ctx.saved_tensors[:3]
         if ctx.kernel == "efficient":
             grads = [_like_transposed(tensor) for tensor in (query, key, value)]
-        else:  # empty_like each input, its layout kept (a contiguous key's is copied by a view's backward)
+        else:  # flash_api.cpp's mha_bwd: softmax_d, dq_accum (GQA: dk, dv expanded)
+            # each gradient empty_like its input (a contiguous key's is then copied by a view's backward)
             grads = [torch.empty_like(tensor) for tensor in (query, key, value)]
-        if ctx.kernel != "efficient":  # flash_api.cpp's mha_bwd: softmax_d, dq_accum (GQA: dk, dv expanded)
             batch, heads, length, dim = query.shape
             rows = _round_up(length, 128)
             softmax_d = (batch, heads, rows)
