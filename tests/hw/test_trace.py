@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from functools import partial
 
 import pytest
@@ -226,16 +227,28 @@ def test_dropout_keeps_a_one_byte_mask_in_training_only():
     ]  # linear, mask, output
 
 
-class TwoUses(nn.Module):
-    """``a`` feeds two ops: backward sums its two gradients."""
+class UsedTwice(nn.Module):
+    """``a = weight * x`` feeds two ops (``uses``): backward sums two gradients of ``a``."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, shape: tuple[int, ...], uses: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.ones(shape))
+        self.uses = uses
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = self.weight * x
-        return a.relu() + a.sigmoid()
+        return self.uses(self.weight * x)
+
+
+def relu_and_sigmoid(a: torch.Tensor) -> torch.Tensor:
+    return a.relu() + a.sigmoid()
+
+
+def view_first(a: torch.Tensor) -> torch.Tensor:  # the first gradient to arrive is a view (view's backward)
+    return a.sigmoid().sum() + a.view(-1).relu().sum()
+
+
+def doubled(a: torch.Tensor) -> torch.Tensor:  # one gradient handed to both operands
+    return (a + a).relu()
 
 
 def test_a_gradient_summed_from_two_uses_is_added_in_place_as_on_the_gpu():
@@ -243,45 +256,19 @@ def test_a_gradient_summed_from_two_uses_is_added_in_place_as_on_the_gpu():
     (``InputBuffer::accumulate``); under the trace's dispatch mode every tensor counts as a subclass and the sum
     would be a new tensor: the trace keeps the GPU's in-place sum."""
     n = 1 << 16
-    trace = trace_training(TwoUses(n), sgd, lambda m, x: m(x).sum(), torch.ones(n))
+    trace = trace_training(UsedTwice((n,), relu_and_sigmoid), sgd, lambda m, x: m(x).sum(), torch.ones(n))
     train = phases(trace.events)[1][1]
     # the batch; the forward's product, ReLU, sigmoid and sum; the backward's two gradients of `a` (the second
     # summed into the first) and the weight's gradient
     assert allocs(train).count(n * FLOAT) == 1 + 4 + 3
 
 
-class ViewFirst(nn.Module):
-    """``a``'s first gradient to arrive is a view (``view``'s backward reshapes the gradient)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(256, 256))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = self.weight * x
-        return a.sigmoid().sum() + a.view(-1).relu().sum()
-
-
-class Doubled(nn.Module):
-    """``a + a``: one gradient handed to both operands."""
-
-    def __init__(self, size: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = self.weight * x
-        return (a + a).relu()
-
-
-@pytest.mark.parametrize("model", ["view-first", "doubled"])
-def test_gradients_the_engine_sums_out_of_place_stay_new_tensors(model, monkeypatch):
+@pytest.mark.parametrize(("uses", "shape"), [(view_first, (256, 256)), (doubled, (4096,))])
+def test_gradients_the_engine_sums_out_of_place_stay_new_tensors(uses, shape, monkeypatch):
     """Where the first gradient is a view (its base shares the storage) or both operands are one tensor, the
     engine sums into a new tensor (checked on real CPU tensors: the sum's pointer is neither operand's): the
     trace keeps the new tensor."""
-    module, batch = (
-        (ViewFirst(), torch.ones(256, 256)) if model == "view-first" else (Doubled(4096), torch.ones(4096))
-    )
+    module, batch = UsedTwice(shape, uses), torch.ones(shape)
 
     def step(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
         return m(b).sum()
@@ -291,7 +278,7 @@ def test_gradients_the_engine_sums_out_of_place_stay_new_tensors(model, monkeypa
     assert trace_training(module, sgd, step, batch) == traced  # no sum was made in place
     # the engine itself, no dispatch mode: the sum is none of the gradients the graph's nodes handed on
     a = module.weight * batch
-    loss = a.sigmoid().sum() + a.view(-1).relu().sum() if model == "view-first" else (a + a).relu().sum()
+    loss = uses(a).sum()
     made: set[int] = set()
     nodes, seen = [loss.grad_fn], set()
     while nodes:
@@ -312,7 +299,11 @@ def test_a_sum_outside_backward_is_a_new_tensor():
     where its first operand dies with it."""
     n = 1 << 16
     trace = trace_training(
-        TwoUses(n), sgd, lambda m, x: m(x).sum(), torch.ones(n), validate=lambda m, x: (x * 2) + x
+        UsedTwice((n,), relu_and_sigmoid),
+        sgd,
+        lambda m, x: m(x).sum(),
+        torch.ones(n),
+        validate=lambda m, x: (x * 2) + x,
     )
     val = phases(trace.events)[-1][1]
     assert allocs(val) == [n * FLOAT] * 3  # the batch, the product, the sum
