@@ -18,6 +18,14 @@ keeps them; autograd runs the backward on a thread of its own, with its own hand
 2.11 the recorded allocator histories (``benchmarks/results/allocator-streams-h100``) show 32 MiB and 1 MiB
 after the forward's first matrix multiply, and 32 MiB after the backward's (32 MiB is torch's default cuBLAS
 workspace on Hopper).
+
+Embedding backward (``embedding_dense_backward`` over more than 3,072 indices): the indices sorted with their
+positions (CUB's radix sort, whose temporary storage holds a second copy of both), the segments of equal
+indices found, and a float32 partial sum per run of up to 10 indices: ``(indices / 10 + min(indices,
+embeddings)) x embedding width`` floats, 144 MiB for a 32,768-token vocabulary of width 1,024 at 40,448
+tokens. :data:`EMBEDDING_BACKWARD_ORDER` and :func:`embedding_buffer` follow ``Embedding.cu`` and
+``EmbeddingBackwardKernel.cu`` as the H100's allocator histories record them (two sizes; CUB's scan and
+unique temporaries, under 2 KiB, approximately).
 """
 
 from __future__ import annotations
@@ -184,11 +192,83 @@ def reduce_recipes(
 
 
 def scratch_bytes(recipe: Sequence[int]) -> int:
-    """The bytes a recipe of :func:`reduce_recipes` asks for."""
+    """The bytes a recipe of :func:`reduce_recipes` or :func:`embedding_recipes` asks for."""
+    if recipe[0] >= EMBEDDING_PART:
+        return embedding_buffer(recipe[0] - EMBEDDING_PART, *recipe[1:])
     part, accumulator, processors, threads, rank = recipe[:5]
     shape, strides, reduced = recipe[5 : 5 + rank], recipe[5 + rank : 5 + 2 * rank], recipe[5 + 2 * rank :]
     dims = [d for d in range(rank) if reduced[d]]
     return reduce_buffers(shape, strides, dims, accumulator, Device(processors, threads))[part]
+
+
+EMBEDDING_PART = 2  # a recipe's first field: 0 and 1 are a reduction's buffers, 2 on the embedding's
+EMBEDDING_SMALL = 3072  # indices up to which (without scale_grad_by_freq) one kernel writes the gradient
+EMBEDDING_ROWS = 10  # NROWS_PER_THREAD: indices a partial sum covers at most
+_SORT_TILE = 4864  # items a tile of CUB's one-sweep radix sort holds (256 threads x 19; H100 histories)
+# When ``embedding_dense_backward``'s buffers are allocated (``+k``) and freed (``-k``) around its output
+# (``out``), ``k`` numbering :func:`embedding_buffer`'s buffers: the indices made contiguous (0), sorted (1),
+# their positions (2) from a range (3) by a radix sort (4); the output; the segment starts (5), their count
+# (6), the unique indices (7) by CUB's ``unique_by_key`` (8); the partial sums per segment (9) and their
+# starts (10) by a scan (11), their count (12) and starts (13); the float32 partial sums (14).
+EMBEDDING_BACKWARD_ORDER: tuple[str, ...] = (
+    *("+0", "+1", "+2", "+3", "+4", "-4", "-3", "out", "+5", "+6", "+7", "+8", "-8", "-7", "+9", "+10"),
+    *("+11", "-11", "+12", "+13", "+14", "-14", "-13", "-12", "-10", "-9", "-6", "-5", "-2", "-1", "-0"),
+)
+
+
+def embedding_recipes(
+    indices: int, embeddings: int, width: int, index_bytes: int, sum_bytes: int, copied: bool
+) -> tuple[tuple[int, ...], ...]:
+    """The recipes of ``embedding_dense_backward``'s 15 buffers, for :func:`scratch_bytes`.
+
+    Numbered as in ``EMBEDDING_BACKWARD_ORDER``.
+
+    Args:
+        indices: the indices looked up (``indices.numel()``).
+        embeddings: the rows of the weight (``num_weights``).
+        width: the weight's row length.
+        index_bytes: the bytes of an index (8 for ``torch.long``).
+        sum_bytes: the bytes of a partial sum (4 for half and bfloat16 gradients, else the gradient's).
+        copied: whether the kernel copies the indices to make them contiguous.
+    """
+    fields = (indices, embeddings, width, index_bytes, sum_bytes, int(copied))
+    return tuple((EMBEDDING_PART + k, *fields) for k in range(15))
+
+
+def embedding_buffer(
+    k: int, indices: int, embeddings: int, width: int, index_bytes: int, sum_bytes: int, copied: int
+) -> int:
+    """The bytes of buffer ``k`` (see :data:`EMBEDDING_BACKWARD_ORDER`); 0 where the kernel makes none.
+
+    >>> [embedding_buffer(k, 79 * 512, 32768, 1024, 8, 4, 1) for k in (0, 4, 9, 13, 14)]
+    [323584, 673279, 262144, 294496, 150781952]
+    >>> embedding_buffer(14, 3072, 32768, 1024, 8, 4, 1)  # few indices: no buffers
+    0
+    """
+    if indices <= EMBEDDING_SMALL:
+        return 0
+    segments = min(indices, embeddings)
+    partials = indices // EMBEDDING_ROWS + segments
+    column = indices * index_bytes
+    sizes = {
+        0: column if copied else 0,
+        # keys and values again (256-byte aligned), one-sweep's look-back per tile, 8 passes' histograms of
+        # 256 bins, a counter, and CUB's 255 bytes of alignment slack
+        4: 2 * _round_to(column, 256) + 1024 * _div_up(indices, _SORT_TILE) + index_bytes * 2048 + 256 + 255,
+        6: 8,
+        8: 1279,  # measured from 6,656 to 40,448 indices
+        9: segments * index_bytes,
+        10: segments * index_bytes,
+        11: 1279 + 256 * (segments // 16384),  # 6,656, 20,480 and 32,768 segments measured
+        12: 8,
+        13: partials * index_bytes,
+        14: partials * width * sum_bytes,
+    }
+    return sizes.get(k, column)
+
+
+def _round_to(value: int, multiple: int) -> int:
+    return _div_up(value, multiple) * multiple
 
 
 def _block(dim0: int, dim1: int, max_threads: int) -> tuple[int, int]:

@@ -33,11 +33,11 @@ differently is applied by hand, in the forward and in forwards that activation c
 - tensors made from Python data (``torch.tensor``), what is computed from them alone, and 0-d optimizer state
   are host memory, as the optimizers' step counters are on CUDA;
 - with a ``device``, what kernels allocate for themselves where the shapes decide it (``_core/kernels.py``):
-  each thread's cuBLAS workspaces at its first matrix multiply, and the staging buffer of a reduction split
-  across thread blocks.
+  each thread's cuBLAS workspaces at its first matrix multiply, the staging buffer of a reduction split
+  across thread blocks, and embedding backward's sort buffers and partial sums.
 
 Not in the stream: other kernels' own buffers (cuDNN's convolution workspaces, the memory-efficient
-attention backward's workspace, embedding backward's sort buffers) and what ``GradScaler`` adds. A
+attention backward's workspace, ``scale_grad_by_freq``'s counts) and what ``GradScaler`` adds. A
 data-dependent op (``.item()`` on a computed value, ``nonzero``, boolean indexing) or an op without a fake
 kernel ends the trace with ``cannot_trace`` naming the op and the module it ran in.
 
@@ -75,7 +75,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_gpumem._core.alloc_events import Event
 from lightning_gpumem._core.checks import require_int
-from lightning_gpumem._core.kernels import H100, Device, reduce_recipes, scratch_bytes
+from lightning_gpumem._core.kernels import (
+    EMBEDDING_BACKWARD_ORDER,
+    H100,
+    Device,
+    embedding_recipes,
+    reduce_recipes,
+    scratch_bytes,
+)
 
 Step = Callable[[nn.Module, Any], Any]
 MakeOptimizer = Callable[[Iterable[nn.Parameter]], Optimizer]
@@ -90,6 +97,7 @@ _UNTRACEABLE = (
 )
 _FROM_DATA = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
 _ADD = torch.ops.aten.add.Tensor
+_EMBEDDING_BACKWARD = torch.ops.aten.embedding_dense_backward.default
 _CUDNN_EXTRA = (
     256  # bytes cuDNN's attention backward asks beyond its two buffers (H100, torch 2.11: two shapes)
 )
@@ -379,6 +387,8 @@ class _Recorder(TorchDispatchMode):
                 self._see(tensor, host=True)
             return out
         host = bool(states) and all(state == _HOST for state in states)
+        if func is _EMBEDDING_BACKWARD and self.device is not None and not host:
+            self._around(_embedding_recipes(args, kwargs), out)
         for tensor in _tensors(out):
             self._see(tensor, host=host)
         if func is _ADD and self.phase == "backward" and not torch.is_grad_enabled():
@@ -468,6 +478,21 @@ class _Recorder(TorchDispatchMode):
             self._next_block += 1
         for event in reversed(blocks):
             self.events.append(dataclasses.replace(event, action="free"))
+
+    def _around(self, recipes: tuple[tuple[int, ...], ...], out: Tensor) -> None:
+        """Embedding backward's buffers, allocated and freed around its output in kernels' order."""
+        blocks: dict[int, Event] = {}
+        for step in EMBEDDING_BACKWARD_ORDER:
+            if step == "out":
+                self._see(out, host=False)
+            elif step.startswith("+"):
+                recipe = recipes[int(step)]
+                event = Event("alloc", block=self._next_block, size=scratch_bytes(recipe), kernel=recipe)
+                self.events.append(event)
+                blocks[int(step)] = event
+                self._next_block += 1
+            else:
+                self.events.append(dataclasses.replace(blocks[-int(step)], action="free"))
 
     def follow(self, module: nn.Module) -> list[Any]:
         """Hooks that keep :attr:`modules` the path of the forward running (for ``cannot_trace``)."""
@@ -859,6 +884,16 @@ def _reduction_scratch(
     out_dtype = kwargs.get("dtype") or tensor.dtype
     wide = torch.float64 in (tensor.dtype, out_dtype) or not out_dtype.is_floating_point
     return reduce_recipes(tuple(tensor.shape), tensor.stride(), reduced, 8 if wide else 4, device)
+
+
+def _embedding_recipes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[int, ...], ...]:
+    """The buffers of ``embedding_dense_backward(grad, indices, num_weights, ...)``."""
+    grad, indices, embeddings = args[0], args[1], args[2]
+    sum_bytes = 4 if grad.dtype in _HALF else grad.element_size()
+    return embedding_recipes(
+        indices.numel(), embeddings, grad.shape[-1], indices.element_size(), sum_bytes,
+        not indices.is_contiguous(),
+    )  # fmt: skip
 
 
 def _round_up(value: int, multiple: int) -> int:
