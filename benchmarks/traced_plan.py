@@ -38,8 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _tuner_models as M
 
 from lightning_gpumem._hw.trace import Trace, trace_training
-from lightning_gpumem.tuning.search import search_batch_size
-from lightning_gpumem.tuning.sources.traced import TRACE_MARGIN, CannotTrace, TracedSource
+from lightning_gpumem.tuning.sources.traced import TRACE_MARGIN, CannotTrace, TracedSource, largest_traced
 
 GIB = 2**30
 
@@ -102,9 +101,7 @@ def search_caps(
     for cap in caps:
         limit = int(cap * GIB)
         capped = int((1.0 - margin) * limit)
-        found = search_batch_size(
-            source.under(capped), init_val=2, upper=w.search_upper, limit_bytes=capped, tolerance=0.01
-        )
+        found = largest_traced(source, capped, init_val=2, upper=w.search_upper, tolerance=0.01)
         cell: dict[str, Any] = {
             "cap_gib": cap,
             "largest": found.batch_size,

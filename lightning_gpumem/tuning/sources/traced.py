@@ -24,9 +24,9 @@ from lightning_gpumem._core.alloc_events import Event
 from lightning_gpumem._core.units import GIB
 from lightning_gpumem._hw.trace import Trace
 from lightning_gpumem.tuning.search.headroom import size_to_keep
-from lightning_gpumem.tuning.search.model import Trial
+from lightning_gpumem.tuning.search.model import Trial, accepted
 from lightning_gpumem.tuning.search.plan import Prediction
-from lightning_gpumem.tuning.search.policy import Guess, search_batch_size
+from lightning_gpumem.tuning.search.policy import Guess, SearchResult, search_batch_size
 from lightning_gpumem.tuning.sources.affine import AffineStreams
 from lightning_gpumem.tuning.sources.allocator import Replay
 from lightning_gpumem.tuning.sources.steps import replay_steady
@@ -169,6 +169,44 @@ class TracedPlan:
     seconds: float
 
 
+# sizes below a traced largest size whose replays are checked too: where the cache's layout decides whether
+# the largest requests find room, a size can fit above one that does not, and such a fit is luck
+BELOW = 16
+
+
+def largest_traced(
+    source: TracedSource, limit: int, *, init_val: int, upper: int, tolerance: float
+) -> SearchResult:
+    """The largest size whose replay, and the replays of the :data:`BELOW` sizes under it, fit ``limit``.
+
+    The search (:func:`~lightning_gpumem.tuning.search.policy.search_batch_size`) assumes a size fits where a
+    larger one does. The allocator's replay is not always so: where the largest requests fit only as the
+    blocks before them happen to lie, a size can fit above one that runs out of memory (the 236M GPT with
+    activation checkpointing under 24 GiB: 76-78 do not, 79-86 do; on the H100, 79 ran and 80 did not). So
+    the sizes under the one found are replayed too, and a failure among them lowers the answer to the size
+    below it: what is returned has :data:`BELOW` fitting sizes under it (or all of them).
+    """
+    run = source.under(limit)
+    found = search_batch_size(run, init_val=init_val, upper=upper, limit_bytes=limit, tolerance=tolerance)
+    best = found.batch_size
+    if best is None:
+        return found
+    extra: list[Trial] = []
+    size = best - 1
+    while size >= max(1, best - BELOW):
+        trial = run(size)
+        extra.append(trial)
+        if not accepted(trial, limit):
+            best = size - 1
+        size -= 1
+    trials = found.trials + tuple(extra)
+    if best == found.batch_size:
+        return replace(found, trials=trials)
+    if best < 1:
+        return SearchResult(None, trials, "nothing_fits")
+    return SearchResult(best, trials, "bracketed", f"the replay at {best + 1} does not fit")
+
+
 def traced_guess(
     source: TracedSource, limit: int, *, upper: int, init_val: int, headroom: float = 0.0
 ) -> Callable[[Trial], Guess | None]:
@@ -184,9 +222,8 @@ def traced_guess(
     Raises:
         CannotTrace: where the step cannot be traced.
     """
-    first = search_batch_size(  # no traced confirmation of the streams made: the real trials are the check
-        source.under(limit), init_val=init_val, upper=upper, limit_bytes=limit, tolerance=0.0
-    )
+    # no traced confirmation of the streams made: the real trials are the check
+    first = largest_traced(source, limit, init_val=init_val, upper=upper, tolerance=0.0)
 
     def largest(trial: Trial) -> int | None:
         replayed = source.under(None)(trial.batch_size)
@@ -195,13 +232,8 @@ def traced_guess(
         shifted = limit - (trial.peak_bytes - replayed.peak_bytes)
         if shifted == limit:
             return first.batch_size
-        return search_batch_size(
-            source.under(shifted),
-            init_val=trial.batch_size,
-            upper=upper,
-            limit_bytes=shifted,
-            tolerance=0.0,
-        ).batch_size
+        again = largest_traced(source, shifted, init_val=trial.batch_size, upper=upper, tolerance=0.0)
+        return again.batch_size
 
     def guess(trial: Trial) -> Guess | None:
         found = largest(trial)
@@ -259,9 +291,7 @@ def _plan(
     for budget in budgets:
         limit = max(0, budget - outside)
         capped = math.floor((1.0 - margin) * limit)
-        found = search_batch_size(
-            source.under(capped), init_val=init_val, upper=upper, limit_bytes=capped, tolerance=0.01
-        )
+        found = largest_traced(source, capped, init_val=init_val, upper=upper, tolerance=0.01)
         asked += found.trials
         fits = peak + band <= limit
         predictions.append(Prediction(budget, limit, found.batch_size, False, peak, band, fits, traced=True))
