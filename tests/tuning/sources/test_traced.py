@@ -15,7 +15,14 @@ from lightning_gpumem.tuning.search.headroom import headroom_size
 from lightning_gpumem.tuning.search.model import Trial, accepted
 from lightning_gpumem.tuning.search.moves import Move, Proposal
 from lightning_gpumem.tuning.sources.allocator import replay
-from lightning_gpumem.tuning.sources.traced import CannotTrace, TracedSource, plan_by_trace, traced_guess
+from lightning_gpumem.tuning.sources.traced import (
+    BELOW,
+    CannotTrace,
+    TracedSource,
+    largest_traced,
+    plan_by_trace,
+    traced_guess,
+)
 
 
 def _mlp() -> nn.Module:
@@ -191,3 +198,39 @@ def test_at_the_upper_bound_the_traced_guess_gives_nothing_up():
     found = search_batch_size(source.under(limit), upper=upper, limit_bytes=limit, guess=guess)
     assert (found.batch_size, found.reason) == (upper, "upper_bound")  # as without a trace: nothing given up
     assert [t.batch_size for t in found.trials] == [2, upper]
+
+
+class _Jagged:
+    """Replays that fit up to ``top`` but not at ``holes`` below it (the checkpointed GPT under 24 GiB: 76-78)."""
+
+    def __init__(self, top: int, holes: set[int]) -> None:
+        self.top, self.holes, self.asked = top, holes, []
+
+    def under(self, _limit):
+        return self
+
+    def __call__(self, size: int) -> Trial:
+        self.asked.append(size)
+        return Trial(size, fits=size <= self.top and size not in self.holes, peak_bytes=size, samples=size)
+
+
+def test_a_size_that_fits_above_one_that_does_not_is_not_the_traced_largest():
+    found = largest_traced(_Jagged(86, {76, 77, 78}), 10**9, init_val=2, upper=1 << 16, tolerance=0.0)
+    assert found.batch_size == 75
+    assert found.note == "the replay at 76 does not fit"
+
+
+def test_where_the_replays_are_monotone_the_traced_largest_is_the_searchs():
+    jagged = _Jagged(86, set())
+    found = largest_traced(jagged, 10**9, init_val=2, upper=1 << 16, tolerance=0.0)
+    plain = search_batch_size(
+        _Jagged(86, set()), init_val=2, upper=1 << 16, limit_bytes=10**9, tolerance=0.0
+    )
+    assert found.batch_size == plain.batch_size == 86
+    assert set(range(86 - BELOW, 86)) <= set(jagged.asked)  # the sizes under it were replayed
+
+
+def test_a_hole_at_the_smallest_sizes_leaves_nothing_that_fits():
+    found = largest_traced(_Jagged(10, {1}), 10**9, init_val=2, upper=1 << 16, tolerance=0.0)
+    assert found.batch_size is None
+    assert found.reason == "nothing_fits"
