@@ -160,10 +160,12 @@ class Trace:
             before validation.
         cannot_trace: why the trace stopped early (``"cannot trace: aten.nonzero at `head` (Linear)"``), else
             ``None``; ``events`` then holds what came before.
+        ops: the names of the ops run (``"aten.mm"``, ``"aten.add.Tensor"``).
     """
 
     events: list[Event] = field(default_factory=list)
     cannot_trace: str | None = None
+    ops: frozenset[str] = frozenset()
 
 
 def trace_training(
@@ -331,11 +333,11 @@ def _record(
                     validate(module, _copy_tensors(batch if val_batch is None else val_batch))
                 module.train()
     except _CannotTrace as error:
-        return Trace(recorder.close(), str(error))
+        return Trace(recorder.close(), str(error), _op_names(recorder.ops))
     finally:
         for handle in handles:
             handle.remove()
-    return Trace(recorder.close())
+    return Trace(recorder.close(), ops=_op_names(recorder.ops))
 
 
 class _CannotTrace(Exception):
@@ -371,12 +373,14 @@ class _Recorder(TorchDispatchMode):
         self._next_block = 1
         self._closed = False
         self._sum: _Sum | None = None  # an add in backward, until it is known whether it sums in place
+        self.ops: set[Any] = set()  # the ops run
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
         self._settle()
+        self.ops.add(func)
         states = [self._known(tensor) for tensor in _tensors((args, kwargs))]
         try:
             out = func(*args, **kwargs)
@@ -1044,6 +1048,10 @@ def _storage(tensor: Tensor) -> torch.UntypedStorage | None:
         return tensor.untyped_storage()
     except (RuntimeError, NotImplementedError):  # sparse, nested: no one storage
         return None
+
+
+def _op_names(ops: Iterable[Any]) -> frozenset[str]:
+    return frozenset(_op_name(op) for op in ops)
 
 
 def _op_name(func: Any) -> str:
