@@ -180,6 +180,7 @@ def trace_training(
     autocast_dtype: torch.dtype | None = None,
     device: Device | None = H100,
     inference_mode: bool = False,
+    autocast_cache: bool = True,
 ) -> Trace:
     """Trace ``steps`` training steps (and a validation step) on fake copies, as they would run on a GPU.
 
@@ -207,6 +208,10 @@ def trace_training(
         inference_mode: ``validate`` runs as under ``torch.inference_mode()`` (Lightning's validation, by
             default): autocast keeps no casts of the weights there (under ``torch.no_grad()`` it keeps each
             weight's cast until the region ends).
+        autocast_cache: autocast keeps each float32 weight's cast until its region ends
+            (``torch.autocast``'s ``cache_enabled``; Lightning 2.6's mixed precision turns it off, 2.4's
+            keeps it); else each op casts anew, and a cast lives as long as what holds it (autograd, for
+            backward; under activation checkpointing, nothing).
 
     Returns:
         The :class:`Trace`; a step that cannot be traced gives ``cannot_trace`` rather than raising. Errors
@@ -239,7 +244,7 @@ def trace_training(
                 steps=steps,
                 validate=validate,
                 val_batch=_fake_data(val_batch),
-                policy=_CudaPolicy(autocast_dtype, device),
+                policy=_CudaPolicy(autocast_dtype, device, autocast_cache),
                 device=device,
                 inference_mode=inference_mode,
             )
@@ -328,7 +333,7 @@ def _record(
                 recorder.mark("val")
                 module.eval()
                 if policy is not None:
-                    policy.caching = not inference_mode
+                    policy.caching = policy.caching and not inference_mode
                 with torch.no_grad(), cuda:
                     validate(module, _copy_tensors(batch if val_batch is None else val_batch))
                 module.train()
@@ -579,12 +584,14 @@ class _CudaPolicy(TorchFunctionMode):
     CPU-only torch): ``x.cuda()`` and ``x.to("cuda")`` are then the no-ops they are on a tensor on the GPU.
     """
 
-    def __init__(self, autocast_dtype: torch.dtype | None, device: Device | None = None) -> None:
+    def __init__(
+        self, autocast_dtype: torch.dtype | None, device: Device | None = None, caching: bool = True
+    ) -> None:
         super().__init__()
         self.autocast_dtype = autocast_dtype
         self.cudnn = device is not None and device.attention == "cudnn"  # else FlashAttention's memory
         self._casts: dict[int, tuple[Tensor, Tensor]] = {}  # autocast's cache: id(weight) -> weight, cast
-        self.caching = True  # off where autocast keeps no casts (under torch.inference_mode())
+        self.caching = caching  # off where autocast keeps no casts (cache_enabled=False, inference mode)
         self._forward_done = False  # a module's forward after the step's: checkpointing recomputes it
         self._reentered: list[bool] = []  # per module forward running: whether it entered the policy again
 

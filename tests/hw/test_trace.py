@@ -431,6 +431,46 @@ def test_autocast_follows_cudas_lists_and_caches_weight_casts():
     assert val_allocs(inference_mode=True).count(256 * 256 * 2) == 2
 
 
+def test_without_autocasts_cache_each_call_casts_the_weight_and_the_cast_dies_with_what_holds_it():
+    """``torch.autocast(cache_enabled=False)``, as Lightning 2.6's bf16-mixed runs: a weight used twice is cast
+    twice; in validation (no_grad) each cast dies with its call, where the cache keeps it to the region's end."""
+    layer = nn.Linear(256, 256)
+
+    def trace(cache: bool):
+        return trace_training(
+            layer,
+            sgd,
+            lambda m, x: m(m(x)).float().sum(),
+            torch.randn(16, 256),
+            validate=lambda m, x: m(m(x)),
+            autocast_dtype=torch.bfloat16,
+            autocast_cache=cache,
+        )
+
+    weight = 256 * 256 * 2
+    for cache in (True, False):
+        cut = phases(trace(cache).events)
+        train, val = next(chunk for label, chunk in cut if label == "train"), cut[-1][1]
+        casts = [e for e in train if e.size == weight][:3]
+        if cache:  # validation: cast once, kept; training: the cast lives to the forward's end
+            assert (allocs(val).count(weight), peak_count(val, weight)) == (1, 1)
+            assert [e.action for e in casts] == ["alloc", "alloc", "free"]  # then the gradient, then it
+        else:  # validation: cast for each call, one alive at a time; training: the first call's input needs
+            # no gradient, so autograd does not keep its cast of the weight
+            assert (allocs(val).count(weight), peak_count(val, weight)) == (2, 1)
+            assert [e.action for e in casts] == ["alloc", "free", "alloc"]
+
+
+def peak_count(events, size: int) -> int:
+    """The most blocks of ``size`` alive at once."""
+    alive = most = 0
+    for event in events:
+        if event.size == size and event.action in ("alloc", "free"):
+            alive += 1 if event.action == "alloc" else -1
+            most = max(most, alive)
+    return most
+
+
 class Checkpointed(nn.Module):
     def __init__(self, reentrant: bool) -> None:
         super().__init__()

@@ -22,7 +22,8 @@ How:
   Lightning's own stand-in does (gradients are never freed then). It is copied with its state when
   ``trace_at`` runs.
 - Precision, from ``trainer.precision``: ``"16-mixed"`` and ``"bf16-mixed"`` trace under CUDA's autocast
-  policy (the trace's ``autocast_dtype``); with ``"16-true"``, ``"bf16-true"`` and ``"64-true"`` Lightning
+  policy (the trace's ``autocast_dtype``), with the weights' casts cached or not as the precision plugin's
+  autocast does (:func:`autocast_caches`); with ``"16-true"``, ``"bf16-true"`` and ``"64-true"`` Lightning
   has cast the module at setup and makes the step's new tensors in that dtype; the trace does the same.
 - Metrics: the copy's torchmetrics ``Metric`` modules neither update nor compute (their updates count
   classes with data-dependent ops: ``bincount``); their ``forward`` and ``compute`` give a 0-d zero. Their
@@ -43,6 +44,7 @@ its first dimension only, and lists of per-sample values (strings) are not resiz
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -173,11 +175,35 @@ def lightning_tracer(
                 autocast_dtype=_AUTOCAST.get(precision),
                 device=device,
                 inference_mode=_val_inference_mode(trainer),
+                autocast_cache=autocast_caches(trainer.precision_plugin),
             )
         except _NoLoss as error:
             return Trace(cannot_trace=str(error))
 
     return trace_at
+
+
+def autocast_caches(plugin: Any) -> bool:
+    """Whether the precision plugin's autocast keeps each weight's cast for its region (``cache_enabled``).
+
+    Read by entering its context (on a CPU-only torch a CUDA autocast warns and turns itself off, but sets
+    the flag): Lightning 2.6's ``MixedPrecision`` turns the cache off (2.4's keeps it); a custom plugin may
+    do either.
+
+    >>> from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+    >>> autocast_caches(Precision())
+    True
+    """
+    make = getattr(plugin, "autocast_context_manager", None)
+    if make is None:
+        return True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        context = make()
+        if not isinstance(context, torch.autocast):
+            return True
+        with context:
+            return torch.is_autocast_cache_enabled()
 
 
 def _val_inference_mode(trainer: pl.Trainer) -> bool:

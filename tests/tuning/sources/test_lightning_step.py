@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -21,6 +22,7 @@ from lightning_gpumem.tuning.sources.allocator import replay
 from lightning_gpumem.tuning.sources.lightning_step import (
     MANUAL,
     NO_LOSS,
+    autocast_caches,
     batch_size_of,
     lightning_tracer,
     resize_batch,
@@ -510,3 +512,18 @@ def test_a_validation_batch_without_a_sized_tensor_is_given_as_it_is():
     )(8)
     assert trace.cannot_trace is None
     assert _labels(trace)[-1] == "val"
+
+
+class _Autocasting(Precision):
+    def __init__(self, cache: bool) -> None:
+        self.cache = cache
+
+    def autocast_context_manager(self):
+        return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=self.cache)
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_the_autocast_cache_is_read_from_the_precision_plugin(cache):
+    assert autocast_caches(_Autocasting(cache)) is cache
+    assert autocast_caches(Precision()) is True  # no autocast: nothing to cache, the trace's default
+    assert autocast_caches(object()) is True
