@@ -18,8 +18,9 @@ Several caps and several truth files at once: a truth counts for the cell of its
 whose trace raises) gets ``cannot_trace`` (or ``error``) in place of its cells, and the others run on.
 
 A cap is what the allocator may reserve (``set_per_process_memory_fraction``, as the GPU runs set it): the memory
-outside PyTorch is not subtracted. ``--margin`` is the fraction of the cap left free (the planner's default 3%, and
-0 to see the replay's own answer). ``--quick``: the tiny workloads, for CI.
+outside PyTorch is not subtracted. ``--margin`` is the fraction of the cap left free (by default the planner's:
+1% where the step ran an op outside ``MEASURED_OPS``, else 0; 0 to see the replay's own answer). ``--quick``: the
+tiny workloads, for CI.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import _tuner_models as M
 
 from lightning_gpumem._hw.trace import Trace, trace_training
 from lightning_gpumem.tuning.sources.lightning_step import autocast_caches
-from lightning_gpumem.tuning.sources.traced import TRACE_MARGIN, CannotTrace, TracedSource, largest_traced
+from lightning_gpumem.tuning.sources.traced import CannotTrace, TracedSource, largest_traced, trace_margin
 
 GIB = 2**30
 
@@ -99,8 +100,15 @@ def truths(paths: list[str]) -> dict[str, dict[float, dict[str, Any]]]:
 
 
 def search_caps(
-    source: TracedSource, w: M.Workload, caps: list[float], margin: float, known: dict[float, dict[str, Any]]
+    source: TracedSource,
+    w: M.Workload,
+    caps: list[float],
+    margin: float | None,
+    known: dict[float, dict[str, Any]],
 ) -> list[dict[str, Any]]:
+    if margin is None:  # the planner's: from what the step runs (a trace at the search's first size tells)
+        source.under(None)(2)
+        margin = trace_margin(source)
     cells = []
     for cap in caps:
         limit = int(cap * GIB)
@@ -123,7 +131,7 @@ def search_caps(
 def run(
     name: str,
     caps: list[float],
-    margin: float,
+    margin: float | None,
     known: dict[float, dict[str, Any]],
     quick: bool,
     synthesise: bool = True,
@@ -156,6 +164,8 @@ def run(
             "synthesised": synthesise,
             "sizes_traced": len(source.traced),
             "sizes_made": len(source.affine.synthesised),
+            "margin": trace_margin(source) if margin is None else margin,
+            "unmeasured_ops": sorted(source.unmeasured),
         }
     )
 
@@ -184,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="gpt,gpt-longval")
     parser.add_argument("--caps", default="24", help="GiB, comma-separated")
-    parser.add_argument("--margin", type=float, default=TRACE_MARGIN)
+    parser.add_argument("--margin", type=float, default=None, help="default: the planner's (see above)")
     parser.add_argument(
         "--truth", default="", help="benchmarks/tuner.py JSONs with --true-max fit, comma-separated"
     )

@@ -191,6 +191,24 @@ def reduce_recipes(
     return (0, *head, *body), (1, *head, *body)
 
 
+# The ops whose memory the trace (``_hw/trace.py``) gives as the H100 allocated it, request for request,
+# in the allocator histories of benchmarks/results/allocator-streams-h100 (the 236M GPT, with 4096-token
+# validation and with activation checkpointing, HF GPT-2 medium: bf16-mixed, AdamW, torch 2.11), by their
+# names in a trace; a trace of these alone needs no margin for memory it cannot see (``sources/traced.py``)
+_MEASURED = """aten._foreach_add_.Scalar aten._foreach_add_.Tensor aten._foreach_addcdiv_.ScalarList
+    aten._foreach_addcmul_.Scalar aten._foreach_div_.ScalarList aten._foreach_lerp_.Scalar
+    aten._foreach_mul_.Scalar aten._foreach_sqrt aten._local_scalar_dense aten._log_softmax
+    aten._log_softmax_backward_data aten._to_copy aten._unsafe_view aten.add.Tensor aten.addmm aten.alias
+    aten.arange aten.cat aten.clone aten.detach aten.embedding aten.embedding_dense_backward aten.empty_like
+    aten.gelu aten.gelu_backward aten.lift_fresh aten.mm aten.mul.Scalar aten.mul.Tensor
+    aten.native_dropout_backward aten.native_layer_norm aten.native_layer_norm_backward aten.new_empty
+    aten.nll_loss_backward aten.nll_loss_forward aten.ones_like aten.permute aten.pow.Tensor_Scalar
+    aten.slice.Tensor aten.split.Tensor aten.stack aten.sum.dim_IntList aten.t aten.tanh aten.tanh_backward
+    aten.transpose.int aten.unbind.int aten.unsqueeze aten.view aten.zeros aten.zeros_like prim.device
+    profiler._record_function_enter_new profiler._record_function_exit._RecordFunction"""
+MEASURED_OPS = frozenset(_MEASURED.split()) | {"scaled_dot_product_attention (cudnn)"}
+
+
 def scratch_bytes(recipe: Sequence[int]) -> int:
     """The bytes a recipe of :func:`reduce_recipes` or :func:`embedding_recipes` asks for."""
     if recipe[0] >= EMBEDDING_PART:

@@ -78,6 +78,7 @@ from lightning_gpumem._core.checks import require_int
 from lightning_gpumem._core.kernels import (
     EMBEDDING_BACKWARD_ORDER,
     H100,
+    MEASURED_OPS,
     Device,
     embedding_recipes,
     reduce_recipes,
@@ -160,12 +161,18 @@ class Trace:
             before validation.
         cannot_trace: why the trace stopped early (``"cannot trace: aten.nonzero at `head` (Linear)"``), else
             ``None``; ``events`` then holds what came before.
-        ops: the names of the ops run (``"aten.mm"``, ``"aten.add.Tensor"``).
+        ops: the names of the ops run (``"aten.mm"``, ``"aten.add.Tensor"``) and of the fused attention
+            kernels (``"scaled_dot_product_attention (cudnn)"``).
     """
 
     events: list[Event] = field(default_factory=list)
     cannot_trace: str | None = None
-    ops: frozenset[str] = frozenset()
+    ops: frozenset[str] = field(default=frozenset(), compare=False)
+
+    @property
+    def unmeasured(self) -> frozenset[str]:
+        """The ops run outside ``MEASURED_OPS`` (``_core/kernels.py``): buffers of theirs may be missing."""
+        return self.ops - MEASURED_OPS
 
 
 def trace_training(
@@ -338,11 +345,11 @@ def _record(
                     validate(module, _copy_tensors(batch if val_batch is None else val_batch))
                 module.train()
     except _CannotTrace as error:
-        return Trace(recorder.close(), str(error), _op_names(recorder.ops))
+        return Trace(recorder.close(), str(error), _op_names(recorder.ops, policy))
     finally:
         for handle in handles:
             handle.remove()
-    return Trace(recorder.close(), ops=_op_names(recorder.ops))
+    return Trace(recorder.close(), ops=_op_names(recorder.ops, policy))
 
 
 class _CannotTrace(Exception):
@@ -592,6 +599,7 @@ class _CudaPolicy(TorchFunctionMode):
         self.cudnn = device is not None and device.attention == "cudnn"  # else FlashAttention's memory
         self._casts: dict[int, tuple[Tensor, Tensor]] = {}  # autocast's cache: id(weight) -> weight, cast
         self.caching = caching  # off where autocast keeps no casts (cache_enabled=False, inference mode)
+        self.kernels: set[str] = set()  # the fused attention kernels taken, by name
         self._forward_done = False  # a module's forward after the step's: checkpointing recomputes it
         self._reentered: list[bool] = []  # per module forward running: whether it entered the policy again
 
@@ -608,7 +616,7 @@ class _CudaPolicy(TorchFunctionMode):
         if self.autocast_dtype is not None and name in _AUTOCAST:
             args, kwargs = self._autocast(_AUTOCAST[name], args, kwargs)
         if name == "scaled_dot_product_attention":
-            return _attention(func, args, kwargs, self.cudnn)
+            return _attention(func, args, kwargs, self.cudnn, self.kernels)
         if name == "dropout":
             return _dropout(func, args, kwargs)
         if name == "cross_entropy" and self.autocast_dtype is not None:
@@ -762,11 +770,17 @@ def _on_cpu(value: Any, names_device: bool) -> Any:
     return value
 
 
-def _attention(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], cudnn: bool = False) -> Any:
+def _attention(
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    cudnn: bool = False,
+    taken: set[str] | None = None,
+) -> Any:
     """``F.scaled_dot_product_attention`` with the memory of the fused kernel CUDA would pick.
 
     Half precision without a mask: cuDNN's attention (``cudnn``) or FlashAttention; otherwise the
-    memory-efficient kernel.
+    memory-efficient kernel. The kernel's name goes into ``taken``.
     """
     query, key, value = (
         args[i] if len(args) > i else kwargs[name] for i, name in enumerate(("query", "key", "value"))
@@ -791,6 +805,8 @@ def _attention(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], cudnn: 
         mask = bias
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     kernel = ("cudnn" if cudnn else "flash") if flash else "efficient"
+    if taken is not None:
+        taken.add(f"scaled_dot_product_attention ({kernel})")
     return _FusedAttention.apply(query, key, value, mask, kernel, needs_grad)
 
 
@@ -1057,8 +1073,9 @@ def _storage(tensor: Tensor) -> torch.UntypedStorage | None:
         return None
 
 
-def _op_names(ops: Iterable[Any]) -> frozenset[str]:
-    return frozenset(_op_name(op) for op in ops)
+def _op_names(ops: Iterable[Any], policy: _CudaPolicy | None) -> frozenset[str]:
+    """The ops' names, and the fused attention kernels the policy took."""
+    return frozenset(_op_name(op) for op in ops) | (policy.kernels if policy is not None else frozenset())
 
 
 def _op_name(func: Any) -> str:

@@ -51,6 +51,7 @@ class TracedSource:
         expandable_segments: replay through the ``expandable_segments:True`` allocator.
         bucket_bytes: DDP's gradient buckets (a copy of the gradients, made when the model is wrapped), or 0.
         synthesise: make the streams of sizes not traced from three traced ones where they are affine.
+        unmeasured: the ops the traces ran whose kernels' own memory is not known (``Trace.unmeasured``).
     """
 
     trace_at: Callable[[int], Trace]
@@ -61,6 +62,7 @@ class TracedSource:
     synthesise: bool = True
     traced: dict[int, list[Event]] = field(default_factory=dict)
     affine: AffineStreams = field(default_factory=AffineStreams)
+    unmeasured: set[str] = field(default_factory=set)
 
     def __call__(self, size: int, /) -> Trial:
         """The trial of ``size``: its replay's peaks, or an OOM where the replay met the cap.
@@ -111,6 +113,7 @@ class TracedSource:
         trace = self.trace_at(size)
         if trace.cannot_trace is not None:
             raise CannotTrace(trace.cannot_trace)
+        self.unmeasured |= trace.unmeasured
         buckets = [Event("alloc", block=-1, size=self.bucket_bytes)] if self.bucket_bytes else []
         events = self.traced[size] = [*buckets, *trace.events]
         return events
@@ -148,10 +151,19 @@ def trial_of(size: int, replayed: Replay) -> Trial:
     )
 
 
-# the fraction of a limit a traced plan leaves free for what the trace does not see (kernels' buffers besides
-# cuBLAS's workspaces and the reductions' staging buffers, e.g. cuDNN's convolutions'); the measured errors
-# are in docs/benchmarks.md, "Planning without a GPU"
+# the fraction of a limit a traced plan leaves free for what the trace does not see (kernels' buffers it does
+# not ask for, e.g. cuDNN's convolutions'), where the step ran an op outside MEASURED_OPS; the measured
+# errors are in docs/benchmarks.md, "Planning without a GPU"
 TRACE_MARGIN = 0.01
+
+
+def trace_margin(source: TracedSource) -> float:
+    """The margin of a plan from ``source``'s traces.
+
+    :data:`TRACE_MARGIN` where they ran an op not measured exact against the H100 (``MEASURED_OPS`` of
+    ``_core/kernels.py``), else 0: every request of such a step is in its trace.
+    """
+    return TRACE_MARGIN if source.unmeasured else 0.0
 
 
 @dataclass(frozen=True)
@@ -253,14 +265,14 @@ def plan_by_trace(
     upper: int,
     init_val: int = 2,
     outside: int = CONTEXT_BYTES,
-    margin: float = TRACE_MARGIN,
+    margin: float | None = None,
 ) -> TracedPlan:
     """For each budget, the run's traced peak and the largest size whose traced reserved peak fits.
 
-    The budget less ``outside`` is the allocator's limit; the largest size is the one search's
-    (:func:`~lightning_gpumem.tuning.search.policy.search_batch_size`, to 1%) on traced trials under that
-    limit less ``margin`` of it, so it is never above what the replay says fits. The peak at ``size`` is its
-    replay without a cap, with ``margin`` of it as the band.
+    The budget less ``outside`` is the allocator's limit; the largest size is :func:`largest_traced`'s (to
+    1%) on traced trials under that limit less ``margin`` of it (``None``: :func:`trace_margin`'s), so it is
+    never above what the replay says fits. The peak at ``size`` is its replay without a cap, with ``margin``
+    of it as the band.
 
     Raises:
         CannotTrace: where the step cannot be traced.
@@ -280,11 +292,13 @@ def _plan(
     upper: int,
     init_val: int,
     outside: int,
-    margin: float,
+    margin: float | None,
 ) -> tuple[list[Trial], list[Prediction]]:
     uncapped = source.under(None)
     # the run's size and two more, uncapped: the plan's lines have points even where no budget fits one
     asked: list[Trial] = [uncapped(s) for s in sorted({init_val, size, 2 * size})]
+    if margin is None:
+        margin = trace_margin(source)
     peak = float(next(t for t in asked if t.batch_size == size).peak_bytes or 0)
     band = margin * peak
     predictions = []

@@ -17,10 +17,12 @@ from lightning_gpumem.tuning.search.moves import Move, Proposal
 from lightning_gpumem.tuning.sources.allocator import replay
 from lightning_gpumem.tuning.sources.traced import (
     BELOW,
+    TRACE_MARGIN,
     CannotTrace,
     TracedSource,
     largest_traced,
     plan_by_trace,
+    trace_margin,
     traced_guess,
 )
 
@@ -234,3 +236,33 @@ def test_a_hole_at_the_smallest_sizes_leaves_nothing_that_fits():
     found = largest_traced(_Jagged(10, {1}), 10**9, init_val=2, upper=1 << 16, tolerance=0.0)
     assert found.batch_size is None
     assert found.reason == "nothing_fits"
+
+
+def _classifier_tracer(activation: nn.Module):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 256), activation, nn.Linear(256, 10))
+
+    def trace_at(size: int) -> Trace:
+        return trace_training(
+            net,
+            lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+            lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]),
+            (torch.zeros(size, 64), torch.zeros(size, dtype=torch.long)),
+        )
+
+    return trace_at
+
+
+def test_a_step_of_measured_ops_alone_is_planned_without_a_margin_and_any_other_op_brings_it():
+    measured = TracedSource(_classifier_tracer(nn.GELU()))
+    other = TracedSource(_classifier_tracer(nn.ReLU()))
+    for source in (measured, other):
+        source(8)
+    assert measured.unmeasured == set()
+    assert trace_margin(measured) == 0.0
+    assert other.unmeasured == {"aten.relu", "aten.threshold_backward"}
+    assert trace_margin(other) == TRACE_MARGIN
+    bare = plan_by_trace(measured, 8, [64 * MIB], upper=1 << 16, outside=0).predictions[0]
+    assert bare.band == 0.0
+    kept = plan_by_trace(other, 8, [64 * MIB], upper=1 << 16, outside=0).predictions[0]
+    assert kept.band == pytest.approx(TRACE_MARGIN * kept.peak)
