@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_gpumem._core.alloc_events import Event
+from lightning_gpumem._core.kernels import H100, MEASURED_OPS, Device
 from lightning_gpumem._hw import trace as _trace
 
 # The tensors' lifetimes, checked against the real step on the CPU: without the buffers CUDA's kernels ask for
@@ -603,3 +604,26 @@ def test_multihead_attention_inside_an_encoder_layer_takes_the_fused_kernel_and_
     assert batch * heads * rows * FLOAT in train  # the fused kernel's logsumexp
     if dtype:  # its in-projection is cast: a bf16 (batch, length, 3 * dim) output
         assert batch * length * 3 * dim * 2 in train
+
+
+def test_the_trace_names_the_attention_kernel_and_only_the_h100s_is_measured():
+    class Attend(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(64, 192)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.qkv(x).view(x.shape[0], 16, 3, 4, 16).permute(2, 0, 3, 1, 4)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    def ops(device: Device) -> frozenset[str]:
+        trace = trace_training(
+            Attend(), sgd, lambda m, x: m(x).float().mean(), torch.randn(2, 16, 64),
+            autocast_dtype=torch.bfloat16, device=device,
+        )  # fmt: skip
+        return trace.ops
+
+    assert "scaled_dot_product_attention (cudnn)" in ops(H100)
+    assert "scaled_dot_product_attention (cudnn)" in MEASURED_OPS
+    flash = ops(Device(attention="flash"))
+    assert "scaled_dot_product_attention (flash)" in flash - MEASURED_OPS
