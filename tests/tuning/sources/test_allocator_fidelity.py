@@ -37,6 +37,16 @@ DIVERGES = {
     "lm-b4-native": "peak reserved 4 MiB over the GPU's, peak allocated 1 MiB over",
     "lm-bf16-b16-native-capped": "peak allocated 2 MiB over the GPU's",
     "lm-bf16-b16-native": "peak allocated 2 MiB over the GPU's",
+    # a Lightning fit's: its teardown empties the cache after the last event (cudaFree of every segment), which
+    # the GPU counts and the stream does not hold; the peaks, segments and OOMs are the GPU's
+    **dict.fromkeys(
+        (
+            "gpt-ckpt-fit-b78-native-capped",
+            "gpt-ckpt-fit-b79-native-capped",
+            "gpt-ckpt-fit-b80-native-capped",
+        ),
+        "device_frees: Lightning's teardown empties the cache after the stream ends",
+    ),
 }
 
 
@@ -88,8 +98,10 @@ def test_with_the_recorded_segment_addresses_every_native_stream_replays_exactly
     events, real = _fidelity().replayable(Event, data)
     addresses = _fidelity().segment_addresses(data)
     result = replay(events, limit_bytes=data["limit_bytes"], addresses=addresses)
+    emptied = case.startswith("gpt-ckpt-fit")  # the teardown's cudaFrees are not in the stream (DIVERGES)
     for key in (*COUNTERS, "retries", "ooms"):
-        assert (key, getattr(result, key)) == (key, real[key])
+        if not (emptied and key == "device_frees"):
+            assert (key, getattr(result, key)) == (key, real[key])
     assert result.max_segments == real["max_segments"]
     assert result.phase_peaks == {label: tuple(peaks) for label, peaks in data["real_phase_peaks"].items()}
 
