@@ -194,7 +194,8 @@ def largest_traced(
     The search (:func:`~lightning_gpumem.tuning.search.policy.search_batch_size`) assumes a size fits where a
     larger one does. The allocator's replay is not always so: where the largest requests fit only as the
     blocks before them happen to lie, a size can fit above one that runs out of memory (the 236M GPT with
-    activation checkpointing under 24 GiB: 76-78 do not, 79-86 do; on the H100, 79 ran and 80 did not). So
+    activation checkpointing under 24 GiB: 78 and 80-84 do not, 79 and 85-88 do; on the H100, 79 ran and 80
+    did not). So
     the sizes under the one found are replayed too, and a failure among them lowers the answer to the size
     below it: what is returned has :data:`BELOW` fitting sizes under it (or all of them).
     """
