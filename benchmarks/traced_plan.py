@@ -34,13 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.plugins.precision import MixedPrecision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _tuner_models as M
 
 from lightning_gpumem._hw.trace import Trace, trace_training
-from lightning_gpumem.tuning.sources.lightning_step import autocast_caches
 from lightning_gpumem.tuning.sources.traced import CannotTrace, TracedSource, largest_traced, trace_margin
 
 GIB = 2**30
@@ -49,8 +47,8 @@ GIB = 2**30
 def tracer(w: M.Workload, model: torch.nn.Module, steps: int = 3, lightning: bool = True) -> Any:
     """``trace_at(size)``: ``steps`` bf16 training steps of ``w`` and a validation step, traced at a size.
 
-    ``lightning``: autocast as the installed Lightning's ``bf16-mixed`` runs it (2.6: no cache of the
-    weights' casts) and validation as a Lightning fit runs it (the gradients freed first by
+    ``lightning``: autocast as Lightning 2.6's ``bf16-mixed`` runs it, whatever Lightning is installed (the
+    truths' Lightning: no cache of the weights' casts) and validation as a Lightning fit runs it (the gradients freed first by
     ``on_validation_model_zero_grad``, under ``torch.inference_mode()``); else as a plain loop does (under
     ``torch.no_grad()``, the gradients kept), as ``allocator_fidelity.py`` records it.
     """
@@ -72,7 +70,7 @@ def tracer(w: M.Workload, model: torch.nn.Module, steps: int = 3, lightning: boo
             val_batch=M.first_batch(w, val_dataset, size),
             autocast_dtype=torch.bfloat16,
             inference_mode=lightning,
-            autocast_cache=not lightning or autocast_caches(MixedPrecision("bf16-mixed", "cuda")),
+            autocast_cache=not lightning,  # Lightning 2.6's bf16-mixed, as the truths ran: no cache
         )
 
     return trace_at
