@@ -404,7 +404,7 @@ class _Recorder(TorchDispatchMode):
             return out
         host = bool(states) and all(state == _HOST for state in states)
         if func is _EMBEDDING_BACKWARD and self.device is not None and not host:
-            self._around(_embedding_recipes(args, kwargs), out)
+            self._scratch(_embedding_recipes(args, kwargs), EMBEDDING_BACKWARD_ORDER, out)
         for tensor in _tensors(out):
             self._see(tensor, host=host)
         if func is _ADD and self.phase == "backward" and not torch.is_grad_enabled():
@@ -480,35 +480,32 @@ class _Recorder(TorchDispatchMode):
             self.events.append(Event("alloc", block=self._next_block, size=size))  # kept: never freed
             self._next_block += 1
 
-    def _scratch(self, recipes: tuple[tuple[int, ...], ...]) -> None:
-        """A kernel's buffers: allocated in order once its output is, freed in reverse as it returns.
+    def _scratch(
+        self, recipes: tuple[tuple[int, ...], ...], order: Iterable[str] | None = None, out: Any = None
+    ) -> None:
+        """A kernel's buffers: by default allocated in turn once its output is, freed in reverse at its end.
+
+        An ``order`` says otherwise (``EMBEDDING_BACKWARD_ORDER``): ``"+k"`` allocates ``recipes[k]``,
+        ``"-k"`` frees it, ``"out"`` is the kernel's output.
 
         A buffer the kernel does not need at this size is a request of 0 bytes (the allocator is not asked),
         so that the streams of all batch sizes hold the same events.
         """
-        blocks = []
-        for recipe in recipes:
-            event = Event("alloc", block=self._next_block, size=scratch_bytes(recipe), kernel=recipe)
-            self.events.append(event)
-            blocks.append(event)
-            self._next_block += 1
-        for event in reversed(blocks):
-            self.events.append(dataclasses.replace(event, action="free"))
-
-    def _around(self, recipes: tuple[tuple[int, ...], ...], out: Tensor) -> None:
-        """Embedding backward's buffers, allocated and freed around its output in kernels' order."""
-        blocks: dict[int, Event] = {}
-        for step in EMBEDDING_BACKWARD_ORDER:
+        if order is None:
+            order = [f"+{k}" for k in range(len(recipes))] + [f"-{k}" for k in reversed(range(len(recipes)))]
+        made: dict[int, Event] = {}
+        for step in order:
             if step == "out":
                 self._see(out, host=False)
             elif step.startswith("+"):
                 recipe = recipes[int(step)]
-                event = Event("alloc", block=self._next_block, size=scratch_bytes(recipe), kernel=recipe)
+                made[int(step)] = event = Event(
+                    "alloc", block=self._next_block, size=scratch_bytes(recipe), kernel=recipe
+                )
                 self.events.append(event)
-                blocks[int(step)] = event
                 self._next_block += 1
             else:
-                self.events.append(dataclasses.replace(blocks[-int(step)], action="free"))
+                self.events.append(dataclasses.replace(made[-int(step)], action="free"))
 
     def follow(self, module: nn.Module) -> list[Any]:
         """Hooks that keep :attr:`modules` the path of the forward running (for ``cannot_trace``)."""

@@ -161,6 +161,10 @@ def lightning_tracer(
         copy.on_validation_model_zero_grad()  # type: ignore[operator]  # Lightning frees the gradients first
         return _run_step(copy, trainer, "validation_step", data, dtype)
 
+    caches = autocast_caches(trainer.precision_plugin)
+
+    caches = autocast_caches(trainer.precision_plugin)
+
     def trace_at(size: int) -> Trace:
         require_int("trace_at", "size", size, 1)
         try:
@@ -175,7 +179,7 @@ def lightning_tracer(
                 autocast_dtype=_AUTOCAST.get(precision),
                 device=device,
                 inference_mode=_val_inference_mode(trainer),
-                autocast_cache=autocast_caches(trainer.precision_plugin),
+                autocast_cache=caches,
             )
         except _NoLoss as error:
             return Trace(cannot_trace=str(error))
