@@ -653,6 +653,20 @@ def _candidates(
     return sorted(picks)
 
 
+def _gallop(lo: int, hi: int | None, upper: int, guess: int) -> list[int]:
+    """One size: ``guess``, then steps of 1, 2, 4, ... away from it until the edge is bracketed, then halves."""
+    if lo == 0 and hi is None:
+        size = guess
+    elif hi is None:
+        size = lo + max(1, lo - guess + 1)
+    elif lo == 0:
+        size = hi - max(1, guess - hi + 1)
+    else:
+        size = (lo + hi) // 2
+    size = max(1, min(size, upper if hi is None else hi - 1))
+    return [size] if lo < size and (hi is None or size < hi) else []
+
+
 def _bracket(probes: dict[int, dict[str, Any]]) -> tuple[int, int | None, list[int]]:
     """Largest passing size below the smallest failing one, that failing size, and passes above it (non-monotone)."""
     failed = [size for size, p in probes.items() if not p["ok"]]
@@ -682,7 +696,10 @@ def find_true_max(
         points = measured if len(measured) >= 2 else measured + [h for h in hints if h[0] not in probes]
         predicted = _predict_max(points, runner.budget_bytes)
         first_round_guess = guess if not probes else None  # the first round is centred on the tuner's answer
-        sizes = _candidates(lo, hi, w.search_upper, parallel, predicted, first_round_guess)
+        if parallel == 1 and guess is not None:  # one at a time: gallop out from the guess, then bisect
+            sizes = _gallop(lo, hi, w.search_upper, guess)
+        else:
+            sizes = _candidates(lo, hi, w.search_upper, parallel, predicted, first_round_guess)
         if not sizes:
             status = "no_candidates"
             break
@@ -920,6 +937,10 @@ def orchestrate(args: argparse.Namespace) -> int:
         sys.exit(f"--headroom {args.headroom!r}: expected values in [0, 1)")
     for name in models:
         M.workload(name, args.quick)  # unknown names fail now
+    try:
+        guesses = {m: int(n) for m, n in (g.split("=") for g in args.guess.split(",") if g.strip())}
+    except ValueError:
+        sys.exit(f"--guess {args.guess!r}: expected model=size pairs, comma-separated")
     args.previous = str(Path(args.previous).resolve())  # the workers run in the repository root
     packages = {"current": _package_stamp(_current_package_dir()), "previous": None}
     if any(TUNER_FINDERS.get(f, ("",))[0] == "previous" for f in finders):
@@ -985,7 +1006,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         H.log(f"{model}: {M.describe(w)}")
         entry: dict[str, Any] = {"workload": M.describe(w), "finders": {}}
         report["workloads"][model] = entry
-        if not args.quick:  # the first process of a model loads its kernels from disk: no finder's cost
+        if not args.quick and finders:  # the first process of a model loads its kernels: no finder's cost
             warm = runner.run(runner.argv(model, "--probe-worker", "--batch-size", "1"), "warm_up")
             entry["warm_up_seconds"] = round(warm.seconds, 2)
             H.log(
@@ -1013,6 +1034,7 @@ def orchestrate(args: argparse.Namespace) -> int:
                 )
         guiding = entry["finders"].get(guide, {}) if guide else {}
         guess = guiding.get("batch_size") if guiding.get("status") == "ok" else None
+        guess = guesses.get(model, guess)
         hints = [
             (t["batch_size"], t["peak_bytes"])
             for t in guiding.get("tuner_trials") or []
@@ -1057,6 +1079,12 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--budget-gib", type=float, default=24.0, help="memory budget per process in GiB")
     parser.add_argument("--parallel", type=int, default=5, help="true-max candidates run at once")
+    parser.add_argument(
+        "--guess",
+        default="",
+        help="model=size pairs, comma-separated: the true max's first candidate (e.g. a traced plan's size),"
+        " in place of the guiding tuner's answer; with one candidate at a time, the search gallops out from it",
+    )
     parser.add_argument(
         "--true-max",
         choices=("fit", "plain", "none"),
