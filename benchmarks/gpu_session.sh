@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_session.sh [PART]...   (default: tests monitor microbatch)
 #   PART: tests, monitor, microbatch, microbatch-gpt, microbatch-gpt-profile, profile, tuner, tuner-gpt, tuner-resnet,
 #         tuner-resnet-12, tuner-longval, plan, plan-expandable, tuner-predict, tuner-predict-12, tuner-42a, tuner-42b,
-#         tuner-42c, tuner-42-all, truth-48, token-budget, fidelity, fidelity-fit, ddp2
+#         tuner-42c, tuner-42-all, truth, token-budget, fidelity, fidelity-fit, ddp2
 #
 # plan: MemoryPlanner's predictions against measured peaks on six workloads (benchmarks/plan.py) -> plan.json, .log;
 # plan-expandable: the same for the two GPTs with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; tuner-predict:
@@ -34,9 +34,9 @@
 # GPT at FIDELITY_GPT under 24 GiB, with 4096-token validation at FIDELITY_LONGVAL, HF GPT-2 at FIDELITY_HF)
 # -> fidelity.tgz (the streams; replay them anywhere with --check), fidelity.log.
 #
-# truth-48: the true maximum alone under 48 GiB (no finder; one candidate at a time fits an 80 GB card), its first
-# candidate TRUTH_GUESS (model=size pairs, e.g. the traced plan's sizes), then galloping out and bisecting, on
-# TRUTH_MODELS (TRUTH_S, default 330) -> truth-48gib-$TRUTH_NAME.json, .log.
+# truth: the true maximum alone (no finder) under TRUTH_GIB (default 48) on TRUTH_MODELS, its first candidate
+# TRUTH_GUESS (model=size pairs, e.g. the traced plan's sizes); up to TRUTH_PARALLEL at once, as many as fit the card
+# (one under 48 GiB on an 80 GB card: it gallops out from the guess, then bisects) -> truth-<GIB>gib-<TRUTH_NAME>.json.
 #
 # token-budget: TokenBudgetSampler with a tuned max_tokens against BatchSizeFinder, the worst-case batch size and a
 # hand-set budget, one epoch each (benchmarks/token_budget.py; TOKEN_ATTENTION, TOKEN_DATASETS, TOKEN_CONFIGS,
@@ -113,10 +113,10 @@ for part in "${parts[@]}"; do
       --models ${TUNER_MODELS:-gpt,hf-gpt2,resnet,gpt-longval,vit} --budget-gib 24 --headroom 0.02 --fit-steps 4 \
       --fit-val-batches 1 --true-max none --rotate --finders ${TUNER42_FINDERS:-default,previous-search,binsearch} \
       --previous out/previous --time-limit $(( ${TUNER_S:-560} - 60 )) --json "$OUT/$part.json" > "$OUT/$part.log" 2>&1 ;;
-    truth-48) HF_HUB_OFFLINE=1 timeout ${TRUTH_S:-330} python3 benchmarks/tuner.py --models ${TRUTH_MODELS:-gpt} \
-      --budget-gib 48 --finders "" --guess "${TRUTH_GUESS:-}" --parallel 1 --fit-steps 4 --fit-val-batches 1 \
-      --true-max fit --time-limit $(( ${TRUTH_S:-330} - 40 )) --json "$OUT/truth-48gib-${TRUTH_NAME:-a}.json" \
-      > "$OUT/truth-48gib-${TRUTH_NAME:-a}.log" 2>&1 ;;
+    truth) HF_HUB_OFFLINE=1 timeout ${TRUTH_S:-330} python3 benchmarks/tuner.py --models ${TRUTH_MODELS:-gpt} \
+      --budget-gib ${TRUTH_GIB:-48} --finders "" --guess "${TRUTH_GUESS:-}" --parallel ${TRUTH_PARALLEL:-5} \
+      --fit-steps 4 --fit-val-batches 1 --true-max fit --time-limit $(( ${TRUTH_S:-330} - 40 )) \
+      --json "$OUT/truth-${TRUTH_GIB:-48}gib-${TRUTH_NAME:-a}.json" > "$OUT/truth-${TRUTH_GIB:-48}gib-${TRUTH_NAME:-a}.log" 2>&1 ;;
     token-budget) name=token-budget-${TOKEN_ATTENTION:-sdpa}${TOKEN_EXPANDABLE:+-expandable}${TOKEN_SHAPE_MARGIN:+-margin$TOKEN_SHAPE_MARGIN}
       timeout ${TOKEN_S:-420} python3 benchmarks/token_budget.py --attention ${TOKEN_ATTENTION:-sdpa} \
       --datasets ${TOKEN_DATASETS:-zipf,skewed} --configs ${TOKEN_CONFIGS:-worst,tuned,hand,finder} \
