@@ -36,7 +36,7 @@
 #
 # truth: the true maximum alone (no finder) under TRUTH_GIB (default 48) on TRUTH_MODELS, its first candidate
 # TRUTH_GUESS (model=size pairs, e.g. the traced plan's sizes); up to TRUTH_PARALLEL at once, as many as fit the card
-# (one under 48 GiB on an 80 GB card: it gallops out from the guess, then bisects) -> truth-<GIB>gib-<TRUTH_NAME>.json.
+# (one under 48 GiB on an 80 GB card: it gallops out from the guess, then bisects); TRUTH_STEPS training steps (4) -> truth-<GIB>gib-<TRUTH_NAME>.json.
 #
 # token-budget: TokenBudgetSampler with a tuned max_tokens against BatchSizeFinder, the worst-case batch size and a
 # hand-set budget, one epoch each (benchmarks/token_budget.py; TOKEN_ATTENTION, TOKEN_DATASETS, TOKEN_CONFIGS,
@@ -115,7 +115,7 @@ for part in "${parts[@]}"; do
       --previous out/previous --time-limit $(( ${TUNER_S:-560} - 60 )) --json "$OUT/$part.json" > "$OUT/$part.log" 2>&1 ;;
     truth) HF_HUB_OFFLINE=1 timeout ${TRUTH_S:-330} python3 benchmarks/tuner.py --models ${TRUTH_MODELS:-gpt} \
       --budget-gib ${TRUTH_GIB:-48} --finders "" --guess "${TRUTH_GUESS:-}" --parallel ${TRUTH_PARALLEL:-5} \
-      --fit-steps 4 --fit-val-batches 1 --true-max fit --time-limit $(( ${TRUTH_S:-330} - 40 )) \
+      --fit-steps ${TRUTH_STEPS:-4} --fit-val-batches 1 --true-max fit --time-limit $(( ${TRUTH_S:-330} - 40 )) \
       --json "$OUT/truth-${TRUTH_GIB:-48}gib-${TRUTH_NAME:-a}.json" > "$OUT/truth-${TRUTH_GIB:-48}gib-${TRUTH_NAME:-a}.log" 2>&1 ;;
     token-budget) name=token-budget-${TOKEN_ATTENTION:-sdpa}${TOKEN_EXPANDABLE:+-expandable}${TOKEN_SHAPE_MARGIN:+-margin$TOKEN_SHAPE_MARGIN}
       timeout ${TOKEN_S:-420} python3 benchmarks/token_budget.py --attention ${TOKEN_ATTENTION:-sdpa} \

@@ -84,12 +84,14 @@ def truths(paths: list[str]) -> dict[str, dict[float, dict[str, Any]]]:
         budget = data["settings"].get("budget_gib")
         for name, workload in data["workloads"].items():
             true = workload.get("true_max") or {}
-            if true.get("true_max") is None:
+            # settled only: an exact edge, or the search's bound reached (a lower bound, marked so)
+            if true.get("true_max") is None or true.get("status") not in ("exact", "upper_bound"):
                 continue
             probes = {p["batch_size"]: p for p in true.get("probes", [])}
             found.setdefault(name, {})[float(budget)] = {
                 "cap_gib": budget,
                 "true_max": true["true_max"],
+                "at_bound": true["status"] == "upper_bound",
                 "peaks": probes.get(true["true_max"]),
                 "device": data.get("device"),
                 "file": path,
@@ -120,6 +122,7 @@ def search_caps(
         truth = known.get(cap)
         if truth is not None:
             cell["true_max"] = truth["true_max"]
+            cell["true_max_at_bound"] = truth["at_bound"]  # the true max is at least this
             cell["ratio"] = round(found.batch_size / truth["true_max"], 4) if found.batch_size else None
             cell["truth"] = f"{truth['file']} ({(truth['device'] or {}).get('name')})"
         cells.append(cell)
