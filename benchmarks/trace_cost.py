@@ -7,11 +7,19 @@ same steps on meta tensors with no dispatch mode and no recording: PyTorch's met
 Python, what any trace on shapes alone pays (bf16 autocast on the CPU, AdamW with ``foreach``)::
 
     python benchmarks/trace_cost.py --models gpt,gpt-longval,hf-gpt2 --json benchmarks/results/trace-cost-cpu.json
+
+With ``--guess`` it times, instead, the whole of what that tuner does on the CPU before and around its trials, in a
+fresh model: ``traced_guess`` under 24 GiB less the CUDA context (the two sizes traced, the search and the 16-size
+check on their replays), then the guess calibrated by a first trial at size 2 whose reserved peak is its replay's
+plus 10 MiB (the replays searched again under the shifted limit), split into tracing and the rest::
+
+    python benchmarks/trace_cost.py --guess --models gpt,hf-gpt2 --json benchmarks/results/trace-guess-cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -19,6 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from lightning_gpumem._core.units import GIB
+from lightning_gpumem.tuning.sources.affine import AffineStreams
+from lightning_gpumem.tuning.sources.traced import CONTEXT_BYTES, TracedSource, traced_guess
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _tuner_models as M
@@ -66,6 +78,40 @@ def measure(name: str, steps: int) -> dict[str, Any]:
     }
 
 
+def measure_guess(name: str) -> dict[str, Any]:
+    """Seconds of ``traced_guess`` (tracing apart) and of the guess's calibration by a first trial."""
+    w = M.workload(name, False)
+    with torch.device("meta"):
+        model = M.build_model(w)
+    trace_at = tracer(w, model, steps=2)  # as the tuner traces: two steps, Lightning's validation
+    traced: list[float] = []
+
+    def timed(size: int) -> Any:
+        start = time.perf_counter()
+        trace = trace_at(size)
+        traced.append(time.perf_counter() - start)
+        return trace
+
+    source = TracedSource(timed, affine=AffineStreams(checked=False))  # the tuner's: two traced sizes
+    start = time.perf_counter()
+    guess = traced_guess(source, 24 * GIB - CONTEXT_BYTES, upper=w.search_upper, init_val=2, headroom=0.02)
+    before = time.perf_counter() - start
+    replayed = source.under(None)(2)
+    first = dataclasses.replace(replayed, peak_bytes=(replayed.peak_bytes or 0) + 10 * 2**20)
+    start = time.perf_counter()
+    guessed = guess(first)
+    calibrate = time.perf_counter() - start
+    return {
+        "model": name,
+        "sizes_traced": len(traced),
+        "trace_seconds": round(sum(traced), 3),
+        "before_trials_seconds": round(before, 3),
+        "replays_before_seconds": round(before - sum(traced), 3),
+        "calibrate_seconds": round(calibrate, 3),
+        "guess": None if guessed is None else guessed.size,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -73,11 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="gpt,gpt-longval,hf-gpt2")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--guess", action="store_true", help="time traced_guess and its calibration instead")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     rows = []
     for name in args.models.split(","):
-        rows.append(measure(name, args.steps))
+        rows.append(measure_guess(name) if args.guess else measure(name, args.steps))
         print(json.dumps(rows[-1]), flush=True)
     if args.json:
         report = {"torch": torch.__version__, "threads": 2, "workloads": rows}

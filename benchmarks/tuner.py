@@ -63,9 +63,12 @@ workload and a budget ``B`` (``--budget-gib``, default 24 GiB):
    ``parallel * (B + 1 GiB)`` would not fit the card). The search is k-ary over a bracket ``(lo, hi)`` (largest size
    that passed, smallest that failed): the first round is centred on the guiding tuner's answer ``g`` (``g``,
    ``g + 1``, the size where the line through its measured peaks meets ``B``, and a spread above; the workload's
-   ``true_max_guide`` in the JSON); later rounds put a few
+   ``true_max_guide`` in the JSON; ``--guess model=size`` gives ``g`` instead, e.g. a traced plan's size with
+   ``--finders ""``); later rounds put a few
    candidates next to the size the probes' own peaks predict and split the rest of the bracket evenly (geometrically
-   while it spans more than 4x), until ``hi = lo + 1``. A probe that times out or fails for another reason counts as
+   while it spans more than 4x), until ``hi = lo + 1``. Where one candidate at a time fits the card (48 GiB on an
+   80 GB one) and ``g`` is given, the search gallops from ``g`` (``g``, then steps of 1, 2, 4, ... away from it) and
+   bisects the bracket found. A probe that times out or fails for another reason counts as
    a failure but marks the result *uncertain*; a size that passed above one that failed is reported as
    non-monotone.
 3. **Output.** A Markdown table per workload on stdout (finder | batch size | fraction of true max | trials | OOMs |
