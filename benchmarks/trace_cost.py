@@ -14,22 +14,36 @@ check on their replays), then the guess calibrated by a first trial at size 2 wh
 plus 10 MiB (the replays searched again under the shifted limit), split into tracing and the rest::
 
     python benchmarks/trace_cost.py --guess --models gpt,hf-gpt2 --json benchmarks/results/trace-guess-cpu.json
+
+With ``--meta``, an experiment that leaves the package as it is: the package's trace (the recorder, CUDA's
+autocast and attention policy, the kernels' buffers) with its copies made on the meta device and no fake mode
+around the steps (both patched for this process only), against the trace as the package makes it: seconds at size
+4 (after one at size 2: each way's caches warm), whether the events are the same at 2, 8 and 32, and the replays'
+peaks there (repeated until steady, no cap)::
+
+    python benchmarks/trace_cost.py --meta --models gpt,gpt-longval,hf-gpt2,gpt124,encoder,gpt-ckpt \
+        --json benchmarks/results/trace-meta-cpu.json
+    # --models resnet,vit in the vision venv: benchmarks/results/trace-meta-cpu-vision.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+import lightning_gpumem._hw.trace as trace_module
 from lightning_gpumem._core.units import GIB
 from lightning_gpumem.tuning.sources.affine import AffineStreams
+from lightning_gpumem.tuning.sources.steps import replay_steady
 from lightning_gpumem.tuning.sources.traced import CONTEXT_BYTES, TracedSource, traced_guess
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -78,6 +92,61 @@ def measure(name: str, steps: int) -> dict[str, Any]:
     }
 
 
+SIZES = (2, 8, 32)
+
+
+def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
+    meta = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(meta, requires_grad=tensor.requires_grad)
+    return meta.requires_grad_(tensor.requires_grad)
+
+
+@contextlib.contextmanager
+def on_meta() -> Iterator[None]:
+    """The package's trace with its copies on the meta device and no fake mode."""
+    saved = trace_module._fake_like, trace_module.FakeTensorMode
+    trace_module._fake_like = _meta_like
+    trace_module.FakeTensorMode = lambda **_: contextlib.nullcontext()  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        trace_module._fake_like, trace_module.FakeTensorMode = saved
+
+
+def measure_meta(name: str) -> dict[str, Any]:
+    w = M.workload(name, False)
+    with torch.device("meta"):
+        model = M.build_model(w)
+    trace_at = tracer(w, model, steps=2)  # as the tuner traces: two steps, Lightning's validation
+    row: dict[str, Any] = {"model": name}
+    traces = {}
+    for label, context in (("fake", contextlib.nullcontext), ("meta", on_meta)):
+        with context():
+            trace_at(2)
+            start = time.perf_counter()
+            trace_at(4)
+            row[f"{label}_seconds"] = round(time.perf_counter() - start, 3)
+            traces[label] = {size: trace_at(size) for size in SIZES}
+    row["meta_over_fake"] = round(row["meta_seconds"] / row["fake_seconds"], 2)
+    row["cannot_trace"] = traces["meta"][SIZES[0]].cannot_trace
+    row["events_equal"] = all(traces["fake"][s].events == traces["meta"][s].events for s in SIZES)
+    row["events"] = {label: len(traces[label][SIZES[0]].events) for label in traces}
+    row["peaks"] = {}
+    for size in SIZES:
+        peaks = {}
+        for label in traces:
+            replayed, _ = replay_steady(traces[label][size].events)
+            peaks[label] = (replayed.peak_reserved, replayed.peak_allocated)
+        row["peaks"][size] = {
+            "reserved": peaks["fake"][0],
+            "reserved_meta_error": round(peaks["meta"][0] / peaks["fake"][0] - 1, 5),
+            "allocated": peaks["fake"][1],
+            "allocated_meta_error": round(peaks["meta"][1] / peaks["fake"][1] - 1, 5),
+        }
+    return row
+
+
 def measure_guess(name: str) -> dict[str, Any]:
     """Seconds of ``traced_guess`` (tracing apart) and of the guess's calibration by a first trial."""
     w = M.workload(name, False)
@@ -120,11 +189,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--json", default=None)
     parser.add_argument("--guess", action="store_true", help="time traced_guess and its calibration instead")
+    parser.add_argument(
+        "--meta", action="store_true", help="the trace on meta tensors against the package's"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     rows = []
     for name in args.models.split(","):
-        rows.append(measure_guess(name) if args.guess else measure(name, args.steps))
+        if args.meta:
+            rows.append(measure_meta(name))
+        else:
+            rows.append(measure_guess(name) if args.guess else measure(name, args.steps))
         print(json.dumps(rows[-1]), flush=True)
     if args.json:
         report = {"torch": torch.__version__, "threads": 2, "workloads": rows}
