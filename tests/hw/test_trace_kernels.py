@@ -310,3 +310,30 @@ def test_the_checkpointed_gpts_lightning_fit_is_the_h100s(size, fits):
     real_peaks, traced_peaks = replay(real, limit_bytes=cap), replay(traced, limit_bytes=cap)
     assert real_peaks.fits == traced_peaks.fits == fits
     assert traced_peaks.peak_reserved == pytest.approx(real_peaks.peak_reserved, rel=2e-4)
+
+
+@pytest.mark.parametrize(
+    ("workload", "result", "size"),
+    [
+        ("gpt", "truth-48gib-gpt-12steps-h100.json", 86),
+        ("gpt", "truth-48gib-gpt-12steps-h100.json", 87),
+        ("gpt-ckpt", "truth-24gib-ckpt-12steps-h100.json", 77),
+        ("gpt-ckpt", "truth-24gib-ckpt-12steps-h100.json", 78),
+        ("gpt-ckpt", "truth-24gib-ckpt-12steps-h100.json", 85),
+    ],
+)
+def test_the_steady_replay_runs_out_of_memory_in_the_step_the_h100s_12_step_fit_did(workload, result, size):
+    """The H100's 12-step Lightning fits (``TRUTH_STEPS=12 ... gpu_session.sh truth``): the GPT under 48 GiB ran
+    86 and ran out of memory at 87 after 7 steps (its 4-step fit ran); the checkpointed GPT under 24 GiB ran 77
+    and 85 and ran out at 78 after 8 steps. The trace (3 steps, as the plan's), its last step repeated until the
+    allocator's layout settles, fails in the same step and fits where the H100 ran 12."""
+    from lightning_gpumem.tuning.sources.steps import replay_steady
+
+    data = json.loads((ROOT / "benchmarks" / "results" / result).read_text())
+    assert data["settings"]["fit_steps"] == 12
+    probe = next(p for p in data["workloads"][workload]["true_max"]["probes"] if p["batch_size"] == size)
+    events = gpt_tracer(steps=3, lightning=True, workload=workload)(size).events
+    replayed, steps = replay_steady(events, limit_bytes=data["settings"]["budget_bytes"], max_steps=12)
+    assert replayed.fits == probe["ok"]
+    if not probe["ok"]:
+        assert steps == probe["steps"] + 1  # the steps it ran, and the one that ran out of memory
