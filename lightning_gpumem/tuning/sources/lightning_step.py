@@ -163,8 +163,6 @@ def lightning_tracer(
 
     caches = autocast_caches(trainer.precision_plugin)
 
-    caches = autocast_caches(trainer.precision_plugin)
-
     def trace_at(size: int) -> Trace:
         require_int("trace_at", "size", size, 1)
         try:
