@@ -29,7 +29,9 @@ workload and a budget ``B`` (``--budget-gib``, default 24 GiB):
      anything imports the package, the worker removes an editable install's import hooks (``sys.meta_path`` and
      ``sys.path_hooks`` entries whose type or repr mentions "editable": they would win over ``sys.path``), drops the
      repository root, the working directory and ``''`` from ``sys.path`` and puts ``DIR`` first; if the package it
-     then imports is not under ``DIR``, the finder's status is ``error``.
+     then imports is not under ``DIR``, the finder's status is ``error``;
+   * ``trace``, ``previous-trace``: ``BatchSizeTuner(budget=B, headroom=H, start="trace")`` of this package / of the
+     previous copy.
 
    ``H`` is the first ``--headroom`` value (default 0.05); further values (``--headroom 0.05,0.02``) run the guiding
    tuner (the first of ``default``, ``predict``, ``ours``, ``previous-predict``, ``previous-search`` asked for; it
@@ -126,6 +128,7 @@ FINDERS = (
     "previous-search",
     "previous-predict",
     "default",
+    "previous-trace",
     "trace",
 )  # table order
 DEFAULT_FINDERS = ("default", "binsearch", "power")
@@ -139,7 +142,9 @@ TUNER_FINDERS: dict[str, tuple[str, str | None]] = {
     "previous-predict": ("previous", "predict"),
     "previous-search": ("previous", "search"),
     "trace": ("current", None),  # BatchSizeTuner(start="trace"): the step traced first
+    "previous-trace": ("previous", None),  # the same, of the previous copy
 }
+TRACED_FINDERS = ("trace", "previous-trace")
 GUIDES = (
     "default",
     "predict",
@@ -468,7 +473,7 @@ def finder_worker(args: argparse.Namespace) -> int:
             options: dict[str, Any] = (
                 {} if method is None else {"method": method}
             )  # None: the package's default
-            if args.finder_worker == "trace":
+            if args.finder_worker in TRACED_FINDERS:
                 options["start"] = "trace"
             if device.type != "cuda":
                 options["max_val"] = CPU_MAX_VAL  # on a CPU it searches only when asked
@@ -886,10 +891,10 @@ def _label(finder: str, r: dict[str, Any]) -> str:
     headroom = r.get("headroom")
     arguments = "budget=B" + (f", headroom={headroom}" if headroom is not None and headroom != 0.05 else "")
     arguments += f", method='{method}'" if method else ""
-    arguments += ", start='trace'" if base == "trace" else ""
+    arguments += ", start='trace'" if base in TRACED_FINDERS else ""
     if package == "previous":
-        return f"previous version, {method}: `BatchSizeTuner({arguments})`"
-    default = method is None and base != "trace"
+        return f"previous version{f', {method}' if method else ''}: `BatchSizeTuner({arguments})`"
+    default = method is None and base not in TRACED_FINDERS
     return f"lightning_gpumem `BatchSizeTuner({arguments})`" + (" (default)" if default else "")
 
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import math
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +12,6 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_gpumem import keys
 from lightning_gpumem._core.units import format_gib
-from lightning_gpumem._hw.allocator import kernel_device
 from lightning_gpumem._hw.probe import Probe
 from lightning_gpumem.tuning import bounds
 from lightning_gpumem.tuning.lengths.longest import LongestFirst, margin_for
@@ -21,7 +19,6 @@ from lightning_gpumem.tuning.lengths.scan import LengthFn
 from lightning_gpumem.tuning.lengths.token_budget import heaviest_batches_first
 from lightning_gpumem.tuning.record import Searched, Shapes
 from lightning_gpumem.tuning.search import (
-    Guess,
     SearchResult,
     TrialSource,
     leave_headroom,
@@ -29,15 +26,12 @@ from lightning_gpumem.tuning.search import (
     until_data_ends,
 )
 from lightning_gpumem.tuning.search.headroom import TUNER_TOLERANCE, size_to_keep
-from lightning_gpumem.tuning.search.model import Trial
-from lightning_gpumem.tuning.sources.affine import AffineStreams
-from lightning_gpumem.tuning.sources.traced import traced_guess
-from lightning_gpumem.tuning.traced_plan import plan_traced, traced_source
+from lightning_gpumem.tuning.traced_plan import plan_traced
+from lightning_gpumem.tuning.traced_start import TracedStart
 from lightning_gpumem.tuning.trials import loaders
 from lightning_gpumem.tuning.trials import session as _session
 from lightning_gpumem.tuning.trials.bench import TrialBench
 from lightning_gpumem.tuning.trials.measure import BatchCheck
-from lightning_gpumem.tuning.trials.saved_run import rng_kept
 
 MAX_TRIALS = 25
 
@@ -102,15 +96,15 @@ def tune(
     The trials run on the bench (the heaviest batches first where shapes vary: a token budget's, or the
     longest samples with ``length_fn``), with the allocator capped at ``limit``; ``searched`` gets the run's
     original size and accumulation, the longest-first order and the allocator's counts when the trials ended.
-    With ``start="trace"`` the step is traced first and the second trial is the traced largest size,
-    calibrated by the first (:func:`~lightning_gpumem.tuning.sources.traced.traced_guess`).
+    With ``start="trace"`` the step is traced beside the first trial and the second trial is the traced
+    largest size, calibrated by the first (:class:`~lightning_gpumem.tuning.traced_start.TracedStart`).
     Returns the result (every trial, the size kept) and the training batches' shapes the trials saw.
     """
     tokens = searched.tokens
-    guess = None
+    traced = None
     if start == "trace":
         varies = bool(tokens or length_fn)
-        guess = _traced_guess(trainer, limit, upper, init_val, validate, headroom, varies=varies)
+        traced = _traced_start(trainer, limit, upper, init_val, validate, headroom, varies)
 
     # a token budget below the longest sample's cost holds no epoch; above it, any may be tried
     lower = math.ceil(tokens.min_tokens) if tokens else 1
@@ -124,7 +118,7 @@ def tune(
             limit_bytes=limit,
             max_trials=MAX_TRIALS,
             tolerance=TUNER_TOLERANCE,
-            guess=guess,
+            guess=traced,
         )
 
     longest = searched.longest = LongestFirst("BatchSizeTuner", length_fn) if length_fn else None
@@ -144,7 +138,7 @@ def tune(
         raising=longest.raising if longest is not None else None,
     )
     try:
-        with bench:
+        with bench, traced or contextlib.nullcontext():
             searched.original = bench.session.original
             with bench.capped(
                 limit
@@ -163,7 +157,7 @@ def tune(
     return result, shapes
 
 
-def _traced_guess(
+def _traced_start(
     trainer: pl.Trainer,
     limit: int | None,
     upper: int,
@@ -171,48 +165,17 @@ def _traced_guess(
     validate: bool,
     headroom: float,
     varies: bool,
-) -> Callable[[Trial], Guess | None] | None:
-    """``start="trace"``: the step traced on fake tensors before the trials, as the search's ``guess``.
+) -> TracedStart | None:
+    """``start="trace"``'s guess, its traces started; ``None``, with one warning, where there is none.
 
-    The guess is the traced largest size (calibrated by the first trial) less ``headroom``; where that gives
-    something up, the size runs as the one to keep (one trial, not the largest size's and the edge's).
-    ``None``, with one warning, where it cannot be: no budget in bytes, batches whose shapes vary, or a step
-    the trace cannot run; the search then starts from its probe alone.
+    None where there is no budget in bytes or the batches' shapes vary: the search then starts from its
+    probe alone.
     """
     if limit is None or varies:
         why = "there is no budget in bytes" if limit is None else "the batches' shapes vary"
         rank_zero_warn(f"BatchSizeTuner(start='trace'): {why}; the search starts from its probe alone.")
         return None
-    start = time.perf_counter()
-    with rng_kept(trainer):  # the first batches drew from the run's RNG streams
-        device = kernel_device(trainer.strategy.root_device)
-        # two steps: the second has the optimizer's state, and the first real trial calibrates the rest
-        source = traced_source(trainer, "BatchSizeTuner", validate, device, steps=2)
-        if source is None:
-            return None
-        source = dataclasses.replace(source, affine=AffineStreams(checked=False))  # two traced sizes
-        try:
-            guess = traced_guess(source, limit, upper=upper, init_val=init_val, headroom=headroom)
-        except Exception as error:  # the trials run the real step: a real error shows there, not here
-            rank_zero_warn(
-                f"BatchSizeTuner(start='trace'): the step could not be traced ({type(error).__name__}:"
-                f" {error}); the search starts from its probe alone."
-            )
-            return None
-    seconds = time.perf_counter() - start
-    rank_zero_info(f"BatchSizeTuner: the step traced on fake tensors in {seconds:.1f} s.")
-
-    def calibrated(trial: Trial) -> Guess | None:
-        try:  # a size not traced yet is traced here (the first trial went below `init_val`)
-            return guess(trial)
-        except Exception as error:  # never the tuning's end: the probe's search goes on
-            rank_zero_warn(
-                f"BatchSizeTuner(start='trace'): the traced guess failed ({type(error).__name__}: {error});"
-                " the search goes on from its probe alone."
-            )
-            return None
-
-    return calibrated
+    return TracedStart(trainer, limit, upper=upper, init_val=init_val, validate=validate, headroom=headroom)
 
 
 def restore(

@@ -9,7 +9,9 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from torch._subclasses.fake_tensor import FakeTensor
 
 from lightning_gpumem import MemoryPlanner
+from lightning_gpumem._core.forked import ChildFailed, can_fork
 from lightning_gpumem._core.units import GIB, MIB
+from lightning_gpumem.tuning import traced_start as start_module
 from lightning_gpumem.tuning import tune as tune_module
 from lightning_gpumem.tuning.search import Guess
 from lightning_gpumem.tuning.sources import traced
@@ -43,17 +45,17 @@ def test_the_traced_size_is_the_second_trial_and_the_tuned_fit_is_the_probes(mon
 
     def spy(source, limit, **kwargs):
         guess = real_guess(source, limit, **kwargs)
-        assert source.traced  # the step was traced, before any trial
         assert limit == 24 * GIB
 
         def recorded(trial):
+            assert sorted(source.traced) == [2, 5]  # the first trial's size and one more, traced
             found = guess(trial)
             guesses.append((trial.batch_size, found))
             return found
 
         return recorded
 
-    monkeypatch.setattr(tune_module, "traced_guess", spy)
+    monkeypatch.setattr(start_module, "traced_guess", spy)
     traced_tuner, traced_model = _fit("trace")
     probe_tuner, probe_model = _fit("probe")
     assert guesses
@@ -70,7 +72,7 @@ def test_a_traced_size_less_the_headroom_that_runs_is_kept_after_two_trials(monk
         assert headroom == 0.1
         return lambda trial: Guess(kept(75, headroom), kept=True)
 
-    monkeypatch.setattr(tune_module, "traced_guess", exact)
+    monkeypatch.setattr(start_module, "traced_guess", exact)
     traced_tuner, traced_model = _fit("trace")
     probe_tuner, probe_model = _fit("probe")
     assert [t.batch_size for t in traced_tuner.trials] == [2, kept(75, 0.1)]
@@ -139,7 +141,95 @@ def test_a_guess_that_fails_in_the_search_warns_and_the_search_goes_on(monkeypat
 
         return guess
 
-    monkeypatch.setattr(tune_module, "traced_guess", failing)
+    monkeypatch.setattr(start_module, "traced_guess", failing)
     with pytest.warns(UserWarning, match=r"start='trace'.*traced guess failed \(RuntimeError: boom\)"):
         tuner, _ = _fit("trace")
+    assert tuner.optimal_batch_size == kept(75, 0.1)
+
+
+def _spied_children(monkeypatch):
+    """The traces the forked children sent back, by size."""
+    sent: dict[int, object] = {}
+    real = start_module.Forked
+
+    class Spy(real):
+        def __init__(self, work):
+            super().__init__(work)
+            self.size = work.args[0]
+
+        def result(self, timeout):
+            sent[self.size] = value = super().result(timeout)
+            return value
+
+    monkeypatch.setattr(start_module, "Forked", Spy)
+    return sent
+
+
+@pytest.mark.skipif(not can_fork(), reason="forks on Linux only")
+def test_the_two_sizes_are_traced_in_forked_children_as_they_would_be_here(monkeypatch):
+    sent = _spied_children(monkeypatch)
+    guesses: dict[str, list[object]] = {"forked": [], "here": []}
+    real_guess = traced.traced_guess
+
+    def spy(source, limit, **kwargs):
+        guess = real_guess(source, limit, **kwargs)
+
+        def recorded(trial):
+            found = guess(trial)
+            guesses[where].append((trial.batch_size, found, dict(source.traced)))
+            return found
+
+        return recorded
+
+    monkeypatch.setattr(start_module, "traced_guess", spy)
+    where = "forked"
+    forked_tuner, forked_model = _fit("trace")
+    assert sorted(sent) == [2, 5]
+    assert all(trace.cannot_trace is None and trace.events for trace in sent.values())
+    monkeypatch.setattr(start_module, "backward_forks", lambda: False)  # traced here, before the trials
+    where = "here"
+    here_tuner, here_model = _fit("trace")
+    assert guesses["forked"] == guesses["here"]  # the same streams, the same guess
+    sizes = [(t.batch_size, t.fits, t.peak_bytes) for t in forked_tuner.trials]
+    assert sizes == [(t.batch_size, t.fits, t.peak_bytes) for t in here_tuner.trials]
+    for a, b in zip(forked_model.parameters(), here_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not can_fork(), reason="forks on Linux only")
+def test_a_forked_trace_that_fails_warns_once_and_the_search_runs_from_its_probe(monkeypatch):
+    class Failing(start_module.Forked):
+        def result(self, timeout):
+            self.close()
+            raise ChildFailed("RuntimeError: Cannot re-initialize CUDA in forked subprocess")
+
+    monkeypatch.setattr(start_module, "Forked", Failing)
+    with pytest.warns(
+        UserWarning,
+        match=r"start='trace'\): the step could not be traced in a forked process \(RuntimeError: Cannot",
+    ) as caught:
+        tuner, _ = _fit("trace")
+    assert sum("start='trace'" in str(w.message) for w in caught) == 1
+    assert tuner.optimal_batch_size == kept(75, 0.1)
+
+
+def test_without_fork_the_step_is_traced_here_before_the_first_trial(monkeypatch):
+    monkeypatch.setattr(start_module, "backward_forks", lambda: False)
+    order: list[str] = []
+    real_bench = tune_module.TrialBench.run
+
+    def run(self, size):
+        order.append(f"trial {size}")
+        return real_bench(self, size)
+
+    real_add = traced.TracedSource.add
+
+    def add(self, size, trace):
+        order.append(f"traced {size}")
+        return real_add(self, size, trace)
+
+    monkeypatch.setattr(tune_module.TrialBench, "run", run)
+    monkeypatch.setattr(traced.TracedSource, "add", add)
+    tuner, _ = _fit("trace")
+    assert order[:3] == ["traced 2", "traced 5", "trial 2"]
     assert tuner.optimal_batch_size == kept(75, 0.1)

@@ -12,6 +12,9 @@ first with AdamW's state) is tried, as the replay's is.
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -112,3 +115,59 @@ def test_with_a_headroom_the_traced_size_less_it_is_kept_after_two_trials_and_th
     assert (traced.optimal_batch_size, True) in sizes  # the size kept ran
     assert len(traced.trials) <= 3  # the probe and the size kept (a step back where it failed)
     assert traced.optimal_batch_size <= largest
+
+
+# run in a fresh process: a forked child can trace only until its parent's first backward pass on the GPU
+_FORKED = """
+import json, warnings
+from lightning_gpumem._hw.forks import backward_forks
+from lightning_gpumem.tuning import traced_start
+from lightning_gpumem.tuning.sources import traced
+from lightning.pytorch import seed_everything
+from lightning_gpumem import BatchSizeTuner
+from tests.helpers.trainer import quiet_trainer
+from tests.tuning.test_callback_gpu import WideMLP
+
+def tuned():  # no warm-up step: the first tuning is the process's first backward pass
+    seed_everything(0)
+    tuner = BatchSizeTuner(budget=3 << 30, headroom=0.05, start="trace")
+    quiet_trainer(
+        accelerator="gpu", devices=1, max_steps=1, limit_val_batches=1, num_sanity_val_steps=0,
+        callbacks=[tuner],
+    ).fit(WideMLP())
+    return [t.batch_size for t in tuner.trials]
+
+added, forks = {}, []
+real_add, real_start = traced.TracedSource.add, traced_start.TracedStart.__init__
+
+def add(self, size, trace):
+    added.setdefault(str(len(forks)), {})[str(size)] = repr(trace.events)
+    return real_add(self, size, trace)
+
+def start(self, *args, **kwargs):
+    forks.append(backward_forks())
+    return real_start(self, *args, **kwargs)
+
+traced.TracedSource.add, traced_start.TracedStart.__init__ = add, start
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    sizes = [tuned() for _ in range(2)]
+warned = [str(w.message) for w in caught if "start='trace'" in str(w.message)]
+print(json.dumps({"forks": forks, "added": added, "sizes": sizes, "warned": warned}))
+"""
+
+
+def test_a_fresh_process_traces_in_forked_children_what_it_traces_itself_after_a_backward_pass():
+    """The first tuning forks (nothing ran backward yet); the second, after the first fit, traces here."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FORKED], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"\nforks {result['forks']}; sizes tried {result['sizes']}")
+    assert result["forks"] == [True, False]  # the first fit's backward passes closed the forked path
+    assert not result["warned"]
+    forked, here = result["added"]["1"], result["added"]["2"]
+    assert sorted(forked) == sorted(here) == ["2", "5"]
+    assert forked == here  # a child of a CUDA process traces what the process itself does
+    assert all(len(sizes) <= 4 for sizes in result["sizes"])  # the probe, the traced size, the edge

@@ -109,8 +109,19 @@ class TracedSource:
         self.affine.turn_off()
         return False
 
+    def add(self, size: int, trace: Trace) -> None:
+        """``size``'s trace, made elsewhere (a forked child's), as if traced here.
+
+        Raises:
+            CannotTrace: where the trace could not be made.
+        """
+        self.traces[size] = self._traced(size, trace)
+        self.affine.learn(self.traced)
+
     def _trace(self, size: int) -> list[Event]:
-        trace = self.trace_at(size)
+        return self._traced(size, self.trace_at(size))
+
+    def _traced(self, size: int, trace: Trace) -> list[Event]:
         if trace.cannot_trace is not None:
             raise CannotTrace(trace.cannot_trace)
         self.unmeasured |= trace.unmeasured
@@ -186,8 +197,24 @@ class TracedPlan:
 BELOW = 16
 
 
+# maps a capped source over sizes: the replays of the check below a size found (a plain loop by default; the
+# tuner's shares them among forked children, ``tuning/traced_start.py``)
+Replays = Callable[[Callable[[int], Trial], Sequence[int]], list[Trial]]
+
+
+def each(run: Callable[[int], Trial], sizes: Sequence[int]) -> list[Trial]:
+    """:data:`Replays` one after the other, here."""
+    return [run(size) for size in sizes]
+
+
 def largest_traced(
-    source: TracedSource, limit: int, *, init_val: int, upper: int, tolerance: float
+    source: TracedSource,
+    limit: int,
+    *,
+    init_val: int,
+    upper: int,
+    tolerance: float,
+    replays: Replays = each,
 ) -> SearchResult:
     """The largest size whose replay, and the replays of the :data:`BELOW` sizes under it, fit ``limit``.
 
@@ -196,22 +223,29 @@ def largest_traced(
     blocks before them happen to lie, a size can fit above one that runs out of memory (the 236M GPT with
     activation checkpointing under 24 GiB: 78 and 80-84 do not, 79 and 85-88 do; on the H100, 79 ran and 80
     did not). So
-    the sizes under the one found are replayed too, and a failure among them lowers the answer to the size
-    below it: what is returned has :data:`BELOW` fitting sizes under it (or all of them).
+    the sizes under the one found are replayed too (by ``replays``; a size the search replayed is not
+    replayed again), and a failure among them lowers the answer to the size below it: what is returned has
+    :data:`BELOW` fitting sizes under it (or all of them).
     """
     run = source.under(limit)
-    found = search_batch_size(run, init_val=init_val, upper=upper, limit_bytes=limit, tolerance=tolerance)
+    seen: dict[int, Trial] = {}
+
+    def once(size: int) -> Trial:
+        if size not in seen:
+            seen[size] = run(size)
+        return seen[size]
+
+    found = search_batch_size(once, init_val=init_val, upper=upper, limit_bytes=limit, tolerance=tolerance)
     best = found.batch_size
     if best is None:
         return found
-    extra: list[Trial] = []
-    size = best - 1
-    while size >= max(1, best - BELOW):
-        trial = run(size)
-        extra.append(trial)
-        if not accepted(trial, limit):
-            best = size - 1
-        size -= 1
+    below = list(range(best - 1, max(1, best - BELOW) - 1, -1))
+    fresh = [size for size in below if size not in seen]
+    seen.update(zip(fresh, replays(run, fresh), strict=True))
+    extra = [seen[size] for size in below]
+    failing = [trial.batch_size for trial in extra if not accepted(trial, limit)]
+    if failing:
+        best = min(failing) - 1
     trials = found.trials + tuple(extra)
     if best == found.batch_size:
         return replace(found, trials=trials)
@@ -221,32 +255,46 @@ def largest_traced(
 
 
 def traced_guess(
-    source: TracedSource, limit: int, *, upper: int, init_val: int, headroom: float = 0.0
+    source: TracedSource,
+    limit: int,
+    *,
+    upper: int,
+    init_val: int,
+    headroom: float = 0.0,
+    replays: Replays = each,
 ) -> Callable[[Trial], Guess | None]:
     """The search's ``guess`` from a trace: its largest size, calibrated by the first real trial.
 
-    The traced search under ``limit`` runs now, before any real trial (each size's stream traced or made
-    once, and kept). The guess, given the first real trial, searches the replays again under ``limit``
-    less what that trial's reserved peak measured above its replay's (the memory the trace does not see,
-    or sees too much of, taken as fixed): milliseconds, the streams are kept. Less ``headroom``
-    (``search/headroom.py``), where that gives something up, it is the size to keep: run once, it ends the
-    search, with no trial of the largest size and the edge above it. Nothing is given up at ``upper``.
+    The guess, given the first real trial, searches the replays under ``limit`` less what that trial's
+    reserved peak measured above its replay's (the memory the trace does not see, or sees too much of, taken
+    as fixed); each size's stream is traced (or made) once and kept. Where that trial has no peak to
+    calibrate with, the search is under ``limit`` itself. Less ``headroom`` (``search/headroom.py``), where
+    that gives something up, it is the size to keep: run once, it ends the search, with no trial of the
+    largest size and the edge above it. Nothing is given up at ``upper``. Nothing is traced or replayed
+    before the guess is first asked.
 
-    Raises:
+    Raises (from the guess):
         CannotTrace: where the step cannot be traced.
     """
-    # no traced confirmation of the streams made: the real trials are the check
-    first = largest_traced(source, limit, init_val=init_val, upper=upper, tolerance=0.0)
+    first: list[int | None] = []  # the search under `limit` itself, where first needed
+
+    def search(under: int, start: int) -> int | None:
+        found = largest_traced(source, under, init_val=start, upper=upper, tolerance=0.0, replays=replays)
+        return found.batch_size
+
+    def uncalibrated() -> int | None:
+        if not first:
+            first.append(search(limit, init_val))
+        return first[0]
 
     def largest(trial: Trial) -> int | None:
         replayed = source.under(None)(trial.batch_size)
         if trial.peak_bytes is None or replayed.peak_bytes is None:
-            return first.batch_size
+            return uncalibrated()
         shifted = limit - (trial.peak_bytes - replayed.peak_bytes)
         if shifted == limit:
-            return first.batch_size
-        again = largest_traced(source, shifted, init_val=trial.batch_size, upper=upper, tolerance=0.0)
-        return again.batch_size
+            return uncalibrated()
+        return search(shifted, trial.batch_size)
 
     def guess(trial: Trial) -> Guess | None:
         found = largest(trial)

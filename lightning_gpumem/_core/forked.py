@@ -1,0 +1,182 @@
+"""Work done in forked copies of this process while it goes on with its own.
+
+Why: tracing a training step on fake tensors is seconds of Python, which a thread cannot run beside the
+tuner's first real trial (the GIL), and replaying many sizes is the same. A forked child starts in
+milliseconds with every object of its parent as it was at the fork (copy on write), runs on another core and
+sends its result back pickled through a pipe.
+
+Only on Linux (:func:`can_fork`; macOS's system libraries are not safe to use after a fork). A child must
+not use CUDA (a forked child cannot: its work here is on fake tensors and in Python). A child that raises,
+dies, or has not answered by the timeout raises :class:`ChildFailed` naming why (:func:`forked_map`: gives
+``None``, and the caller does the work itself); a child not waited for is killed and reaped by
+:meth:`Forked.close`. Pure: stdlib only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import select
+import signal
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_CHUNK = 1 << 20
+
+
+def can_fork() -> bool:
+    """Whether work can go to forked children here: Linux, with ``os.fork``."""
+    return sys.platform.startswith("linux") and hasattr(os, "fork")
+
+
+def cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+class ChildFailed(Exception):
+    """A forked child gave no result: the reason (its error, its death, its silence)."""
+
+
+class Forked(Generic[T]):
+    """``work()`` run in a forked child from now on; :meth:`result` waits for its value.
+
+    Example:
+        >>> child = Forked(lambda: sum(range(10)))
+        >>> child.result(timeout=60.0)
+        45
+    """
+
+    def __init__(self, work: Callable[[], T]) -> None:
+        if not can_fork():
+            raise OSError(f"no fork on {sys.platform}")
+        read, write = os.pipe()
+        with warnings.catch_warnings():  # 3.12+ warns where the parent has threads: the child runs no CUDA
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the child: never returns into the parent's code
+            os.close(read)
+            _run_child(work, write)
+        os.close(write)
+        self._pid: int | None = pid
+        self._read: int | None = read
+
+    def result(self, timeout: float) -> T:
+        """The child's value, waited for up to ``timeout`` s.
+
+        Raises:
+            ChildFailed: the child raised (its error named), died, or did not answer in time.
+        """
+        if self._read is None:
+            raise ChildFailed("the child was closed before its result was read")
+        deadline = time.monotonic() + timeout
+        chunks: list[bytes] = []
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ChildFailed(f"no answer within {timeout:.0f} s")
+                ready, _, _ = select.select([self._read], [], [], left)
+                if not ready:
+                    continue
+                chunk = os.read(self._read, _CHUNK)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+            status = self._reap()
+            try:
+                ok, value = pickle.loads(b"".join(chunks))
+            except Exception as error:  # the child died before it wrote
+                raise ChildFailed(f"the child ended with status {status} and no result") from error
+            if not ok:
+                raise ChildFailed(value)
+            return value
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop waiting: the child, if still running, is killed and reaped."""
+        if self._read is not None:
+            os.close(self._read)
+            self._read = None
+        if self._pid is not None:
+            with contextlib.suppress(ProcessLookupError):  # it has ended
+                os.kill(self._pid, signal.SIGKILL)
+            self._reap()
+
+    def _reap(self) -> int | None:
+        if self._pid is None:
+            return None
+        try:
+            _, status = os.waitpid(self._pid, 0)
+        except ChildProcessError:  # reaped elsewhere
+            status = -1
+        self._pid = None
+        return status
+
+    def __del__(self) -> None:
+        if getattr(self, "_pid", None) is not None or getattr(self, "_read", None) is not None:
+            self.close()
+
+
+def forked_map(
+    function: Callable[[T], R], items: Sequence[T], *, workers: int, timeout: float
+) -> list[R] | None:
+    """``[function(item) for item in items]``, the items shared among up to ``workers`` forked children.
+
+    ``None`` where it cannot be done so (no fork here, fewer than two workers or items, a child that failed):
+    the caller then maps them itself.
+
+    Example:
+        >>> forked_map(abs, [-1, 2, -3], workers=2, timeout=60.0)
+        [1, 2, 3]
+    """
+    workers = min(workers, len(items))
+    if workers < 2 or not can_fork():
+        return None
+    shares = [list(items[i::workers]) for i in range(workers)]
+    children: list[Forked[list[R]]] = []
+    try:
+        for share in shares:
+            children.append(Forked(_mapping(function, share)))
+        deadline = time.monotonic() + timeout
+        results = []
+        for child in children:
+            results.append(child.result(max(0.0, deadline - time.monotonic())))
+    except (ChildFailed, OSError):
+        return None
+    finally:
+        for child in children:
+            child.close()
+    mapped: list[Any] = [None] * len(items)
+    for i, done in enumerate(results):
+        mapped[i::workers] = done
+    return mapped
+
+
+def _mapping(function: Callable[[T], R], share: list[T]) -> Callable[[], list[R]]:
+    return lambda: [function(item) for item in share]
+
+
+def _run_child(work: Callable[[], Any], write: int) -> None:
+    code = 1
+    try:
+        try:
+            payload = pickle.dumps((True, work()), protocol=pickle.HIGHEST_PROTOCOL)
+        except BaseException as error:
+            payload = pickle.dumps((False, f"{type(error).__name__}: {error}"))
+        with os.fdopen(write, "wb") as pipe:
+            pipe.write(payload)
+        code = 0
+    finally:
+        os._exit(code)

@@ -1,0 +1,36 @@
+"""Whether a forked child of this process can run a backward pass (and so trace a training step).
+
+torch's autograd engine refuses in a child forked after this process started the engine's device threads,
+which its first backward pass does on a machine with a GPU ("Unable to handle autograd's threading in
+combination with fork-based multiprocessing"): a tuner whose process has trained before (an earlier fit, a
+warm-up step) cannot trace in a fork. A forked child tries one backward pass on a CPU tensor (milliseconds).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_gpumem._core.forked import ChildFailed, Forked, can_fork
+
+_refused: list[bool] = []  # once refused, always: the engine's threads run for the life of the process
+
+
+def backward_forks(timeout: float = 30.0) -> bool:
+    """Whether a child forked now can run a backward pass (``False`` where the process cannot fork).
+
+    >>> backward_forks() in (True, False)
+    True
+    """
+    if _refused or not can_fork():
+        return False
+    try:
+        return Forked(_backward).result(timeout)
+    except (ChildFailed, OSError):
+        _refused.append(True)
+        return False
+
+
+def _backward() -> bool:
+    tensor = torch.ones(2, requires_grad=True)
+    (tensor * 2).sum().backward()
+    return tensor.grad is not None

@@ -1,0 +1,165 @@
+"""``BatchSizeTuner(start="trace")``: the step traced beside the first trial, its calibrated largest size.
+
+Why: tracing the step at its two sizes on fake tensors is seconds of Python (the 236M GPT's about 2 s a size,
+Hugging Face's GPT-2 about 4 s, on 2 cores), which before ran ahead of every trial. Here each size is traced
+in a forked copy of the process (``_core/forked.py``), started before the trials, while the first trial runs
+on the GPU; the guess, asked after that trial, waits for them. The replays of the check below the size found
+(``sources/traced.py``, ``BELOW``) are shared among forked children too, one per core left. Where the process
+cannot fork (not Linux), or its children cannot run a backward pass (``_hw/forks.py``: this process trained
+before), the sizes are traced here before the trials, as the replays are.
+
+The children copy the module and optimizer as they were at the fork, before any trial: the trace a fit's
+first step would make, as when it ran here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from types import TracebackType
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_gpumem._core.forked import ChildFailed, Forked, cores, forked_map
+from lightning_gpumem._hw.allocator import kernel_device
+from lightning_gpumem._hw.forks import backward_forks
+from lightning_gpumem._hw.trace import Trace
+from lightning_gpumem.tuning.search import Guess
+from lightning_gpumem.tuning.search.model import Trial
+from lightning_gpumem.tuning.sources.affine import AffineStreams
+from lightning_gpumem.tuning.sources.traced import each, traced_guess
+from lightning_gpumem.tuning.traced_plan import traced_source
+from lightning_gpumem.tuning.trials.saved_run import rng_kept
+
+TRACE_TIMEOUT = 600.0  # seconds a forked trace may take before the search goes on from its probe alone
+REPLAY_TIMEOUT = 120.0  # seconds the forked replays may take before they are made here
+_OWNER = "BatchSizeTuner(start='trace')"
+
+
+def traced_sizes(init_val: int, upper: int) -> list[int]:
+    """The two sizes traced: the first trial's and one more (whose streams give every size's).
+
+    >>> traced_sizes(2, 1000), traced_sizes(2, 3), traced_sizes(4, 4)
+    ([2, 5], [2, 3], [4])
+    """
+    return sorted({init_val, min(upper, 2 * init_val + 1)})
+
+
+class TracedStart:
+    """The search's ``guess`` for ``start="trace"``, its traces started at construction (before the trials).
+
+    Call it with a trial (the first) for the guess; ``None`` (with one warning) where the step could not be
+    traced or the guess failed: the search then goes on from its probe alone. A context manager: leaving it
+    stops the children not waited for.
+    """
+
+    def __init__(
+        self,
+        trainer: pl.Trainer,
+        limit: int,
+        *,
+        upper: int,
+        init_val: int,
+        validate: bool,
+        headroom: float,
+    ) -> None:
+        self._start = time.perf_counter()
+        self._children: dict[int, Forked[Trace]] = {}
+        self._guess: Callable[[Trial], Guess | None] | None = None
+        self._failed = False
+        with rng_kept(trainer):  # the first batches drew from the run's RNG streams
+            device = kernel_device(trainer.strategy.root_device)
+            # two steps: the second has the optimizer's state, and the first real trial calibrates the rest
+            source = traced_source(trainer, "BatchSizeTuner", validate, device, steps=2)
+            if source is None:
+                self._failed = True
+                return
+            source = dataclasses.replace(source, affine=AffineStreams(checked=False))  # two traced sizes
+            self._source = source
+            forked = backward_forks()  # else traced here, before the trials
+            replays = _forked_replays if forked else each
+            self._guess = traced_guess(
+                source, limit, upper=upper, init_val=init_val, headroom=headroom, replays=replays
+            )
+            for size in traced_sizes(init_val, upper):
+                if forked:
+                    self._children[size] = Forked(partial(source.trace_at, size))
+                elif not self._add(size, partial(source.trace_at, size)):  # here, before the trials
+                    return
+        if not forked:
+            self._traced(forked=False)
+
+    def __call__(self, trial: Trial) -> Guess | None:
+        """The guess after ``trial`` (the first): the traces waited for, the calibrated largest size."""
+        if self._failed or self._guess is None:
+            return None
+        if self._children and not self._join():
+            return None
+        try:  # a size not traced yet is traced here (the first trial went below `init_val`)
+            return self._guess(trial)
+        except Exception as error:  # never the tuning's end: the probe's search goes on
+            self._failed = True
+            rank_zero_warn(
+                f"{_OWNER}: the traced guess failed ({type(error).__name__}: {error}); the search goes on"
+                " from its probe alone."
+            )
+            return None
+
+    def __enter__(self) -> TracedStart:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the children not waited for."""
+        for child in self._children.values():
+            child.close()
+        self._children.clear()
+
+    def _join(self) -> bool:
+        children, self._children = self._children, {}
+        try:
+            for size, child in children.items():
+                if not self._add(size, partial(child.result, TRACE_TIMEOUT)):
+                    return False
+        finally:
+            for child in children.values():
+                child.close()
+        self._traced(forked=True)
+        return True
+
+    def _add(self, size: int, trace: Callable[[], Trace]) -> bool:
+        """``size``'s trace into the source; ``False``, with one warning, where it could not be made."""
+        try:
+            self._source.add(size, trace())
+        except Exception as error:  # the trials run the real step: a real error shows there, not here
+            self._failed = True
+            forked = isinstance(error, ChildFailed)
+            reason = f"{error}" if forked else f"{type(error).__name__}: {error}"
+            where = " in a forked process" if forked else ""
+            rank_zero_warn(
+                f"{_OWNER}: the step could not be traced{where} ({reason}); the search starts from its"
+                " probe alone."
+            )
+            return False
+        return True
+
+    def _traced(self, forked: bool) -> None:
+        seconds = time.perf_counter() - self._start
+        beside = " in forked processes, beside the first trial" if forked else ""
+        rank_zero_info(f"BatchSizeTuner: the step traced on fake tensors{beside} in {seconds:.1f} s.")
+
+
+def _forked_replays(run: Callable[[int], Trial], sizes: Sequence[int]) -> list[Trial]:
+    """The replays of ``sizes`` shared among forked children (one per core but this one's); here if not."""
+    mapped = forked_map(run, sizes, workers=cores() - 1, timeout=REPLAY_TIMEOUT)
+    return mapped if mapped is not None else each(run, sizes)
