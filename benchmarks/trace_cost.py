@@ -8,12 +8,14 @@ Python, what any trace on shapes alone pays (bf16 autocast on the CPU, AdamW wit
 
     python benchmarks/trace_cost.py --models gpt,gpt-longval,hf-gpt2 --json benchmarks/results/trace-cost-cpu.json
 
-With ``--guess`` it times, instead, the whole of what that tuner does on the CPU before and around its trials, in a
-fresh model: ``traced_guess`` under 24 GiB less the CUDA context (the two sizes traced, the search and the 16-size
-check on their replays), then the guess calibrated by a first trial at size 2 whose reserved peak is its replay's
-plus 10 MiB (the replays searched again under the shifted limit), split into tracing and the rest::
+With ``--guess`` it times, instead, what that tuner does on the CPU around its trials (``tuning/traced_start.py``),
+in a fresh model: the two sizes traced one after the other and, as the tuner does, each in a forked child at once
+(the same events, checked), then ``traced_guess`` under 24 GiB less the CUDA context, calibrated by a first trial at
+size 2 whose reserved peak is its replay's plus 10 MiB (the search on the replays under the shifted limit, and the
+16-size check below the size found, shared among forked children where there is more than one core left)::
 
-    python benchmarks/trace_cost.py --guess --models gpt,hf-gpt2 --json benchmarks/results/trace-guess-cpu.json
+    python benchmarks/trace_cost.py --guess --models gpt,hf-gpt2 --json benchmarks/results/trace-guess-forked-cpu.json
+    # before the forked start (the eager search, then the calibrated one): trace-guess-cpu.json
 
 With ``--meta``, an experiment that leaves the package as it is: the package's trace (the recorder, CUDA's
 autocast and attention policy, the kernels' buffers) with its copies made on the meta device and no fake mode
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -41,10 +44,12 @@ from typing import Any
 import torch
 
 import lightning_gpumem._hw.trace as trace_module
+from lightning_gpumem._core.forked import Forked, cores
 from lightning_gpumem._core.units import GIB
 from lightning_gpumem.tuning.sources.affine import AffineStreams
 from lightning_gpumem.tuning.sources.steps import replay_steady
 from lightning_gpumem.tuning.sources.traced import CONTEXT_BYTES, TracedSource, traced_guess
+from lightning_gpumem.tuning.traced_start import _forked_replays, traced_sizes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _tuner_models as M
@@ -148,35 +153,51 @@ def measure_meta(name: str) -> dict[str, Any]:
 
 
 def measure_guess(name: str) -> dict[str, Any]:
-    """Seconds of ``traced_guess`` (tracing apart) and of the guess's calibration by a first trial."""
+    """Seconds of what ``start="trace"`` does on the CPU: the two sizes traced, then the calibrated guess.
+
+    The two sizes (2 and 5, ``traced_sizes``) one after the other here, then each in a forked child at once
+    (``TracedStart``'s way; the wall time until both are back); then the guess after a first trial at size 2
+    whose reserved peak is its replay's plus 10 MiB (the replays searched under the shifted limit, the check
+    below shared as ``TracedStart`` shares it among the cores but one).
+    """
     w = M.workload(name, False)
     with torch.device("meta"):
         model = M.build_model(w)
     trace_at = tracer(w, model, steps=2)  # as the tuner traces: two steps, Lightning's validation
-    traced: list[float] = []
-
-    def timed(size: int) -> Any:
-        start = time.perf_counter()
-        trace = trace_at(size)
-        traced.append(time.perf_counter() - start)
-        return trace
-
-    source = TracedSource(timed, affine=AffineStreams(checked=False))  # the tuner's: two traced sizes
+    sizes = traced_sizes(2, w.search_upper)
     start = time.perf_counter()
-    guess = traced_guess(source, 24 * GIB - CONTEXT_BYTES, upper=w.search_upper, init_val=2, headroom=0.02)
-    before = time.perf_counter() - start
+    here = {size: trace_at(size) for size in sizes}
+    sequential = time.perf_counter() - start
+    start = time.perf_counter()
+    children = {size: Forked(functools.partial(trace_at, size)) for size in sizes}
+    forked = {size: child.result(600.0) for size, child in children.items()}
+    parallel = time.perf_counter() - start
+    assert all(forked[size].events == here[size].events for size in sizes)
+    source = TracedSource(trace_at, affine=AffineStreams(checked=False))  # the tuner's: two traced sizes
+    for size, trace in forked.items():
+        source.add(size, trace)
+    replays: list[int] = []
+
+    def counted(run: Any, asked: Any) -> list[Any]:
+        replays.extend(asked)
+        return _forked_replays(run, asked)
+
+    guess = traced_guess(
+        source, 24 * GIB - CONTEXT_BYTES, upper=w.search_upper, init_val=2, headroom=0.02, replays=counted
+    )
+    start = time.perf_counter()
     replayed = source.under(None)(2)
     first = dataclasses.replace(replayed, peak_bytes=(replayed.peak_bytes or 0) + 10 * 2**20)
-    start = time.perf_counter()
     guessed = guess(first)
     calibrate = time.perf_counter() - start
     return {
         "model": name,
-        "sizes_traced": len(traced),
-        "trace_seconds": round(sum(traced), 3),
-        "before_trials_seconds": round(before, 3),
-        "replays_before_seconds": round(before - sum(traced), 3),
-        "calibrate_seconds": round(calibrate, 3),
+        "sizes_traced": sizes,
+        "cores": cores(),
+        "trace_sequential_seconds": round(sequential, 3),
+        "trace_forked_seconds": round(parallel, 3),
+        "guess_seconds": round(calibrate, 3),
+        "sizes_checked_below": len(replays),
         "guess": None if guessed is None else guessed.size,
     }
 

@@ -12,7 +12,7 @@ check and is traced at every size. Pure: stdlib only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from lightning_gpumem._core.alloc_events import Event
 from lightning_gpumem._core.kernels import scratch_bytes
@@ -109,7 +109,7 @@ def _grown(events: list[Event], slopes: list[Slope], samples: int) -> list[Event
             recipe = tuple(n + s * samples for n, s in zip(event.kernel, slope, strict=True))
             if min(recipe) < 0:
                 return None
-            grown.append(replace(event, kernel=recipe, size=scratch_bytes(recipe)))
+            grown.append(event.resized(scratch_bytes(recipe), kernel=recipe))
             continue
         if slope == 0:
             grown.append(event)
@@ -117,5 +117,5 @@ def _grown(events: list[Event], slopes: list[Slope], samples: int) -> list[Event
         size = event.size + slope * samples
         if size < 0:
             return None
-        grown.append(replace(event, size=size))
+        grown.append(event.resized(size))
     return grown

@@ -11,7 +11,6 @@ allocator model and the stream, no torch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 from lightning_gpumem._core.alloc_events import Event
 from lightning_gpumem.tuning.sources.allocator import AllocatorModel, Replay
@@ -76,12 +75,12 @@ def next_step(before: Sequence[Event], last: Sequence[Event], first_block: int) 
         ):
             return None
         if new.action == "alloc":
-            following.append(replace(new, block=renamed[new.block]))
+            following.append(new.renamed(renamed[new.block]))
         elif new.action == "free":
             if new.block in renamed and carried.get(old.block) == new.block:
-                following.append(replace(new, block=renamed[new.block]))
+                following.append(new.renamed(renamed[new.block]))
             elif new.block in carried and old.block not in carried:  # `before` freed an older step's block
-                following.append(replace(new, block=carried[new.block]))
+                following.append(new.renamed(carried[new.block]))
             else:
                 return None
         else:
@@ -140,7 +139,7 @@ def replay_steady(
         if not _feed(model, following):
             return model.result(), ran
         layout, previous_layout = model.layout(), layout
-    _feed(model, [replace(e, block=renamed.get(e.block, e.block)) for e in tail])
+    _feed(model, [e.renamed(renamed.get(e.block, e.block)) for e in tail])
     return model.result(), ran
 
 
