@@ -25,7 +25,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_gpumem._core.forked import ChildFailed, Forked, cores, forked_map
 from lightning_gpumem._hw.allocator import kernel_device
-from lightning_gpumem._hw.forks import backward_forks
+from lightning_gpumem._hw.forks import backward_forks, without_cuda
 from lightning_gpumem._hw.trace import Trace
 from lightning_gpumem.tuning.search import Guess
 from lightning_gpumem.tuning.search.model import Trial
@@ -86,7 +86,7 @@ class TracedStart:
             )
             for size in traced_sizes(init_val, upper):
                 if forked:
-                    self._children[size] = Forked(partial(source.trace_at, size))
+                    self._children[size] = Forked(partial(without_cuda, partial(source.trace_at, size)))
                 elif not self._add(size, partial(source.trace_at, size)):  # here, before the trials
                     return
         if not forked:
