@@ -79,18 +79,17 @@ class TracedStart:
                 return
             source = dataclasses.replace(source, affine=AffineStreams(checked=False))  # two traced sizes
             self._source = source
-            forked = backward_forks()  # else traced here, before the trials
+            sizes = traced_sizes(init_val, upper)
+            forked = backward_forks() and self._fork(sizes)  # else traced here, before the trials
             replays = _forked_replays if forked else each
             self._guess = traced_guess(
                 source, limit, upper=upper, init_val=init_val, headroom=headroom, replays=replays
             )
-            for size in traced_sizes(init_val, upper):
-                if forked:
-                    self._children[size] = Forked(partial(without_cuda, partial(source.trace_at, size)))
-                elif not self._add(size, partial(source.trace_at, size)):  # here, before the trials
-                    return
-        if not forked:
-            self._traced(forked=False)
+            if not forked:
+                for size in sizes:
+                    if not self._add(size, partial(source.trace_at, size)):
+                        return
+                self._traced(forked=False)
 
     def __call__(self, trial: Trial) -> Guess | None:
         """The guess after ``trial`` (the first): the traces waited for, the calibrated largest size."""
@@ -124,6 +123,17 @@ class TracedStart:
         for child in self._children.values():
             child.close()
         self._children.clear()
+
+    def _fork(self, sizes: list[int]) -> bool:
+        """A forked child tracing each size; ``False``, none left running, where one could not start."""
+        try:
+            for size in sizes:
+                trace_at = partial(self._source.trace_at, size)
+                self._children[size] = Forked(partial(without_cuda, trace_at))
+        except OSError:  # no memory or processes left for a copy: traced here, before the trials
+            self.close()
+            return False
+        return True
 
     def _join(self) -> bool:
         children, self._children = self._children, {}

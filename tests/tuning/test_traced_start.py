@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from lightning.pytorch import seed_everything
@@ -232,4 +234,32 @@ def test_without_fork_the_step_is_traced_here_before_the_first_trial(monkeypatch
     monkeypatch.setattr(traced.TracedSource, "add", add)
     tuner, _ = _fit("trace")
     assert order[:3] == ["traced 2", "traced 5", "trial 2"]
+    assert tuner.optimal_batch_size == kept(75, 0.1)
+
+
+def test_a_fork_that_cannot_start_is_traced_here_before_the_trials(monkeypatch):
+    started: list[int] = []
+
+    class NoRoom(start_module.Forked):
+        def __init__(self, work):
+            if started:  # the second size's copy: no memory left to fork
+                raise OSError(12, "Cannot allocate memory")
+            super().__init__(work)
+            started.append(self._pid)
+
+    monkeypatch.setattr(start_module, "Forked", NoRoom)
+    monkeypatch.setattr(start_module, "backward_forks", lambda: True)
+    order: list[str] = []
+    real_add = traced.TracedSource.add
+
+    def add(self, size, trace):
+        order.append(f"traced {size}")
+        return real_add(self, size, trace)
+
+    monkeypatch.setattr(traced.TracedSource, "add", add)
+    tuner, _ = _fit("trace")
+    assert len(started) == 1  # the first child was started, then stopped
+    with pytest.raises(ChildProcessError):  # and reaped
+        os.waitpid(started[0], os.WNOHANG)
+    assert order == ["traced 2", "traced 5"]
     assert tuner.optimal_batch_size == kept(75, 0.1)
