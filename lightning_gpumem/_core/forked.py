@@ -15,6 +15,7 @@ dies, or has not answered by the timeout raises :class:`ChildFailed` naming why 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import pickle
 import select
@@ -61,12 +62,18 @@ class Forked(Generic[T]):
         if not can_fork():
             raise OSError(f"no fork on {sys.platform}")
         read, write = os.pipe()
-        with warnings.catch_warnings():  # 3.12+ warns where the parent has threads: the child runs no CUDA
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
-        if pid == 0:  # the child: never returns into the parent's code
+        try:
+            pid = _fork()
+        except BaseException:  # no child: no pipe either
             os.close(read)
-            _run_child(work, write)
+            os.close(write)
+            raise
+        if pid == 0:  # the child: never returns into the parent's code
+            try:
+                os.close(read)
+                _run_child(work, write)
+            finally:
+                os._exit(1)
         os.close(write)
         self._pid: int | None = pid
         self._read: int | None = read
@@ -81,13 +88,14 @@ class Forked(Generic[T]):
             raise ChildFailed("the child was closed before its result was read")
         deadline = time.monotonic() + timeout
         chunks: list[bytes] = []
+        poller = select.poll()
+        poller.register(self._read, select.POLLIN | select.POLLHUP)
         try:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise ChildFailed(f"no answer within {timeout:.0f} s")
-                ready, _, _ = select.select([self._read], [], [], left)
-                if not ready:
+                if not poller.poll(left * 1000):  # poll: select cannot wait on a descriptor above 1023
                     continue
                 chunk = os.read(self._read, _CHUNK)
                 if not chunk:
@@ -153,7 +161,7 @@ def forked_map(
         results = []
         for child in children:
             results.append(child.result(max(0.0, deadline - time.monotonic())))
-    except (ChildFailed, OSError):
+    except Exception:  # ChildFailed, or no fork possible now (OSError): the caller maps them itself
         return None
     finally:
         for child in children:
@@ -162,6 +170,48 @@ def forked_map(
     for i, done in enumerate(results):
         mapped[i::workers] = done
     return mapped
+
+
+# signals whose handlers (a trainer's: SIGTERM, SLURM's SIGUSR1) must not run in a child: held during the
+# fork, then the child's are the system's default
+_HELD = frozenset(
+    getattr(signal, name)
+    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+    if hasattr(signal, name)
+)
+
+
+def _fork() -> int:
+    """``os.fork()``, the signals held until each side is ready; the child's handlers back to the default.
+
+    Where the child cannot set its handlers (a fork from another thread than the main one), it keeps the
+    signals held: its parent stops it with SIGKILL. The parent's objects are frozen for the fork
+    (``gc.freeze``, unless the program froze some itself): a collection in the child then leaves their memory
+    pages shared.
+    """
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
+    pid = -1
+    try:
+        with warnings.catch_warnings():  # 3.12+ warns where the parent has threads: the child runs no CUDA
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+    finally:
+        if pid != 0:  # the parent, forked or not
+            if freeze:
+                gc.unfreeze()
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    if pid != 0:
+        return pid
+    try:  # the child
+        for number in _HELD:
+            signal.signal(number, signal.SIG_DFL)
+    except (ValueError, OSError):  # not the main thread: the parent's handlers are kept, so the signals held
+        return 0
+    signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    return 0
 
 
 def _mapping(function: Callable[[T], R], share: list[T]) -> Callable[[], list[R]]:

@@ -35,8 +35,10 @@ def backward_forks(timeout: float = 30.0) -> bool:
         return False
     try:
         return Forked(_backward).result(timeout)
-    except (ChildFailed, OSError):
+    except ChildFailed:
         _refused.append(True)
+        return False
+    except Exception:  # no fork possible now (OSError: no memory or processes left)
         return False
 
 

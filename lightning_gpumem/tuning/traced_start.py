@@ -4,9 +4,9 @@ Why: tracing the step at its two sizes on fake tensors is seconds of Python (the
 Hugging Face's GPT-2 about 4 s, on 2 cores), which before ran ahead of every trial. Here each size is traced
 in a forked copy of the process (``_core/forked.py``), started before the trials, while the first trial runs
 on the GPU; the guess, asked after that trial, waits for them. The replays of the check below the size found
-(``sources/traced.py``, ``BELOW``) are shared among forked children too, one per core left. Where the process
-cannot fork (not Linux), or its children cannot run a backward pass (``_hw/forks.py``: this process trained
-before), the sizes are traced here before the trials, as the replays are.
+(``sources/traced.py``, ``BELOW``) are shared among forked children too, one per core left (8 at most).
+Where the process cannot fork (not Linux), or its children cannot run a backward pass (``_hw/forks.py``: this
+process trained before), the sizes are traced here before the trials, as the replays are.
 
 The children copy the module and optimizer as they were at the fork, before any trial: the trace a fit's
 first step would make, as when it ran here.
@@ -36,16 +36,17 @@ from lightning_gpumem.tuning.trials.saved_run import rng_kept
 
 TRACE_TIMEOUT = 600.0  # seconds a forked trace may take before the search goes on from its probe alone
 REPLAY_TIMEOUT = 120.0  # seconds the forked replays may take before they are made here
+MAX_WORKERS = 8  # forked children replaying at once (each a copy of the process: under DDP, per rank)
 _OWNER = "BatchSizeTuner(start='trace')"
 
 
 def traced_sizes(init_val: int, upper: int) -> list[int]:
     """The two sizes traced: the first trial's and one more (whose streams give every size's).
 
-    >>> traced_sizes(2, 1000), traced_sizes(2, 3), traced_sizes(4, 4)
-    ([2, 5], [2, 3], [4])
+    >>> traced_sizes(2, 1000), traced_sizes(2, 3), traced_sizes(4, 4), traced_sizes(8, 4)
+    ([2, 5], [2, 3], [4], [4])
     """
-    return sorted({init_val, min(upper, 2 * init_val + 1)})
+    return sorted({min(init_val, upper), min(upper, 2 * init_val + 1)})
 
 
 class TracedStart:
@@ -70,6 +71,8 @@ class TracedStart:
         self._children: dict[int, Forked[Trace]] = {}
         self._guess: Callable[[Trial], Guess | None] | None = None
         self._failed = False
+        self._none = False  # the guess was asked and there was none: no size fits in the replays
+        self._strategy = trainer.strategy
         with rng_kept(trainer):  # the first batches drew from the run's RNG streams
             device = kernel_device(trainer.strategy.root_device)
             # two steps: the second has the optimizer's state, and the first real trial calibrates the rest
@@ -92,13 +95,30 @@ class TracedStart:
                 self._traced(forked=False)
 
     def __call__(self, trial: Trial) -> Guess | None:
-        """The guess after ``trial`` (the first): the traces waited for, the calibrated largest size."""
+        """The guess after ``trial`` (the first): the traces waited for, the calibrated largest size.
+
+        Under DDP every rank tries rank 0's guess, and none where a rank has none (a trace that failed
+        there): the ranks' trials stay the same.
+        """
+        guess = self._local(trial)
+        strategy = self._strategy
+        if not strategy.reduce_boolean_decision(guess is not None and not self._failed, all=True):
+            if not self._failed and not self._none:
+                rank_zero_warn(
+                    f"{_OWNER}: another rank has no traced guess; the search goes on from its probe alone."
+                )
+            return None
+        agreed: Guess | None = strategy.broadcast(guess, src=0)
+        return agreed
+
+    def _local(self, trial: Trial) -> Guess | None:
+        """This rank's guess: the traces waited for, the replays searched."""
         if self._failed or self._guess is None:
             return None
         if self._children and not self._join():
             return None
         try:  # a size not traced yet is traced here (the first trial went below `init_val`)
-            return self._guess(trial)
+            guess = self._guess(trial)
         except Exception as error:  # never the tuning's end: the probe's search goes on
             self._failed = True
             rank_zero_warn(
@@ -106,6 +126,8 @@ class TracedStart:
                 " from its probe alone."
             )
             return None
+        self._none = guess is None
+        return guess
 
     def __enter__(self) -> TracedStart:
         return self
@@ -130,16 +152,18 @@ class TracedStart:
             for size in sizes:
                 trace_at = partial(self._source.trace_at, size)
                 self._children[size] = Forked(partial(without_cuda, trace_at))
-        except OSError:  # no memory or processes left for a copy: traced here, before the trials
+        except Exception:  # no memory or processes left for a copy: traced here, before the trials
             self.close()
             return False
         return True
 
     def _join(self) -> bool:
         children, self._children = self._children, {}
+        deadline = time.monotonic() + TRACE_TIMEOUT  # for all of them
         try:
             for size, child in children.items():
-                if not self._add(size, partial(child.result, TRACE_TIMEOUT)):
+                left = max(0.0, deadline - time.monotonic())
+                if not self._add(size, partial(child.result, left)):
                     return False
         finally:
             for child in children.values():
@@ -171,5 +195,6 @@ class TracedStart:
 
 def _forked_replays(run: Callable[[int], Trial], sizes: Sequence[int]) -> list[Trial]:
     """The replays of ``sizes`` shared among forked children (one per core but this one's); here if not."""
-    mapped = forked_map(run, sizes, workers=cores() - 1, timeout=REPLAY_TIMEOUT)
+    workers = min(cores() - 1, MAX_WORKERS)
+    mapped = forked_map(run, sizes, workers=workers, timeout=REPLAY_TIMEOUT)
     return mapped if mapped is not None else each(run, sizes)

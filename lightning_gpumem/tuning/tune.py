@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -106,6 +105,47 @@ def tune(
         varies = bool(tokens or length_fn)
         traced = _traced_start(trainer, limit, upper, init_val, validate, headroom, varies)
 
+    try:
+        return _tune_on_bench(
+            trainer,
+            owner,
+            probe,
+            searched,
+            traced,
+            name=name,
+            init_val=init_val,
+            upper=upper,
+            limit=limit,
+            headroom=headroom,
+            steps=steps,
+            validate=validate,
+            accumulation_for=accumulation_for,
+            length_fn=length_fn,
+        )
+    finally:  # the forked traces not waited for stop, whatever happened
+        if traced is not None:
+            traced.close()
+
+
+def _tune_on_bench(
+    trainer: pl.Trainer,
+    owner: object,
+    probe: Probe,
+    searched: Searched,
+    traced: TracedStart | None,
+    *,
+    name: str,
+    init_val: int,
+    upper: int,
+    limit: int | None,
+    headroom: float,
+    steps: int,
+    validate: bool,
+    accumulation_for: Callable[[int], int],
+    length_fn: LengthFn | None,
+) -> tuple[SearchResult, list[Shapes]]:
+    """:func:`tune`'s search on the bench, ``traced`` as its guess."""
+    tokens = searched.tokens
     # a token budget below the longest sample's cost holds no epoch; above it, any may be tried
     lower = math.ceil(tokens.min_tokens) if tokens else 1
 
@@ -138,7 +178,7 @@ def tune(
         raising=longest.raising if longest is not None else None,
     )
     try:
-        with bench, traced or contextlib.nullcontext():
+        with bench:
             searched.original = bench.session.original
             with bench.capped(
                 limit

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import resource
+import signal
 import sys
 import time
 
 import pytest
 
+from lightning_gpumem._core import forked
 from lightning_gpumem._core.forked import ChildFailed, Forked, can_fork, cores, forked_map
 
 pytestmark = pytest.mark.skipif(not can_fork(), reason="forks on Linux only")
@@ -97,3 +101,58 @@ def test_can_fork_is_linux_only(monkeypatch):
     assert not can_fork()
     with pytest.raises(OSError, match="no fork on darwin"):
         Forked(lambda: 1)
+
+
+def test_the_childs_signal_handlers_are_the_systems_and_the_parents_are_kept():
+    def handler(number, frame):
+        raise AssertionError("the parent's handler")
+
+    before = signal.signal(signal.SIGUSR1, handler)
+    try:
+        in_child = Forked(lambda: signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL).result(60.0)
+        assert in_child
+        assert signal.getsignal(signal.SIGUSR1) is handler
+        assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == set()  # nothing left held here
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+
+
+def test_the_parents_objects_are_frozen_in_the_child_only():
+    assert gc.get_freeze_count() == 0
+    assert Forked(gc.get_freeze_count).result(60.0) > 0
+    assert gc.get_freeze_count() == 0
+
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_fork_that_fails_leaves_no_pipe_open(monkeypatch):
+    def no_room():
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(forked, "_fork", no_room)
+    before = _open_descriptors()
+    with pytest.raises(OSError, match="Cannot allocate memory"):
+        Forked(lambda: 1)
+    assert _open_descriptors() == before
+    assert forked_map(abs, [-1, 2, -3], workers=2, timeout=60.0) is None  # the caller maps them
+
+
+def test_a_pipe_above_descriptor_1023_is_waited_on():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"the hard limit on open files is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (2048, hard))
+    spare = []
+    try:
+        with open(os.devnull) as null:
+            while not spare or spare[-1] < 1100:  # every descriptor below taken: the pipe's is above
+                spare.append(os.dup(null.fileno()))
+            child = Forked(lambda: 7)
+            assert child._read > 1023
+            assert child.result(60.0) == 7
+    finally:
+        for descriptor in spare:
+            os.close(descriptor)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

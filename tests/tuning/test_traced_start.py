@@ -263,3 +263,42 @@ def test_a_fork_that_cannot_start_is_traced_here_before_the_trials(monkeypatch):
         os.waitpid(started[0], os.WNOHANG)
     assert order == ["traced 2", "traced 5"]
     assert tuner.optimal_batch_size == kept(75, 0.1)
+
+
+def _ranks(monkeypatch, agreed: bool, broadcast):
+    """The tuner's strategy as seen by its traced start: the ranks' agreement and rank 0's broadcast."""
+    real_init = start_module.TracedStart.__init__
+
+    class Ranks:
+        def reduce_boolean_decision(self, decision, all=True):
+            assert all
+            return decision and agreed
+
+        def broadcast(self, obj, src=0):
+            assert src == 0
+            return broadcast(obj)
+
+    def init(self, trainer, *args, **kwargs):
+        real_init(self, trainer, *args, **kwargs)
+        self._strategy = Ranks()
+
+    monkeypatch.setattr(start_module.TracedStart, "__init__", init)
+
+
+def test_where_another_rank_has_no_traced_guess_none_is_tried_and_it_warns_once(monkeypatch):
+    def no_broadcast(obj):
+        raise AssertionError("nothing is broadcast where the ranks do not agree")
+
+    _ranks(monkeypatch, agreed=False, broadcast=no_broadcast)
+    with pytest.warns(UserWarning, match=r"start='trace'\): another rank has no traced guess") as caught:
+        tuner, _ = _fit("trace")
+    assert sum("start='trace'" in str(w.message) for w in caught) == 1
+    probe_tuner, _ = _fit("probe")
+    assert [t.batch_size for t in tuner.trials] == [t.batch_size for t in probe_tuner.trials]
+    assert tuner.optimal_batch_size == kept(75, 0.1)
+
+
+def test_every_rank_tries_rank_zeros_guess(monkeypatch):
+    _ranks(monkeypatch, agreed=True, broadcast=lambda obj: Guess(kept(75, 0.1), kept=True))
+    tuner, _ = _fit("trace")
+    assert [t.batch_size for t in tuner.trials] == [2, kept(75, 0.1)]
