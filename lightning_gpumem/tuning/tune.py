@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -105,96 +106,56 @@ def tune(
         varies = bool(tokens or length_fn)
         traced = _traced_start(trainer, limit, upper, init_val, validate, headroom, varies)
 
-    try:
-        return _tune_on_bench(
+    with traced or contextlib.nullcontext():  # the forked traces not waited for stop, whatever happens
+        # a token budget below the longest sample's cost holds no epoch; above it, any may be tried
+        lower = math.ceil(tokens.min_tokens) if tokens else 1
+
+        def search(run: TrialSource, top: int) -> SearchResult:
+            return search_batch_size(
+                run,
+                init_val=init_val,
+                upper=top,
+                lower=min(lower, top),
+                limit_bytes=limit,
+                max_trials=MAX_TRIALS,
+                tolerance=TUNER_TOLERANCE,
+                guess=traced,
+            )
+
+        longest = searched.longest = LongestFirst("BatchSizeTuner", length_fn) if length_fn else None
+        drawing = heaviest_batches_first() if tokens else longest.drawing(trainer) if longest else None
+        check = BatchCheck("BatchSizeTuner", name) if not tokens else None
+        bench = TrialBench(
             trainer,
             owner,
             probe,
-            searched,
-            traced,
-            name=name,
-            init_val=init_val,
-            upper=upper,
-            limit=limit,
-            headroom=headroom,
+            batch_arg_name=name,
             steps=steps,
             validate=validate,
             accumulation_for=accumulation_for,
-            length_fn=length_fn,
+            check_batches=check,
+            counts_samples=tokens is None,
+            drawing=drawing,
+            raising=longest.raising if longest is not None else None,
         )
-    finally:  # the forked traces not waited for stop, whatever happened
-        if traced is not None:
-            traced.close()
-
-
-def _tune_on_bench(
-    trainer: pl.Trainer,
-    owner: object,
-    probe: Probe,
-    searched: Searched,
-    traced: TracedStart | None,
-    *,
-    name: str,
-    init_val: int,
-    upper: int,
-    limit: int | None,
-    headroom: float,
-    steps: int,
-    validate: bool,
-    accumulation_for: Callable[[int], int],
-    length_fn: LengthFn | None,
-) -> tuple[SearchResult, list[Shapes]]:
-    """:func:`tune`'s search on the bench, ``traced`` as its guess."""
-    tokens = searched.tokens
-    # a token budget below the longest sample's cost holds no epoch; above it, any may be tried
-    lower = math.ceil(tokens.min_tokens) if tokens else 1
-
-    def search(run: TrialSource, top: int) -> SearchResult:
-        return search_batch_size(
-            run,
-            init_val=init_val,
-            upper=top,
-            lower=min(lower, top),
-            limit_bytes=limit,
-            max_trials=MAX_TRIALS,
-            tolerance=TUNER_TOLERANCE,
-            guess=traced,
-        )
-
-    longest = searched.longest = LongestFirst("BatchSizeTuner", length_fn) if length_fn else None
-    drawing = heaviest_batches_first() if tokens else longest.drawing(trainer) if longest else None
-    check = BatchCheck("BatchSizeTuner", name) if not tokens else None
-    bench = TrialBench(
-        trainer,
-        owner,
-        probe,
-        batch_arg_name=name,
-        steps=steps,
-        validate=validate,
-        accumulation_for=accumulation_for,
-        check_batches=check,
-        counts_samples=tokens is None,
-        drawing=drawing,
-        raising=longest.raising if longest is not None else None,
-    )
-    try:
-        with bench:
-            searched.original = bench.session.original
-            with bench.capped(
-                limit
-            ):  # trials run with the allocator capped at the budget, as the fit will be
-                result = until_data_ends(search, bench.run, upper)
-                result = leave_headroom(bench.run, result, headroom, limit, MAX_TRIALS, lower)
-            if result.batch_size is not None:  # applied when the session is left
-                bench.session.choose(result.batch_size, accumulation_for(result.batch_size))
-            shapes = sorted(bench.session.shapes)
-    finally:
-        counters = probe.read(nvml=False, host=False)  # the trials' planned OOMs are not the run's
-        searched.counted = {
-            keys.TRIAL_OOMS.format(): counters.num_ooms,
-            keys.TRIAL_RETRIES.format(): counters.alloc_retries,
-        }
-    return result, shapes
+        try:
+            with bench:
+                searched.original = bench.session.original
+                with bench.capped(
+                    limit
+                ):  # trials run with the allocator capped at the budget, as the fit will be
+                    result = until_data_ends(search, bench.run, upper)
+                    result = leave_headroom(bench.run, result, headroom, limit, MAX_TRIALS, lower)
+                if result.batch_size is not None:  # applied when the session is left
+                    bench.session.choose(result.batch_size, accumulation_for(result.batch_size))
+                shapes = sorted(bench.session.shapes)
+        finally:
+            counters = probe.read(nvml=False, host=False)  # the trials' planned OOMs are not the run's
+            searched.counted = {
+                keys.TRIAL_OOMS.format(): counters.num_ooms,
+                keys.TRIAL_RETRIES.format(): counters.alloc_retries,
+            }
+        return result, shapes
 
 
 def _traced_start(
