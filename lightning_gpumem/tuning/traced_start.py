@@ -71,7 +71,6 @@ class TracedStart:
         self._children: dict[int, Forked[Trace]] = {}
         self._guess: Callable[[Trial], Guess | None] | None = None
         self._failed = False
-        self._none = False  # the guess was asked and there was none: no size fits in the replays
         self._strategy = trainer.strategy
         with rng_kept(trainer):  # the first batches drew from the run's RNG streams
             device = kernel_device(trainer.strategy.root_device)
@@ -102,8 +101,8 @@ class TracedStart:
         """
         guess = self._local(trial)
         strategy = self._strategy
-        if not strategy.reduce_boolean_decision(guess is not None and not self._failed, all=True):
-            if not self._failed and not self._none:
+        if not strategy.reduce_boolean_decision(guess is not None, all=True):
+            if guess is not None:  # this rank's own failure, or its finding no size, says so itself
                 rank_zero_warn(
                     f"{_OWNER}: another rank has no traced guess; the search goes on from its probe alone."
                 )
@@ -118,7 +117,7 @@ class TracedStart:
         if self._children and not self._join():
             return None
         try:  # a size not traced yet is traced here (the first trial went below `init_val`)
-            guess = self._guess(trial)
+            return self._guess(trial)
         except Exception as error:  # never the tuning's end: the probe's search goes on
             self._failed = True
             rank_zero_warn(
@@ -126,8 +125,6 @@ class TracedStart:
                 " from its probe alone."
             )
             return None
-        self._none = guess is None
-        return guess
 
     def __enter__(self) -> TracedStart:
         return self

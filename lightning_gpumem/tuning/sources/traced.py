@@ -15,6 +15,7 @@ handles).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -228,17 +229,11 @@ def largest_traced(
     :data:`BELOW` fitting sizes under it (or all of them).
     """
     run = source.under(limit)
-    seen: dict[int, Trial] = {}
-
-    def once(size: int) -> Trial:
-        if size not in seen:
-            seen[size] = run(size)
-        return seen[size]
-
-    found = search_batch_size(once, init_val=init_val, upper=upper, limit_bytes=limit, tolerance=tolerance)
+    found = search_batch_size(run, init_val=init_val, upper=upper, limit_bytes=limit, tolerance=tolerance)
     best = found.batch_size
     if best is None:
         return found
+    seen = {trial.batch_size: trial for trial in found.trials}
     below = list(range(best - 1, max(1, best - BELOW) - 1, -1))
     fresh = [size for size in below if size not in seen]
     seen.update(zip(fresh, replays(run, fresh), strict=True))
@@ -276,16 +271,14 @@ def traced_guess(
     Raises (from the guess):
         CannotTrace: where the step cannot be traced.
     """
-    first: list[int | None] = []  # the search under `limit` itself, where first needed
 
     def search(under: int, start: int) -> int | None:
         found = largest_traced(source, under, init_val=start, upper=upper, tolerance=0.0, replays=replays)
         return found.batch_size
 
-    def uncalibrated() -> int | None:
-        if not first:
-            first.append(search(limit, init_val))
-        return first[0]
+    @functools.cache
+    def uncalibrated() -> int | None:  # the search under `limit` itself, where first needed
+        return search(limit, init_val)
 
     def largest(trial: Trial) -> int | None:
         replayed = source.under(None)(trial.batch_size)
