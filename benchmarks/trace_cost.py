@@ -15,7 +15,7 @@ size 2 whose reserved peak is its replay's plus 10 MiB (the search on the replay
 16-size check below the size found, shared among forked children where there is more than one core left)::
 
     python benchmarks/trace_cost.py --guess --models gpt,hf-gpt2 --json benchmarks/results/trace-guess-forked-cpu.json
-    # before the forked start (the eager search, then the calibrated one): trace-guess-cpu.json
+    # trace-guess-cpu.json: 25c9669's (its search before the first trial, then the calibrated one)
 
 With ``--meta``, an experiment that leaves the package as it is: the package's trace (the recorder, CUDA's
 autocast and attention policy, the kernels' buffers) with its copies made on the meta device and no fake mode
