@@ -10,16 +10,15 @@ Python, what any trace on shapes alone pays (bf16 autocast on the CPU, AdamW wit
 
 With ``--guess`` it times, instead, what that tuner does on the CPU around its trials (``tuning/traced_start.py``),
 in a fresh model: the two sizes traced one after the other and, as the tuner does, each in a forked child at once
-(the same events, checked), then ``traced_guess`` under 24 GiB less the CUDA context, calibrated by a first trial at
+(the same events, checked; meta tensors first, as the tuner traces), then ``traced_guess`` under 24 GiB less the CUDA context, calibrated by a first trial at
 size 2 whose reserved peak is its replay's plus 10 MiB (the search on the replays under the shifted limit, and the
 16-size check below the size found, shared among forked children where there is more than one core left)::
 
     python benchmarks/trace_cost.py --guess --models gpt,hf-gpt2 --json benchmarks/results/trace-guess-forked-cpu.json
     # trace-guess-cpu.json: 25c9669's (its search before the first trial, then the calibrated one)
 
-With ``--meta``, an experiment that leaves the package as it is: the package's trace (the recorder, CUDA's
-autocast and attention policy, the kernels' buffers) with its copies made on the meta device and no fake mode
-around the steps (both patched for this process only), against the trace as the package makes it: seconds at size
+With ``--meta``: the package's trace on meta tensors alone (``trace_training``'s ``meta_first`` without its
+fallback to fake tensors, patched for this process only), against the trace on fake tensors: seconds at size
 4 (after one at size 2: each way's caches warm), whether the events are the same at 2, 8 and 32, and the replays'
 peaks there (repeated until steady, no cap)::
 
@@ -100,23 +99,19 @@ def measure(name: str, steps: int) -> dict[str, Any]:
 SIZES = (2, 8, 32)
 
 
-def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
-    meta = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
-    if isinstance(tensor, torch.nn.Parameter):
-        return torch.nn.Parameter(meta, requires_grad=tensor.requires_grad)
-    return meta.requires_grad_(tensor.requires_grad)
-
-
 @contextlib.contextmanager
 def on_meta() -> Iterator[None]:
-    """The package's trace with its copies on the meta device and no fake mode."""
-    saved = trace_module._fake_like, trace_module.FakeTensorMode
-    trace_module._fake_like = _meta_like
-    trace_module.FakeTensorMode = lambda **_: contextlib.nullcontext()  # type: ignore[assignment,misc]
+    """The package's trace with its copies on the meta device and no fake mode, and no fallback to fake ones."""
+    original = trace_module._trace_copies
+
+    def meta_only(*args: Any, stand_in: str, **kwargs: Any) -> Any:
+        return original(*args, stand_in="meta", **kwargs)
+
+    trace_module._trace_copies = meta_only  # type: ignore[assignment]
     try:
         yield
     finally:
-        trace_module._fake_like, trace_module.FakeTensorMode = saved
+        trace_module._trace_copies = original
 
 
 def measure_meta(name: str) -> dict[str, Any]:
@@ -163,7 +158,8 @@ def measure_guess(name: str) -> dict[str, Any]:
     w = M.workload(name, False)
     with torch.device("meta"):
         model = M.build_model(w)
-    trace_at = tracer(w, model, steps=2)  # as the tuner traces: two steps, Lightning's validation
+    # as the tuner traces: two steps, Lightning's validation, meta tensors first
+    trace_at = tracer(w, model, steps=2, meta_first=True)
     sizes = traced_sizes(2, w.search_upper)
     start = time.perf_counter()
     here = {size: trace_at(size) for size in sizes}

@@ -44,13 +44,16 @@ from lightning_gpumem.tuning.sources.traced import CannotTrace, TracedSource, la
 GIB = 2**30
 
 
-def tracer(w: M.Workload, model: torch.nn.Module, steps: int = 3, lightning: bool = True) -> Any:
+def tracer(
+    w: M.Workload, model: torch.nn.Module, steps: int = 3, lightning: bool = True, meta_first: bool = False
+) -> Any:
     """``trace_at(size)``: ``steps`` bf16 training steps of ``w`` and a validation step, traced at a size.
 
     ``lightning``: autocast as Lightning 2.6's ``bf16-mixed`` runs it, whatever Lightning is installed (the
     truths' Lightning: no cache of the weights' casts) and validation as a Lightning fit runs it (the gradients freed first by
     ``on_validation_model_zero_grad``, under ``torch.inference_mode()``); else as a plain loop does (under
-    ``torch.no_grad()``, the gradients kept), as ``allocator_fidelity.py`` records it.
+    ``torch.no_grad()``, the gradients kept), as ``allocator_fidelity.py`` records it. ``meta_first``: as
+    ``BatchSizeTuner(start="trace")`` traces (meta tensors first, ``trace_training``'s).
     """
     dataset, val_dataset = M.build_dataset(w), M.build_val_dataset(w)
 
@@ -71,6 +74,7 @@ def tracer(w: M.Workload, model: torch.nn.Module, steps: int = 3, lightning: boo
             autocast_dtype=torch.bfloat16,
             inference_mode=lightning,
             autocast_cache=not lightning,  # Lightning 2.6's bf16-mixed, as the truths ran: no cache
+            meta_first=meta_first,
         )
 
     return trace_at

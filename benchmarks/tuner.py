@@ -230,10 +230,12 @@ class _TimedSearch:
     """Mixed in before a finder class: times its ``on_fit_start`` (the search) and tells the module when it ends."""
 
     search_seconds: float | None = None
+    search_started_at: float | None = None
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         pl_module.phase = "search"
         start = time.perf_counter()
+        self.search_started_at = start - H.T0  # on the worker's clock, as its tuner_log lines
         super().on_fit_start(trainer, pl_module)  # type: ignore[misc]
         H.synchronize(pl_module.device)
         self.search_seconds = time.perf_counter() - start
@@ -451,6 +453,7 @@ def finder_worker(args: argparse.Namespace) -> int:
     }
     result.update(fit_steps=args.fit_steps, fit_val_batches=args.fit_val_batches)
     package, method = TUNER_FINDERS.get(args.finder_worker, ("current", None))
+    result["tuner_log"] = _tuner_log_lines()
     try:
         if package == "previous":  # before anything imports lightning_gpumem
             _use_previous_package(args.previous)
@@ -513,11 +516,32 @@ def finder_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tuner_log_lines() -> list[str]:
+    """The tuners' info lines (``BatchSizeTuner: ...``: what it traced and guessed, in what time), as logged."""
+    import logging
+
+    lines: list[str] = []
+
+    class Kept(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if message.startswith("BatchSizeTuner"):
+                lines.append(f"[{time.perf_counter() - H.T0:6.1f}s] {message}")
+
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
+                 "pytorch_lightning.utilities.rank_zero", "lightning_utilities.core.rank_zero"):  # fmt: skip
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.INFO)
+        logger.addHandler(Kept(logging.INFO))
+    return lines
+
+
 def _collect_finder_result(
     result: dict[str, Any], callback: Any, model: Any, device: torch.device, error: BaseException | None
 ) -> None:
     searched = callback.search_seconds is not None
     result["search_seconds"] = callback.search_seconds
+    result["search_started_at"] = getattr(callback, "search_started_at", None)
     result["batch_size"] = callback.optimal_batch_size if searched else None
     result["module_trials"] = model.trials
     result["num_trials"] = len(model.trials)
@@ -807,6 +831,11 @@ def run_finder(runner: Runner, model: str, finder: str, headroom: float | None =
         result["headroom"] = headroom
     label = finder if headroom is None else f"{finder} (headroom {headroom})"
     H.log(f"{model}: {label}: {_finder_summary(result)} [process {proc.seconds:.1f} s]")
+    if result.get("tuner_log"):
+        started = result.get("search_started_at")
+        H.log(f"  search started at [{started:6.1f}s]" if started is not None else "  search start unknown")
+        for line in result["tuner_log"]:
+            H.log(f"  {line}")
     return result
 
 

@@ -188,6 +188,7 @@ def trace_training(
     device: Device | None = H100,
     inference_mode: bool = False,
     autocast_cache: bool = True,
+    meta_first: bool = False,
 ) -> Trace:
     """Trace ``steps`` training steps (and a validation step) on fake copies, as they would run on a GPU.
 
@@ -219,6 +220,9 @@ def trace_training(
             (``torch.autocast``'s ``cache_enabled``; Lightning 2.6's mixed precision turns it off, 2.4's
             keeps it); else each op casts anew, and a cast lives as long as what holds it (autograd, for
             backward; under activation checkpointing, nothing).
+        meta_first: first run the steps on meta tensors with no fake mode (about half the time: the same
+            events on the GPTs and ViT, ResNet's batch norms a few more); where anything fails there (an op
+            without a meta kernel, a value read, a tensor moved to the CPU), on fake tensors as without it.
 
     Returns:
         The :class:`Trace`; a step that cannot be traced gives ``cannot_trace`` rather than raising. Errors
@@ -238,20 +242,60 @@ def trace_training(
             f"`trace_training(autocast_dtype={autocast_dtype!r})` is not valid. Expected torch.float16, "
             "torch.bfloat16 or None."
         )
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    run = partial(
+        _trace_copies,
+        module,
+        make_optimizer,
+        step,
+        batch,
+        steps=steps,
+        validate=validate,
+        val_batch=val_batch,
+        autocast_dtype=autocast_dtype,
+        device=device,
+        inference_mode=inference_mode,
+        autocast_cache=autocast_cache,
+    )
+    if meta_first:
+        try:
+            trace = run(stand_in="meta")
+        except Exception:  # what meta tensors cannot do: the fake tensors' trace says what the step does
+            trace = None
+        if trace is not None and trace.cannot_trace is None:
+            return trace
+    return run(stand_in="cpu")
+
+
+def _trace_copies(
+    module: nn.Module,
+    make_optimizer: MakeOptimizer | Optimizer,
+    step: Step,
+    batch: Any,
+    *,
+    steps: int,
+    validate: Step | None,
+    val_batch: Any,
+    autocast_dtype: torch.dtype | None,
+    device: Device | None,
+    inference_mode: bool,
+    autocast_cache: bool,
+    stand_in: str,
+) -> Trace:
+    """The steps on copies on ``stand_in``: ``"cpu"``, fake CPU tensors; ``"meta"``, meta tensors."""
+    mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if stand_in == "cpu" else contextlib.nullcontext()
     with torch.device("cpu"):  # the stand-in for the GPU, whatever default device the caller set
-        fake_module, fakes = _fake_module(module, mode)
-        optimizer = _fake_optimizer(make_optimizer, fake_module, fakes, mode)
+        fake_module, fakes = _fake_module(module, mode, stand_in)
+        optimizer = _fake_optimizer(make_optimizer, fake_module, fakes, mode, stand_in)
         with mode:
             return _record(
                 fake_module,
                 optimizer,
                 step,
-                _fake_data(batch),
+                _fake_data(batch, stand_in),
                 steps=steps,
                 validate=validate,
-                val_batch=_fake_data(val_batch),
-                policy=_CudaPolicy(autocast_dtype, device, autocast_cache),
+                val_batch=_fake_data(val_batch, stand_in),
+                policy=_CudaPolicy(autocast_dtype, device, autocast_cache, stand_in),
                 device=device,
                 inference_mode=inference_mode,
             )
@@ -589,10 +633,15 @@ class _CudaPolicy(TorchFunctionMode):
     """
 
     def __init__(
-        self, autocast_dtype: torch.dtype | None, device: Device | None = None, caching: bool = True
+        self,
+        autocast_dtype: torch.dtype | None,
+        device: Device | None = None,
+        caching: bool = True,
+        stand_in: str = "cpu",
     ) -> None:
         super().__init__()
         self.autocast_dtype = autocast_dtype
+        self.stand_in = stand_in  # the device of the copies: "cpu" (fake tensors) or "meta"
         self.cudnn = device is not None and device.attention == "cudnn"  # else FlashAttention's memory
         self._casts: dict[int, tuple[Tensor, Tensor]] = {}  # autocast's cache: id(weight) -> weight, cast
         self.caching = caching  # off where autocast keeps no casts (cache_enabled=False, inference mode)
@@ -604,8 +653,9 @@ class _CudaPolicy(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         name = getattr(func, "__name__", "")
-        args = tuple(_on_cpu(arg, name == "to") for arg in args)
-        kwargs = {key: _on_cpu(value, key == "device") for key, value in (kwargs or {}).items()}
+        to = self.stand_in
+        args = tuple(_on_stand_in(arg, name == "to", to) for arg in args)
+        kwargs = {key: _on_stand_in(value, key == "device", to) for key, value in (kwargs or {}).items()}
         if name == "cuda" and args and isinstance(args[0], Tensor):
             return args[0]
         if name in _COMPOSITES:
@@ -754,16 +804,20 @@ def _casts_to(tensor: Tensor, policy: str, target: torch.dtype) -> bool:
     return policy == _PROMOTE or tensor.dtype != torch.float64
 
 
-def _on_cpu(value: Any, names_device: bool) -> Any:
-    """A GPU device named in a call, as the CPU; a string only where it names a device."""
-    if isinstance(value, torch.device) and value.type not in ("cpu", "meta"):
-        return torch.device("cpu")
-    if names_device and isinstance(value, str) and value.split(":")[0] not in ("cpu", "meta"):
+def _on_stand_in(value: Any, names_device: bool, stand_in: str = "cpu") -> Any:
+    """A GPU device named in a call, as ``stand_in``; a string only where it names a device.
+
+    On meta tensors the CPU is a GPU too: ``x.cpu()`` there would copy out of a meta tensor.
+    """
+    kept = ("cpu", "meta") if stand_in == "cpu" else ("meta",)
+    if isinstance(value, torch.device) and value.type not in kept:
+        return torch.device(stand_in)
+    if names_device and isinstance(value, str) and value.split(":")[0] not in kept:
         try:
             torch.device(value)
         except RuntimeError:
             return value
-        return "cpu"
+        return stand_in
     return value
 
 
@@ -930,8 +984,8 @@ def _like_transposed(tensor: Tensor) -> Tensor:
     return tensor.new_empty((batch, length, heads, dim)).transpose(1, 2)
 
 
-def _fake_module(module: nn.Module, mode: FakeTensorMode) -> tuple[nn.Module, dict[int, Tensor]]:
-    """A copy of ``module`` on fake CPU tensors; the fakes by id of the real parameters and buffers.
+def _fake_module(module: nn.Module, mode: Any, stand_in: str = "cpu") -> tuple[nn.Module, dict[int, Tensor]]:
+    """A copy of ``module`` on fake CPU (or meta) tensors; the copies by id of the parameters and buffers.
 
     Its attributes and their containers' items (hooks' dictionaries) are copied if tensors (as fakes, not
     counted: an attribute is not moved to the device), modules or containers, and shared otherwise (a config,
@@ -942,20 +996,24 @@ def _fake_module(module: nn.Module, mode: FakeTensorMode) -> tuple[nn.Module, di
     containers = (nn.Module, dict, list, tuple, set)
     with mode:
         for tensor in (*module.parameters(), *module.buffers()):
-            fakes[id(tensor)] = memo[id(tensor)] = _fake_like(tensor)
+            fakes[id(tensor)] = memo[id(tensor)] = _fake_like(tensor, stand_in)
         for child in module.modules():
             for value in vars(child).values():
                 items = value.values() if isinstance(value, dict) else value
                 for item in items if isinstance(value, (dict, list, tuple, set)) else [value]:
                     if isinstance(item, Tensor) and id(item) not in memo:
-                        memo[id(item)] = _fake_like(item)
+                        memo[id(item)] = _fake_like(item, stand_in)
                     elif not isinstance(item, (Tensor, *containers)):
                         memo[id(item)] = item
     return copy.deepcopy(module, memo), fakes  # outside the mode: a real tensor further down is copied as is
 
 
 def _fake_optimizer(
-    make: MakeOptimizer | Optimizer, module: nn.Module, fakes: dict[int, Tensor], mode: FakeTensorMode
+    make: MakeOptimizer | Optimizer,
+    module: nn.Module,
+    fakes: dict[int, Tensor],
+    mode: Any,
+    stand_in: str = "cpu",
 ) -> Optimizer:
     """The optimizer of the fake module, its ``foreach`` left to torch set as CUDA would."""
     if isinstance(make, Optimizer):
@@ -968,7 +1026,7 @@ def _fake_optimizer(
         }
         with mode:
             for param in (p for group in make.param_groups for p in group["params"] if id(p) not in fakes):
-                fakes[id(param)] = _fake_like(param)  # a parameter outside the module
+                fakes[id(param)] = _fake_like(param, stand_in)  # a parameter outside the module
             groups = [
                 {**group, "params": [fakes[id(p)] for p in group["params"]]} for group in make.param_groups
             ]
@@ -976,7 +1034,8 @@ def _fake_optimizer(
             for group, fake_group in zip(make.param_groups, groups, strict=True):
                 for param, fake in zip(group["params"], fake_group["params"], strict=True):
                     if param in make.state:
-                        state[fake] = {key: _fake_state(v, numbers) for key, v in make.state[param].items()}
+                        items = make.state[param].items()
+                        state[fake] = {k: _fake_state(v, numbers, stand_in) for k, v in items}
         optimizer = type(make).__new__(type(make))
         optimizer.__setstate__({"defaults": dict(make.defaults), "state": state, "param_groups": groups})
     else:
@@ -993,23 +1052,23 @@ def _fake_optimizer(
     return optimizer
 
 
-def _fake_state(value: Any, numbers: dict[int, Any]) -> Any:
+def _fake_state(value: Any, numbers: dict[int, Any], stand_in: str = "cpu") -> Any:
     if not isinstance(value, Tensor):
         return copy.deepcopy(value)
     if id(value) in numbers:
         return torch.tensor(numbers[id(value)], dtype=value.dtype)  # made from data: a host constant
-    return _fake_like(value)
+    return _fake_like(value, stand_in)
 
 
-def _fake_like(tensor: Tensor) -> Tensor:
-    fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
+def _fake_like(tensor: Tensor, stand_in: str = "cpu") -> Tensor:
+    fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=stand_in)
     if isinstance(tensor, nn.Parameter):
         return nn.Parameter(fake, requires_grad=tensor.requires_grad)
     return fake.requires_grad_(tensor.requires_grad)
 
 
-def _fake_data(data: Any) -> Any:
-    return _map_tensors(data, _fake_like)
+def _fake_data(data: Any, stand_in: str = "cpu") -> Any:
+    return _map_tensors(data, partial(_fake_like, stand_in=stand_in))
 
 
 def _copy_tensors(data: Any) -> Any:

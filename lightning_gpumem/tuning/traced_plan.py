@@ -88,11 +88,12 @@ def traced_source(
     include_validation: bool,
     device: Device | None = H100,
     steps: int = 3,
+    meta_first: bool = False,
 ) -> TracedSource | None:
     """The fit's training (and validation) step as traced trials, from the first batch of each loader.
 
-    ``steps`` training steps per trace (``lightning_tracer``'s). ``None``, with a warning naming ``owner``,
-    where the training dataloader makes no batch.
+    ``steps`` training steps per trace and ``meta_first`` (``lightning_tracer``'s). ``None``, with a
+    warning naming ``owner``, where the training dataloader makes no batch.
     """
     built = loaders.train_loaders(trainer)
     batch = loaders.first_batch(built)
@@ -104,7 +105,9 @@ def traced_source(
     if include_validation and trainer.limit_val_batches != 0:
         val_batch = loaders.first_batch(loaders.val_loaders(trainer))
     module = trainer.lightning_module
-    trace_at = lightning_tracer(trainer, module, batch, val_batch=val_batch, device=device, steps=steps)
+    trace_at = lightning_tracer(
+        trainer, module, batch, val_batch=val_batch, device=device, steps=steps, meta_first=meta_first
+    )
     return TracedSource(
         trace_at, expandable_segments=expandable_segments(), bucket_bytes=ddp_bucket_bytes(trainer)
     )

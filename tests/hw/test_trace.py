@@ -627,3 +627,89 @@ def test_the_trace_names_the_attention_kernel_and_only_the_h100s_is_measured():
     assert "scaled_dot_product_attention (cudnn)" in MEASURED_OPS
     flash = ops(Device(attention="flash"))
     assert "scaled_dot_product_attention (flash)" in flash - MEASURED_OPS
+
+
+# meta_first: the same steps on meta tensors (no fake mode), the fake tensors' trace where they fail
+
+
+def _meta_cases() -> dict[str, Callable[[], _trace.Trace]]:
+    def traced(module, make, step, batch, **kwargs):
+        return lambda meta: trace_training(module, make, step, batch, meta_first=meta, **kwargs)
+
+    encoder = nn.TransformerEncoderLayer(64, 4, 256, dropout=0.1, batch_first=True)
+    return {
+        "mlp-adamw": traced(mlp(), adamw, mse, torch.randn(8, 1024), validate=mse),
+        "dropout": traced(
+            nn.Sequential(nn.Linear(256, 256), nn.Dropout(0.1)),
+            sgd,
+            lambda m, x: m(x).sum(),
+            torch.randn(8, 256),
+        ),
+        "attention-bf16": traced(
+            Attention(128, 4),
+            adamw,
+            lambda m, x: m(x).float().sum(),
+            torch.randn(2, 200, 128),
+            validate=lambda m, x: m(x),
+            autocast_dtype=torch.bfloat16,
+        ),
+        "masked-attention": traced(
+            Attention(128, 4, masked=True), sgd, lambda m, x: m(x).sum(), torch.randn(2, 200, 128)
+        ),
+        "encoder-bf16": traced(
+            encoder,
+            adamw,
+            lambda m, x: m(x).float().sum(),
+            torch.randn(2, 64, 64),
+            autocast_dtype=torch.bfloat16,
+        ),
+        "checkpointed": traced(
+            Checkpointed(False),
+            sgd,
+            lambda m, x: m(x).float().sum(),
+            torch.randn(64, 256),
+            autocast_dtype=torch.bfloat16,
+        ),
+        "names-the-gpu": traced(HardCodedCuda(), sgd, lambda m, x: m(x).sum(), torch.randn(4, 8)),
+    }
+
+
+@pytest.mark.parametrize("case", list(_meta_cases()))
+def test_meta_first_traces_what_the_fake_tensors_trace_without_a_fake_mode(case, monkeypatch):
+    run = _meta_cases()[case]
+    fake = run(False)
+    monkeypatch.setattr(_trace, "FakeTensorMode", None)  # meta tensors alone: no fake mode to fall back to
+    meta = run(True)
+    assert meta.cannot_trace is None
+    assert fake.cannot_trace is None
+    assert meta.events == fake.events
+    assert meta.ops ^ fake.ops <= {"prim.device"}  # fake tensors dispatch `x.device`
+    assert meta.unmeasured == fake.unmeasured
+
+
+def test_meta_first_falls_back_to_fake_tensors_where_meta_ones_fail():
+    def mixes_a_host_tensor(module: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return (module(batch) * torch.ones(batch.shape[1])).sum()  # meta and CPU do not mix
+
+    def reads_a_value(module: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return module(batch).sum() * float(batch.shape[0])
+
+    def moves_to_the_host(module: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return module(batch).cpu().sum()  # no data to copy out of a meta tensor
+
+    for step in (mixes_a_host_tensor, reads_a_value, moves_to_the_host):
+        fake = trace_training(mlp(), adamw, step, torch.randn(8, 1024))
+        assert fake.cannot_trace is None
+        assert trace_training(mlp(), adamw, step, torch.randn(8, 1024), meta_first=True) == fake
+    module = nn.Sequential(nn.Linear(8, 8), nn.Sequential(ItemInForward()))
+    data_dependent = trace_training(module, sgd, lambda m, x: m(x).sum(), torch.randn(2, 8), meta_first=True)
+    assert data_dependent.cannot_trace == "cannot trace: aten._local_scalar_dense at `1.0` (ItemInForward)"
+
+
+def test_meta_first_raises_the_steps_own_error_as_the_fake_trace_does():
+    def wrong_shape(module: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return module(batch[:, :7]).sum()
+
+    for meta_first in (False, True):
+        with pytest.raises(RuntimeError, match="same reduction dim"):
+            trace_training(nn.Linear(8, 8), sgd, wrong_shape, torch.randn(2, 8), meta_first=meta_first)

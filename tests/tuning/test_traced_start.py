@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from lightning_gpumem import MemoryPlanner
 from lightning_gpumem._core.forked import ChildFailed, can_fork
 from lightning_gpumem._core.units import GIB, MIB
+from lightning_gpumem._hw import trace as trace_module
 from lightning_gpumem.tuning import traced_start as start_module
 from lightning_gpumem.tuning import tune as tune_module
 from lightning_gpumem.tuning.search import Guess
@@ -24,10 +25,10 @@ from tests.helpers.tuning import CappedFakeProbe, FakeTuner, MemoryModel, tuner_
 
 
 class Model(MemoryModel):
-    """The fake allocator's model; the trace (on fake tensors) sees the BoringModel's step alone."""
+    """The fake allocator's model; the trace (on fake or meta tensors) sees the BoringModel's step alone."""
 
     def training_step(self, batch, batch_idx):
-        if isinstance(batch, FakeTensor):
+        if isinstance(batch, FakeTensor) or batch.device.type == "meta":
             return BoringModel.training_step(self, batch, batch_idx)
         return super().training_step(batch, batch_idx)
 
@@ -234,6 +235,21 @@ def test_without_fork_the_step_is_traced_here_before_the_first_trial(monkeypatch
     monkeypatch.setattr(traced.TracedSource, "add", add)
     tuner, _ = _fit("trace")
     assert order[:3] == ["traced 2", "traced 5", "trial 2"]
+    assert tuner.optimal_batch_size == kept(75, 0.1)
+
+
+def test_the_tuner_traces_on_meta_tensors_first(monkeypatch):
+    monkeypatch.setattr(start_module, "backward_forks", lambda: False)  # traced here, where a spy sees it
+    stand_ins: list[str] = []
+    real_copies = trace_module._trace_copies
+
+    def spy(*args, stand_in, **kwargs):
+        stand_ins.append(stand_in)
+        return real_copies(*args, stand_in=stand_in, **kwargs)
+
+    monkeypatch.setattr(trace_module, "_trace_copies", spy)
+    tuner, _ = _fit("trace")
+    assert stand_ins == ["meta", "meta"]  # the two sizes, no fake tensors needed
     assert tuner.optimal_batch_size == kept(75, 0.1)
 
 

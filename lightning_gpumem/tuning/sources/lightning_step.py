@@ -86,6 +86,7 @@ def lightning_tracer(
     steps: int = 3,
     batch_size: int | None = None,
     device: Device | None = H100,
+    meta_first: bool = False,
 ) -> Tracer:
     """``trace_at(size)``: the trace of ``module``'s training (and validation) step at batch size ``size``.
 
@@ -104,6 +105,8 @@ def lightning_tracer(
             dimension is this are resized.
         device: the card whose kernels' own buffers the trace asks for (``_core/kernels.py``); ``None``:
             none.
+        meta_first: trace on meta tensors first, on fake tensors where the step fails there
+            (``trace_training``'s: about half the time, the same events on most models).
 
     Returns:
         ``trace_at(size) -> Trace``; a step that cannot be traced gives ``Trace.cannot_trace`` (manual
@@ -178,6 +181,7 @@ def lightning_tracer(
                 device=device,
                 inference_mode=_val_inference_mode(trainer),
                 autocast_cache=caches,
+                meta_first=meta_first,
             )
         except _NoLoss as error:
             return Trace(cannot_trace=str(error))
