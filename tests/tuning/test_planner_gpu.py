@@ -117,6 +117,10 @@ def test_the_tuner_predicts_validates_and_closes_in_with_real_out_of_memory_erro
     print(
         f"\n4 GiB: {result.batch_size}, {result.reason}, {[(t.batch_size, t.fits) for t in result.trials]}"
     )
+    for t in result.trials:  # the peaks each move read
+        print(
+            f"  {t.batch_size}: reserved {t.peak_bytes}, train {t.train_peak_bytes}, val {t.val_peak_bytes}"
+        )
     kept = next(t for t in reversed(result.trials) if t.batch_size == result.batch_size)
     assert kept.fits
     assert kept.peak_bytes <= 4 * GIB
