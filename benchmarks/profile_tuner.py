@@ -1,12 +1,14 @@
 """Where does a ``BatchSizeTuner`` search spend its time? Wall time of each stage, the GPU synchronised around each.
 
     PYTHONPATH=. python3 benchmarks/profile_tuner.py --model gpt --budget-gib 12     # one CUDA GPU
+    PYTHONPATH=. python3 benchmarks/profile_tuner.py --finder trace --model hf-gpt2 --budget-gib 24 --headroom 0.02
     PYTHONPATH=. python3 benchmarks/profile_tuner.py --quick                         # CPU smoke run
 
 It runs ``benchmarks/tuner.py``'s finder worker for ``BatchSizeTuner`` in this process (search, then the following
 fit), with the tuner's internal stages wrapped in timers: the session's entry (state snapshot) and exit (restore),
-each trial's preparation, run, and clean start, and the release after the search. Prints one JSON object: the
-search's seconds, the seconds and calls of each stage, and the worker's own result; ``--json PATH`` also writes it.
+each trial's preparation, run, and clean start, the release after the search, and ``start="trace"``'s stages
+(``--finder trace``). Prints one JSON object: the search's seconds, the seconds, calls and first start (seconds after
+the first stage's) of each stage, and the worker's own result; ``--json PATH`` also writes it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import _harness as H
 import tuner as bench
 
 from lightning_gpumem._hw import allocator as allocator_module
+from lightning_gpumem.tuning import traced_start as _traced
 from lightning_gpumem.tuning.trials import bench as bench_module
 from lightning_gpumem.tuning.trials import measure as measure_module
 from lightning_gpumem.tuning.trials import model_state as _state
@@ -43,17 +46,33 @@ STAGES = [  # (owner, attribute, label)
     (measure_module, "release_to", "release (before each trial)"),
     (bench_module, "release_to", "release (after the search)"),
     (measure_module, "gather_named", "peak agreement"),
+    (_traced.TracedStart, "__init__", "trace: start (before the trials)"),
+    (_traced, "traced_source", "  of which: the first batches, the tracer"),
+    (_traced, "backward_forks", "  of which: the fork check"),
+    (_traced.TracedStart, "_fork", "  of which: the traces' forks"),
+    (_traced.TracedStart, "_local", "trace: the guess (the wait for the traces included)"),
+    (_traced.TracedStart, "_join", "  of which: the wait for the traces"),
+    (_traced.TracedStart, "_replays", "  of which: the check's replays"),
 ]
 
 
-def instrument(seconds: dict[str, float], calls: dict[str, int]) -> None:
-    """Wrap every stage of ``STAGES`` with a synchronised timer adding into ``seconds`` and ``calls``."""
+def instrument(
+    seconds: dict[str, float], calls: dict[str, int], firsts: dict[str, float] | None = None
+) -> None:
+    """Wrap every stage of ``STAGES`` with a synchronised timer adding into ``seconds`` and ``calls``.
+
+    ``firsts``: each stage's first start (``time.perf_counter()``).
+    """
     for owner, name, label in STAGES:
-        original = getattr(owner, name)
+        original = getattr(owner, name, None)
+        if original is None:  # a stage of another version of the package
+            continue
 
         def timed(*args: Any, _original: Any = original, _label: str = label, **kwargs: Any) -> Any:
             H.synchronize(torch.cuda.is_available())
             start = time.perf_counter()
+            if firsts is not None:
+                firsts.setdefault(_label, start)
             try:
                 return _original(*args, **kwargs)
             finally:
@@ -84,11 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="gpt", help="workload (gpt, gpt-longval, resnet)")
     parser.add_argument("--budget-gib", type=float, default=12.0, help="memory budget in GiB")
     parser.add_argument("--headroom", default="0.05", help="BatchSizeTuner's headroom")
+    parser.add_argument("--finder", default="default", help="tuner.py's finder: default, trace, ...")
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: tiny model, simulated OOMs")
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args(argv)
     worker_args = bench._parse(
-        ["--finder-worker", "default", "--model", args.model, "--headroom", args.headroom]
+        ["--finder-worker", args.finder, "--model", args.model, "--headroom", args.headroom]
         + ["--budget-bytes", str(int(args.budget_gib * bench.GIB))]
         + (["--quick"] if args.quick else [])
     )
@@ -96,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     calls: dict[str, int] = defaultdict(int)
     releases: list[dict[str, Any]] = []
     watch_releases(releases)
-    instrument(seconds, calls)
+    firsts: dict[str, float] = {}
+    instrument(seconds, calls, firsts)
     results: list[dict[str, Any]] = []
     emit = H.emit  # the worker's RESULT line, taken here instead of printed
     H.emit = results.append  # type: ignore[assignment]
@@ -113,7 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         "trial_seconds": [t["seconds"] for t in worker.get("tuner_trials") or []],
         "releases": releases,
         "stages": {
-            label: {"seconds": round(seconds[label], 4), "calls": calls[label]} for _, _, label in STAGES
+            label: {
+                "seconds": round(seconds[label], 4),
+                "calls": calls[label],
+                "first_start": round(firsts[label] - min(firsts.values()), 4) if label in firsts else None,
+            }
+            for _, _, label in STAGES
         },
         "worker": worker,
     }

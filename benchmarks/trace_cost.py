@@ -48,7 +48,7 @@ from lightning_gpumem._core.units import GIB
 from lightning_gpumem.tuning.sources.affine import AffineStreams
 from lightning_gpumem.tuning.sources.steps import replay_steady
 from lightning_gpumem.tuning.sources.traced import CONTEXT_BYTES, TracedSource, traced_guess
-from lightning_gpumem.tuning.traced_start import _forked_replays, traced_sizes
+from lightning_gpumem.tuning.traced_start import MAX_WORKERS, _forked_replays, traced_sizes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _tuner_models as M
@@ -176,7 +176,7 @@ def measure_guess(name: str) -> dict[str, Any]:
 
     def counted(run: Any, asked: Any) -> list[Any]:
         replays.extend(asked)
-        return _forked_replays(run, asked)
+        return _forked_replays(run, asked, min(cores() - 1, MAX_WORKERS))
 
     guess = traced_guess(
         source, 24 * GIB - CONTEXT_BYTES, upper=w.search_upper, init_val=2, headroom=0.02, replays=counted

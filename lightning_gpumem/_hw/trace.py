@@ -84,6 +84,7 @@ from lightning_gpumem._core.kernels import (
     reduce_recipes,
     scratch_bytes,
 )
+from lightning_gpumem._hw.meta_memo import MetaMemo
 
 Step = Callable[[nn.Module, Any], Any]
 MakeOptimizer = Callable[[Iterable[nn.Parameter]], Optimizer]
@@ -430,6 +431,7 @@ class _Recorder(TorchDispatchMode):
         self._closed = False
         self._sum: _Sum | None = None  # an add in backward, until it is known whether it sums in place
         self.ops: set[Any] = set()  # the ops run
+        self._memo = MetaMemo()
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -439,7 +441,7 @@ class _Recorder(TorchDispatchMode):
         self.ops.add(func)
         states = [self._known(tensor) for tensor in _tensors((args, kwargs))]
         try:
-            out = func(*args, **kwargs)
+            out = self._memo(func, args, kwargs)  # on meta tensors, a signature's kernel runs once
         except _UNTRACEABLE as error:
             raise _CannotTrace(f"cannot trace: {_op_name(func)} {self._where()}") from error
         if func in _FROM_DATA:  # a tensor made from Python data (fake: a new one; real: the same)

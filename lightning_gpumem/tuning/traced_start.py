@@ -4,7 +4,9 @@ Why: tracing the step at its two sizes on fake tensors is seconds of Python (the
 Hugging Face's GPT-2 about 4 s, on 2 cores), which before ran ahead of every trial. Here each size is traced
 in a forked copy of the process (``_core/forked.py``), started before the trials, while the first trial runs
 on the GPU; the guess, asked after that trial, waits for them. The replays of the check below the size found
-(``sources/traced.py``, ``BELOW``) are shared among forked children too, one per core left (8 at most).
+(``sources/traced.py``, ``BELOW``) are shared among forked children (one per core left, 8 at most) only where
+that is faster by the costs measured here: a fork of this process (the traces' forks, timed; it grows with
+the process's memory, about 20 ms a GiB) against one replay (the check's first, timed).
 Where the process cannot fork (not Linux), or its children cannot run a backward pass (``_hw/forks.py``: this
 process trained before), the sizes are traced here before the trials, as the replays are.
 
@@ -15,6 +17,7 @@ first step would make, as when it ran here.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -71,6 +74,7 @@ class TracedStart:
         self._children: dict[int, Forked[Trace]] = {}
         self._guess: Callable[[Trial], Guess | None] | None = None
         self._failed = False
+        self._fork_seconds = 0.0  # what one fork of this process took, here (the parent's side)
         self._strategy = trainer.strategy
         with rng_kept(trainer):  # the first batches drew from the run's RNG streams
             device = kernel_device(trainer.strategy.root_device)
@@ -84,7 +88,7 @@ class TracedStart:
             self._source = source
             sizes = traced_sizes(init_val, upper)
             forked = backward_forks() and self._fork(sizes)  # else traced here, before the trials
-            replays = _forked_replays if forked else each
+            replays = self._replays if forked else each
             self._guess = traced_guess(
                 source, limit, upper=upper, init_val=init_val, headroom=headroom, replays=replays
             )
@@ -155,7 +159,9 @@ class TracedStart:
         try:
             for size in sizes:
                 trace_at = partial(self._source.trace_at, size)
+                start = time.perf_counter()
                 self._children[size] = Forked(partial(without_cuda, trace_at))
+                self._fork_seconds = max(self._fork_seconds, time.perf_counter() - start)
         except Exception:  # no memory or processes left for a copy: traced here, before the trials
             self.close()
             return False
@@ -199,9 +205,36 @@ class TracedStart:
             f"BatchSizeTuner: the step traced on meta or fake tensors{beside} in {seconds:.1f} s."
         )
 
+    def _replays(self, run: Callable[[int], Trial], sizes: Sequence[int]) -> list[Trial]:
+        """The check's replays: the first here, timed; the rest forked where that is faster, else here."""
+        if not sizes:
+            return []
+        start = time.perf_counter()
+        first = run(sizes[0])
+        rest = sizes[1:]
+        workers = fork_workers(len(rest), time.perf_counter() - start, self._fork_seconds, cores())
+        return [first, *_forked_replays(run, rest, workers)]
 
-def _forked_replays(run: Callable[[int], Trial], sizes: Sequence[int]) -> list[Trial]:
-    """The replays of ``sizes`` shared among forked children (one per core but this one's); here if not."""
-    workers = min(cores() - 1, MAX_WORKERS)
+
+def fork_workers(count: int, replay_seconds: float, fork_seconds: float, cores: int) -> int:
+    """The forked children that replay ``count`` sizes soonest; 1 where replaying them here is sooner.
+
+    A fork costs this process ``fork_seconds`` each and the last child as much again before it starts; a
+    child replays its share one after the other. Forks pay for replays of tenths of a second, not for
+    hundredths in a process of several GiB.
+
+    >>> fork_workers(15, 0.02, 0.05, 16), fork_workers(15, 0.3, 0.05, 16), fork_workers(15, 0.3, 0.05, 2)
+    (1, 8, 1)
+    """
+    best, soonest = 1, count * replay_seconds
+    for workers in range(2, min(cores - 1, MAX_WORKERS, count) + 1):
+        seconds = (workers + 1) * fork_seconds + math.ceil(count / workers) * replay_seconds
+        if seconds < soonest:
+            best, soonest = workers, seconds
+    return best
+
+
+def _forked_replays(run: Callable[[int], Trial], sizes: Sequence[int], workers: int) -> list[Trial]:
+    """The replays of ``sizes`` shared among ``workers`` forked children; here where fewer than two."""
     mapped = forked_map(run, sizes, workers=workers, timeout=REPLAY_TIMEOUT)
     return mapped if mapped is not None else each(run, sizes)

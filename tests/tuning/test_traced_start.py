@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from lightning_gpumem._hw import trace as trace_module
 from lightning_gpumem.tuning import traced_start as start_module
 from lightning_gpumem.tuning import tune as tune_module
 from lightning_gpumem.tuning.search import Guess
+from lightning_gpumem.tuning.search.model import Trial
 from lightning_gpumem.tuning.sources import traced
 from tests.helpers.fakes import kept
 from tests.helpers.models import OOMModel
@@ -318,3 +320,33 @@ def test_every_rank_tries_rank_zeros_guess(monkeypatch):
     _ranks(monkeypatch, agreed=True, broadcast=lambda obj: Guess(kept(75, 0.1), kept=True))
     tuner, _ = _fit("trace")
     assert [t.batch_size for t in tuner.trials] == [2, kept(75, 0.1)]
+
+
+@pytest.mark.skipif(not can_fork(), reason="forks on Linux only")
+def test_the_checks_replays_are_forked_only_where_that_is_sooner(monkeypatch):
+    monkeypatch.setattr(start_module, "cores", lambda: 16)
+    asked: list[int] = []
+    real_map = start_module.forked_map
+
+    def spy(run, sizes, *, workers, timeout):
+        asked.append(workers)
+        return real_map(run, sizes, workers=workers, timeout=timeout)
+
+    monkeypatch.setattr(start_module, "forked_map", spy)
+
+    def replays(seconds):
+        def run(size):
+            time.sleep(seconds)
+            return Trial(size, fits=True)
+
+        return run
+
+    start = start_module.TracedStart.__new__(start_module.TracedStart)
+    sizes = list(range(15, 0, -1))
+    start._fork_seconds = 0.2  # a fork of a process of several GiB: hundredths of a second replay here
+    assert [t.batch_size for t in start._replays(replays(0.001), sizes)] == sizes
+    start._fork_seconds = 0.001
+    assert [t.batch_size for t in start._replays(replays(0.02), sizes)] == sizes
+    assert asked[0] == 1  # here
+    assert asked[1] >= 4  # forked, its share of two or three replays a child
+    assert start._replays(replays(0.0), []) == []
