@@ -11,8 +11,8 @@ Python, what any trace on shapes alone pays (bf16 autocast on the CPU, AdamW wit
 With ``--guess`` it times, instead, what that tuner does on the CPU around its trials (``tuning/traced_start.py``),
 in a fresh model: the two sizes traced one after the other and, as the tuner does, each in a forked child at once
 (the same events, checked; meta tensors first, as the tuner traces), then ``traced_guess`` under 24 GiB less the CUDA context, calibrated by a first trial at
-size 2 whose reserved peak is its replay's plus 10 MiB (the search on the replays under the shifted limit, and the
-16-size check below the size found, shared among forked children where there is more than one core left)::
+size 2 whose reserved peak is its replay's plus 10 MiB (the search on the replays under the shifted limit), and the
+16-size check below the size found in forked children beside the guess's trial (a 0.5 s sleep here)::
 
     python benchmarks/trace_cost.py --guess --models gpt,hf-gpt2 --json benchmarks/results/trace-guess-forked-cpu.json
     # trace-guess-cpu.json: 25c9669's (its search before the first trial, then the calibrated one)
@@ -43,12 +43,12 @@ from typing import Any
 import torch
 
 import lightning_gpumem._hw.trace as trace_module
-from lightning_gpumem._core.forked import Forked, cores
+from lightning_gpumem._core.forked import Forked, ForkedMap, cores
 from lightning_gpumem._core.units import GIB
 from lightning_gpumem.tuning.sources.affine import AffineStreams
 from lightning_gpumem.tuning.sources.steps import replay_steady
 from lightning_gpumem.tuning.sources.traced import CONTEXT_BYTES, TracedSource, traced_guess
-from lightning_gpumem.tuning.traced_start import MAX_WORKERS, _forked_replays, traced_sizes
+from lightning_gpumem.tuning.traced_start import beside_workers, traced_sizes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _tuner_models as M
@@ -147,13 +147,18 @@ def measure_meta(name: str) -> dict[str, Any]:
     return row
 
 
+FORK_SECONDS = 0.07  # a fork of a CUDA process holding a model (benchmarks/fork_cost.py: ~20 ms a GiB)
+TRIAL_SECONDS = 0.5  # the guess's trial on the H100 (docs/benchmarks.md)
+
+
 def measure_guess(name: str) -> dict[str, Any]:
     """Seconds of what ``start="trace"`` does on the CPU: the two sizes traced, then the calibrated guess.
 
     The two sizes (2 and 5, ``traced_sizes``) one after the other here, then each in a forked child at once
     (``TracedStart``'s way; the wall time until both are back); then the guess after a first trial at size 2
-    whose reserved peak is its replay's plus 10 MiB (the replays searched under the shifted limit, the check
-    below shared as ``TracedStart`` shares it among the cores but one).
+    whose reserved peak is its replay's plus 10 MiB (the replays searched under the shifted limit); the check
+    below in forked children as ``TracedStart`` starts it beside the guess's trial (a sleep of
+    ``TRIAL_SECONDS`` here), and the wait for it after that trial.
     """
     w = M.workload(name, False)
     with torch.device("meta"):
@@ -173,19 +178,32 @@ def measure_guess(name: str) -> dict[str, Any]:
     for size, trace in forked.items():
         source.add(size, trace)
     replays: list[int] = []
+    waited: list[float] = []
 
-    def counted(run: Any, asked: Any) -> list[Any]:
+    def later(run: Any, asked: Any, replay_seconds: float) -> Any:  # as TracedStart's: forked children
         replays.extend(asked)
-        return _forked_replays(run, asked, min(cores() - 1, MAX_WORKERS))
+        workers = beside_workers(len(asked), replay_seconds, FORK_SECONDS, TRIAL_SECONDS, cores())
+        mapped = ForkedMap(run, asked, workers=workers) if cores() > 1 else None
+
+        def wait() -> list[Any]:
+            begun = time.perf_counter()
+            replayed = mapped.result(600.0) if mapped is not None else None
+            done = replayed if replayed is not None else [run(size) for size in asked]
+            waited.append(time.perf_counter() - begun)
+            return done
+
+        return wait
 
     guess = traced_guess(
-        source, 24 * GIB - CONTEXT_BYTES, upper=w.search_upper, init_val=2, headroom=0.02, replays=counted
+        source, 24 * GIB - CONTEXT_BYTES, upper=w.search_upper, init_val=2, headroom=0.02, later=later
     )
     start = time.perf_counter()
     replayed = source.under(None)(2)
     first = dataclasses.replace(replayed, peak_bytes=(replayed.peak_bytes or 0) + 10 * 2**20)
     guessed = guess(first)
     calibrate = time.perf_counter() - start
+    time.sleep(TRIAL_SECONDS)  # the guess's trial, on the GPU
+    settled = guessed.settle() if guessed is not None and guessed.settle is not None else guessed
     return {
         "model": name,
         "sizes_traced": sizes,
@@ -194,7 +212,9 @@ def measure_guess(name: str) -> dict[str, Any]:
         "trace_forked_seconds": round(parallel, 3),
         "guess_seconds": round(calibrate, 3),
         "sizes_checked_below": len(replays),
+        "check_waited_after_trial_seconds": round(sum(waited), 3),
         "guess": None if guessed is None else guessed.size,
+        "settled": None if settled is None else settled.size,
     }
 
 

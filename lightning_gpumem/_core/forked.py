@@ -149,27 +149,54 @@ def forked_map(
         >>> forked_map(abs, [-1, 2, -3], workers=2, timeout=60.0)
         [1, 2, 3]
     """
-    workers = min(workers, len(items))
-    if workers < 2 or not can_fork():
+    if min(workers, len(items)) < 2 or not can_fork():
         return None
-    shares = [list(items[i::workers]) for i in range(workers)]
-    children: list[Forked[list[R]]] = []
-    try:
-        for share in shares:
-            children.append(Forked(_mapping(function, share)))
+    return ForkedMap(function, items, workers=workers).result(timeout)
+
+
+class ForkedMap(Generic[R]):
+    """``[function(item) for item in items]`` started now in up to ``workers`` forked children (one or more).
+
+    :meth:`result` waits for it; :meth:`close` stops the children not waited for.
+
+    Example:
+        >>> mapped = ForkedMap(abs, [-1, 2, -3], workers=1)
+        >>> mapped.result(timeout=60.0)
+        [1, 2, 3]
+    """
+
+    def __init__(self, function: Callable[[T], R], items: Sequence[T], *, workers: int) -> None:
+        self._count = len(items)
+        self._workers = max(1, min(workers, len(items)))
+        self._children: list[Forked[list[R]]] | None = []
+        try:
+            for i in range(self._workers):
+                self._children.append(Forked(_mapping(function, list(items[i :: self._workers]))))
+        except Exception:  # no fork here or now (OSError): no result, none left running
+            self.close()
+
+    def result(self, timeout: float) -> list[R] | None:
+        """The mapped items; ``None`` where a child could not start, failed or did not answer in time."""
+        children = self._children
+        if children is None:
+            return None
         deadline = time.monotonic() + timeout
-        results = []
-        for child in children:
-            results.append(child.result(max(0.0, deadline - time.monotonic())))
-    except Exception:  # ChildFailed, or no fork possible now (OSError): the caller maps them itself
-        return None
-    finally:
-        for child in children:
+        try:
+            results = [child.result(max(0.0, deadline - time.monotonic())) for child in children]
+        except ChildFailed:
+            return None
+        finally:
+            self.close()
+        mapped: list[Any] = [None] * self._count
+        for i, done in enumerate(results):
+            mapped[i :: self._workers] = done
+        return mapped
+
+    def close(self) -> None:
+        """Stop the children (killed and reaped where still running); :meth:`result` is then ``None``."""
+        for child in self._children or ():
             child.close()
-    mapped: list[Any] = [None] * len(items)
-    for i, done in enumerate(results):
-        mapped[i::workers] = done
-    return mapped
+        self._children = None
 
 
 # signals whose handlers (a trainer's: SIGTERM, SLURM's SIGUSR1) must not run in a child: held during the

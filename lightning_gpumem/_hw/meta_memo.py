@@ -28,7 +28,9 @@ _NOT_REMEMBERED = (
     torch.Tag.inplace_view,
 )
 _SCALARS = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
-_UPDATES = ("_foreach_", "_fused_")  # in-place updates of values that return nothing
+# torch's names of the optimizers' in-place updates, which return nothing (their leading underscore left
+# off): renamed, they are asked each time (slower, the same trace)
+_UPDATES = ("foreach_", "fused_")
 _PLAIN = (Tensor, torch.nn.Parameter)  # not a subclass whose ops may do more
 _BYPASS = object()  # a signature whose outputs cannot be redone by hand
 
@@ -87,7 +89,8 @@ class MetaMemo:
         update = self._update.get(func)
         if update is None:
             name = func.name().split("::")[-1].split(".")[0]
-            update = self._update[func] = name.startswith(_UPDATES) and name.endswith("_")
+            update = name.lstrip("_").startswith(_UPDATES) and name.endswith("_")
+            self._update[func] = update
         return update
 
 

@@ -1,14 +1,16 @@
 """``BatchSizeTuner(start="trace")``: the step traced beside the first trial, its calibrated largest size.
 
-Why: tracing the step at its two sizes on fake tensors is seconds of Python (the 236M GPT's about 2 s a size,
-Hugging Face's GPT-2 about 4 s, on 2 cores), which before ran ahead of every trial. Here each size is traced
-in a forked copy of the process (``_core/forked.py``), started before the trials, while the first trial runs
-on the GPU; the guess, asked after that trial, waits for them. The replays of the check below the size found
-(``sources/traced.py``, ``BELOW``) are shared among forked children (one per core left, 8 at most) only where
-that is faster by the costs measured here: a fork of this process (the traces' forks, timed; it grows with
-the process's memory, about 20 ms a GiB) against one replay (the check's first, timed).
-Where the process cannot fork (not Linux), or its children cannot run a backward pass (``_hw/forks.py``: this
-process trained before), the sizes are traced here before the trials, as the replays are.
+Why: tracing the step at its two sizes is a second or two of Python (meta tensors first, ``_hw/trace.py``),
+which would otherwise run ahead of every trial. Here each size is traced in a forked copy of the process
+(``_core/forked.py``), started before the trials, while the first trial runs on the GPU; the guess, asked
+after that trial, waits for them. The replays of the check below the size found (``sources/traced.py``,
+``BELOW``) run in forked children beside the guess's own trial (``traced_guess``'s ``later``): the guess is
+given as soon as the search of the replays has found it, and its check is waited for after its trial
+(``Guess.settle``; a check that lowers the size takes the guess back). As many children as end their
+replays with that trial (:func:`beside_workers`: a fork of this process, timed at the traces' forks, grows
+with its memory, about 20 ms a GiB). Where the process cannot fork (not Linux), or its children cannot run a
+backward pass (``_hw/forks.py``: this process trained before), the sizes are traced here before the trials,
+and the check is made here before the guess is given.
 
 The children copy the module and optimizer as they were at the fork, before any trial: the trace a fit's
 first step would make, as when it ran here.
@@ -26,7 +28,7 @@ from types import TracebackType
 import lightning.pytorch as pl
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_gpumem._core.forked import ChildFailed, Forked, cores, forked_map
+from lightning_gpumem._core.forked import ChildFailed, Forked, ForkedMap, cores
 from lightning_gpumem._hw.allocator import kernel_device
 from lightning_gpumem._hw.forks import backward_forks, without_cuda
 from lightning_gpumem._hw.trace import Trace
@@ -75,6 +77,8 @@ class TracedStart:
         self._guess: Callable[[Trial], Guess | None] | None = None
         self._failed = False
         self._fork_seconds = 0.0  # what one fork of this process took, here (the parent's side)
+        self._trial_seconds = 0.0  # the first trial's: the guess's trial takes as long at least
+        self._maps: list[ForkedMap[Trial]] = []  # the check's replays, beside the guess's trial
         self._strategy = trainer.strategy
         with rng_kept(trainer):  # the first batches drew from the run's RNG streams
             device = kernel_device(trainer.strategy.root_device)
@@ -88,9 +92,13 @@ class TracedStart:
             self._source = source
             sizes = traced_sizes(init_val, upper)
             forked = backward_forks() and self._fork(sizes)  # else traced here, before the trials
-            replays = self._replays if forked else each
             self._guess = traced_guess(
-                source, limit, upper=upper, init_val=init_val, headroom=headroom, replays=replays
+                source,
+                limit,
+                upper=upper,
+                init_val=init_val,
+                headroom=headroom,
+                later=self._later if forked else None,  # the check below beside the guess's trial
             )
             if not forked:
                 for size in sizes:
@@ -122,6 +130,7 @@ class TracedStart:
         if self._children and not self._join():
             return None
         start = time.perf_counter()
+        self._trial_seconds = trial.seconds
         try:  # a size not traced yet is traced here (the first trial went below `init_val`)
             guess = self._guess(trial)
             rank_zero_info(
@@ -153,6 +162,9 @@ class TracedStart:
         for child in self._children.values():
             child.close()
         self._children.clear()
+        for mapped in self._maps:
+            mapped.close()
+        self._maps.clear()
 
     def _fork(self, sizes: list[int]) -> bool:
         """A forked child tracing each size; ``False``, none left running, where one could not start."""
@@ -205,36 +217,43 @@ class TracedStart:
             f"BatchSizeTuner: the step traced on meta or fake tensors{beside} in {seconds:.1f} s."
         )
 
-    def _replays(self, run: Callable[[int], Trial], sizes: Sequence[int]) -> list[Trial]:
-        """The check's replays: the first here, timed; the rest forked where that is faster, else here."""
-        if not sizes:
-            return []
-        start = time.perf_counter()
-        first = run(sizes[0])
-        rest = sizes[1:]
-        workers = fork_workers(len(rest), time.perf_counter() - start, self._fork_seconds, cores())
-        return [first, *_forked_replays(run, rest, workers)]
+    def _later(
+        self, run: Callable[[int], Trial], sizes: Sequence[int], replay_seconds: float
+    ) -> Callable[[], list[Trial]]:
+        """The check's replays started in forked children, beside the guess's trial; what waits for them.
+
+        With one core, nothing runs beside the trial: the replays are made here when waited for.
+        """
+        if cores() < 2:
+            return partial(each, run, sizes)
+        workers = beside_workers(
+            len(sizes), replay_seconds, self._fork_seconds, self._trial_seconds, cores()
+        )
+        mapped = ForkedMap(run, sizes, workers=workers)
+        self._maps.append(mapped)
+
+        def wait() -> list[Trial]:
+            replayed = mapped.result(REPLAY_TIMEOUT)
+            return replayed if replayed is not None else each(run, sizes)
+
+        return wait
 
 
-def fork_workers(count: int, replay_seconds: float, fork_seconds: float, cores: int) -> int:
-    """The forked children that replay ``count`` sizes soonest; 1 where replaying them here is sooner.
+def beside_workers(
+    count: int, replay_seconds: float, fork_seconds: float, trial_seconds: float, cores: int
+) -> int:
+    """The forked children for ``count`` replays beside a trial of about ``trial_seconds``.
 
-    A fork costs this process ``fork_seconds`` each and the last child as much again before it starts; a
-    child replays its share one after the other. Forks pay for replays of tenths of a second, not for
-    hundredths in a process of several GiB.
+    The fewest whose replays end with the trial (a child replays its share one after the other, once
+    forked); else those whose replays end soonest. Each fork holds the trial back by ``fork_seconds``.
 
-    >>> fork_workers(15, 0.02, 0.05, 16), fork_workers(15, 0.3, 0.05, 16), fork_workers(15, 0.3, 0.05, 2)
-    (1, 8, 1)
+    >>> beside_workers(15, 0.03, 0.05, 0.8, 16), beside_workers(15, 0.06, 0.05, 0.5, 16)
+    (1, 3)
+    >>> beside_workers(15, 0.3, 0.05, 0.5, 16), beside_workers(15, 0.3, 0.05, 0.5, 2)
+    (8, 1)
     """
-    best, soonest = 1, count * replay_seconds
-    for workers in range(2, min(cores - 1, MAX_WORKERS, count) + 1):
-        seconds = (workers + 1) * fork_seconds + math.ceil(count / workers) * replay_seconds
-        if seconds < soonest:
-            best, soonest = workers, seconds
-    return best
-
-
-def _forked_replays(run: Callable[[int], Trial], sizes: Sequence[int], workers: int) -> list[Trial]:
-    """The replays of ``sizes`` shared among ``workers`` forked children; here where fewer than two."""
-    mapped = forked_map(run, sizes, workers=workers, timeout=REPLAY_TIMEOUT)
-    return mapped if mapped is not None else each(run, sizes)
+    most = max(1, min(cores - 1, MAX_WORKERS, count))
+    for workers in range(1, most + 1):
+        if fork_seconds + math.ceil(count / workers) * replay_seconds <= trial_seconds:
+            return workers
+    return min(range(1, most + 1), key=lambda w: w * fork_seconds + math.ceil(count / w) * replay_seconds)

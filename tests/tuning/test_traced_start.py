@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
@@ -323,30 +322,31 @@ def test_every_rank_tries_rank_zeros_guess(monkeypatch):
 
 
 @pytest.mark.skipif(not can_fork(), reason="forks on Linux only")
-def test_the_checks_replays_are_forked_only_where_that_is_sooner(monkeypatch):
+def test_the_checks_replays_run_in_as_many_forked_children_as_end_with_the_trial(monkeypatch):
     monkeypatch.setattr(start_module, "cores", lambda: 16)
     asked: list[int] = []
-    real_map = start_module.forked_map
+    real_map = start_module.ForkedMap
 
-    def spy(run, sizes, *, workers, timeout):
+    def spy(run, sizes, *, workers):
         asked.append(workers)
-        return real_map(run, sizes, workers=workers, timeout=timeout)
+        return real_map(run, sizes, workers=workers)
 
-    monkeypatch.setattr(start_module, "forked_map", spy)
+    monkeypatch.setattr(start_module, "ForkedMap", spy)
 
-    def replays(seconds):
-        def run(size):
-            time.sleep(seconds)
-            return Trial(size, fits=True)
-
-        return run
+    def run(size):
+        return Trial(size, fits=True)
 
     start = start_module.TracedStart.__new__(start_module.TracedStart)
+    start._maps, start._children = [], {}
+    start._fork_seconds, start._trial_seconds = 0.05, 0.5
     sizes = list(range(15, 0, -1))
-    start._fork_seconds = 0.2  # a fork of a process of several GiB: hundredths of a second replay here
-    assert [t.batch_size for t in start._replays(replays(0.001), sizes)] == sizes
-    start._fork_seconds = 0.001
-    assert [t.batch_size for t in start._replays(replays(0.02), sizes)] == sizes
-    assert asked[0] == 1  # here
-    assert asked[1] >= 4  # forked, its share of two or three replays a child
-    assert start._replays(replays(0.0), []) == []
+    assert [t.batch_size for t in start._later(run, sizes, 0.02)()] == sizes  # 0.35 s: one child
+    assert [t.batch_size for t in start._later(run, sizes, 0.1)()] == sizes  # 1.5 s: four children
+    assert asked == [1, 4]
+    waiting = start._later(run, sizes, 0.02)
+    start.close()  # the search ended before the check was waited for: its children stopped
+    assert start._maps == []
+    assert [t.batch_size for t in waiting()] == sizes  # made here, once the children are gone
+    monkeypatch.setattr(start_module, "cores", lambda: 1)
+    assert [t.batch_size for t in start._later(run, sizes, 0.02)()] == sizes
+    assert asked == [1, 4, 1]  # one core: nothing forked

@@ -25,7 +25,7 @@ peak is at most the limit. The result is always a size that was actually run and
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from lightning_gpumem.tuning.search.model import Trial, TrialSource, accepted
@@ -61,10 +61,14 @@ class Guess:
         size: the size to try.
         kept: ``size`` is the size to keep (a headroom already given up below the traced largest size):
             accepted, it ends the search (``"traced"``); else the moves go on from it (the edge above it).
+        settle: where a check of the guess was still running when it was given (the trace's replays below
+            it, beside its trial): asked after the guess's trial, the guess the check leaves. A smaller
+            one (or ``None``) takes this one back: its size counts as rejected, the smaller one tried next.
     """
 
     size: int
     kept: bool = False
+    settle: Callable[[], Guess | None] | None = field(default=None, compare=False, repr=False)
 
 
 def search_batch_size(
@@ -157,9 +161,13 @@ def search_batch_size(
         if move is Move.EDGE:
             bracket.edge_at = lo
         ok = accepted(run(size), limit_bytes)
-        if move is Move.TRACED and ok and guessed is not None and guessed.kept:
+        settled = guessed.settle() if move is Move.TRACED and guessed and guessed.settle else guessed
+        if settled is not guessed and (settled is None or settled.size < size):
+            ok, guessed = False, settled  # the trace's own check took its guess back: the smaller one next
+        elif move is Move.TRACED and ok and guessed is not None and guessed.kept:
             return SearchResult(size, tuple(trials.values()), "traced")
-        guessed = None
+        else:
+            guessed = None
         if move is Move.EDGE and ok and ev.has_model:
             bracket.refuted = True
         if ok:

@@ -202,6 +202,10 @@ BELOW = 16
 # tuner's shares them among forked children, ``tuning/traced_start.py``)
 Replays = Callable[[Callable[[int], Trial], Sequence[int]], list[Trial]]
 
+# starts those replays (given the seconds one took in the search) and gives what waits for them: the tuner's
+# run in forked children beside its next trial
+Later = Callable[[Callable[[int], Trial], Sequence[int], float], Callable[[], list[Trial]]]
+
 
 def each(run: Callable[[int], Trial], sizes: Sequence[int]) -> list[Trial]:
     """:data:`Replays` one after the other, here."""
@@ -230,14 +234,25 @@ def largest_traced(
     """
     run = source.under(limit)
     found = search_batch_size(run, init_val=init_val, upper=upper, limit_bytes=limit, tolerance=tolerance)
+    fresh = unchecked(found)
+    return checked(found, limit, dict(zip(fresh, replays(run, fresh), strict=True)))
+
+
+def unchecked(found: SearchResult) -> list[int]:
+    """The sizes under ``found``'s that its check below replays: the :data:`BELOW` the search did not."""
+    if found.batch_size is None:
+        return []
+    seen = {trial.batch_size for trial in found.trials}
+    return [size for size in _below(found.batch_size) if size not in seen]
+
+
+def checked(found: SearchResult, limit: int, replayed: dict[int, Trial]) -> SearchResult:
+    """``found`` with the check below it: the replays of :func:`unchecked`'s sizes in ``replayed``."""
     best = found.batch_size
     if best is None:
         return found
-    seen = {trial.batch_size: trial for trial in found.trials}
-    below = list(range(best - 1, max(1, best - BELOW) - 1, -1))
-    fresh = [size for size in below if size not in seen]
-    seen.update(zip(fresh, replays(run, fresh), strict=True))
-    extra = [seen[size] for size in below]
+    seen = {trial.batch_size: trial for trial in found.trials} | replayed
+    extra = [seen[size] for size in _below(best)]
     failing = [trial.batch_size for trial in extra if not accepted(trial, limit)]
     if failing:
         best = min(failing) - 1
@@ -249,6 +264,10 @@ def largest_traced(
     return SearchResult(best, trials, "bracketed", f"the replay at {best + 1} does not fit")
 
 
+def _below(size: int) -> list[int]:
+    return list(range(size - 1, max(1, size - BELOW) - 1, -1))
+
+
 def traced_guess(
     source: TracedSource,
     limit: int,
@@ -257,6 +276,7 @@ def traced_guess(
     init_val: int,
     headroom: float = 0.0,
     replays: Replays = each,
+    later: Later | None = None,
 ) -> Callable[[Trial], Guess | None]:
     """The search's ``guess`` from a trace: its largest size, calibrated by the first real trial.
 
@@ -268,33 +288,50 @@ def traced_guess(
     largest size and the edge above it. Nothing is given up at ``upper``. Nothing is traced or replayed
     before the guess is first asked.
 
+    The check below the size found (:func:`largest_traced`'s) is made by ``replays`` before the guess is
+    given; with ``later``, it is started instead and the guess given at once, its ``settle`` waiting for
+    the check (the search asks after the guess's trial): the guess the check leaves.
+
     Raises (from the guess):
         CannotTrace: where the step cannot be traced.
     """
 
-    def search(under: int, start: int) -> int | None:
-        found = largest_traced(source, under, init_val=start, upper=upper, tolerance=0.0, replays=replays)
-        return found.batch_size
-
     @functools.cache
-    def uncalibrated() -> int | None:  # the search under `limit` itself, where first needed
-        return search(limit, init_val)
+    def search(under: int, start: int) -> tuple[SearchResult, float]:  # under `limit` itself: asked once
+        begun = time.perf_counter()
+        found = search_batch_size(
+            source.under(under), init_val=start, upper=upper, limit_bytes=under, tolerance=0.0
+        )
+        return found, (time.perf_counter() - begun) / max(1, len(found.trials))
 
-    def largest(trial: Trial) -> int | None:
+    def calibrated(trial: Trial) -> tuple[int, int]:
+        """The limit the replays are searched under after ``trial``, and the size the search starts at."""
         replayed = source.under(None)(trial.batch_size)
         if trial.peak_bytes is None or replayed.peak_bytes is None:
-            return uncalibrated()
+            return limit, init_val
         shifted = limit - (trial.peak_bytes - replayed.peak_bytes)
-        if shifted == limit:
-            return uncalibrated()
-        return search(shifted, trial.batch_size)
+        return (limit, init_val) if shifted == limit else (shifted, trial.batch_size)
+
+    def kept(found: SearchResult) -> Guess | None:
+        if found.batch_size is None:
+            return None
+        size = size_to_keep(found.batch_size, headroom, upper)
+        return Guess(size, kept=size < found.batch_size)
 
     def guess(trial: Trial) -> Guess | None:
-        found = largest(trial)
-        if found is None:
-            return None
-        kept = size_to_keep(found, headroom, upper)
-        return Guess(kept, kept=kept < found)
+        under, start = calibrated(trial)
+        found, seconds = search(under, start)
+        fresh = unchecked(found)
+        run = source.under(under)
+        if later is None or not fresh:
+            return kept(checked(found, under, dict(zip(fresh, replays(run, fresh), strict=True))))
+        wait = later(run, fresh, seconds)
+        given = kept(found)
+
+        def settle() -> Guess | None:
+            return kept(checked(found, under, dict(zip(fresh, wait(), strict=True))))
+
+        return None if given is None else replace(given, settle=settle)
 
     return guess
 

@@ -176,6 +176,64 @@ def test_a_guess_to_keep_ends_the_search_where_it_runs_and_the_headroom_is_not_g
     assert leave_headroom(real, over, 0.05, 24 * GIB, 25).batch_size == 44
 
 
+def test_a_guess_whose_check_settles_after_its_trial_is_kept_or_taken_back():
+    def real(size: int) -> Trial:  # 1 GiB fixed, 0.5 GiB a sample: 46 fit in 24 GiB
+        peak = GIB + size * GIB // 2
+        return Trial(size, fits=peak <= 24 * GIB, peak_bytes=peak if peak <= 24 * GIB else None)
+
+    order: list[str] = []
+
+    def traced(size: int) -> Trial:
+        order.append(f"trial {size}")
+        return real(size)
+
+    def guess(settled: Guess | None):
+        def settle() -> Guess | None:
+            order.append("settle")
+            return settled
+
+        return lambda _: Guess(44, kept=True, settle=settle)
+
+    same = search_batch_size(traced, upper=4096, limit_bytes=24 * GIB, guess=guess(Guess(44, kept=True)))
+    assert (same.batch_size, same.reason) == (44, "traced")
+    assert order == ["trial 2", "trial 44", "settle"]  # the check is waited for after the guess's trial
+    # the check lowers it: 44 ran, but counts as rejected; the smaller guess runs and is kept
+    lower = search_batch_size(real, upper=4096, limit_bytes=24 * GIB, guess=guess(Guess(40, kept=True)))
+    assert (lower.batch_size, lower.reason) == (40, "traced")
+    assert [t.batch_size for t in lower.trials] == [2, 44, 40]
+    # nothing fits by the check: the search goes on below the guess, from its trials alone
+    none = search_batch_size(real, upper=4096, limit_bytes=24 * GIB, guess=guess(None))
+    assert none.batch_size is not None
+    assert none.batch_size < 44
+    assert [t.batch_size for t in none.trials][:2] == [2, 44]
+
+
+def test_the_check_below_started_later_gives_the_guess_of_the_check_made_at_once():
+    source = TracedSource(_tracer(_mlp()))
+    limit = 160 * MIB
+    first = source.under(limit)(2)
+    at_once = traced_guess(source, limit, upper=1 << 16, init_val=2, headroom=0.05)(first)
+    started: list[tuple[list[int], float]] = []
+
+    def later(run, sizes, seconds):
+        started.append((list(sizes), seconds))
+        return lambda: [run(size) for size in sizes]
+
+    given = traced_guess(source, limit, upper=1 << 16, init_val=2, headroom=0.05, later=later)(first)
+    assert given is not None
+    assert given.settle is not None
+    assert len(started) == 1
+    assert 0 < len(started[0][0]) <= BELOW
+    assert started[0][1] > 0  # a replay's seconds, measured in the search
+    assert given.settle() == at_once == dataclasses.replace(given, settle=None)
+    # a jagged check lowers the guess it gives after the trial
+    jagged = traced_guess(_Jagged(86, {76, 77, 78}), 10**9, upper=1 << 16, init_val=2, later=later)
+    lowered = jagged(Trial(2, fits=True))
+    assert lowered is not None
+    assert lowered.settle is not None
+    assert (lowered.size, lowered.settle()) == (86, Guess(75))
+
+
 def test_with_a_headroom_the_traced_guess_is_the_size_kept_and_runs_alone():
     source = TracedSource(_tracer(_mlp()))
     limit = 160 * MIB
