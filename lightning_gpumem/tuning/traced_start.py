@@ -110,7 +110,7 @@ class TracedStart:
         """The guess after ``trial`` (the first): the traces waited for, the calibrated largest size.
 
         Under DDP every rank tries rank 0's guess, and none where a rank has none (a trace that failed
-        there): the ranks' trials stay the same.
+        there), and takes rank 0's check of it: the ranks' trials stay the same.
         """
         guess = self._local(trial)
         strategy = self._strategy
@@ -120,8 +120,25 @@ class TracedStart:
                     f"{_OWNER}: another rank has no traced guess; the search goes on from its probe alone."
                 )
             return None
-        agreed: Guess | None = strategy.broadcast(guess, src=0)
-        return agreed
+        if getattr(strategy, "world_size", 1) <= 1:
+            return guess
+        return self._agreed(guess)
+
+    def _agreed(self, guess: Guess | None) -> Guess | None:
+        """Rank 0's guess on every rank, and rank 0's check of it: a closure is not sent, its result is."""
+        strategy = self._strategy
+        plain = None if guess is None else dataclasses.replace(guess, settle=None)
+        checks = guess is not None and guess.settle is not None
+        agreed, checked = strategy.broadcast((plain, checks), src=0)
+        if agreed is None or not checked:
+            return agreed
+        own = guess.settle if guess is not None and getattr(strategy, "global_rank", 0) == 0 else None
+
+        def settle() -> Guess | None:  # every rank asks at once (the same search): rank 0's check for all
+            settled: Guess | None = strategy.broadcast(None if own is None else own(), src=0)
+            return settled
+
+        return dataclasses.replace(agreed, settle=settle)
 
     def _local(self, trial: Trial) -> Guess | None:
         """This rank's guess: the traces waited for, the replays searched."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 
 import pytest
 import torch
@@ -287,6 +288,8 @@ def _ranks(monkeypatch, agreed: bool, broadcast):
     real_init = start_module.TracedStart.__init__
 
     class Ranks:
+        global_rank, world_size = 0, 2
+
         def reduce_boolean_decision(self, decision, all=True):
             assert all
             return decision and agreed
@@ -316,9 +319,47 @@ def test_where_another_rank_has_no_traced_guess_none_is_tried_and_it_warns_once(
 
 
 def test_every_rank_tries_rank_zeros_guess(monkeypatch):
-    _ranks(monkeypatch, agreed=True, broadcast=lambda obj: Guess(kept(75, 0.1), kept=True))
+    _ranks(monkeypatch, agreed=True, broadcast=lambda obj: (Guess(kept(75, 0.1), kept=True), False))
     tuner, _ = _fit("trace")
     assert [t.batch_size for t in tuner.trials] == [2, kept(75, 0.1)]
+
+
+def test_under_ddp_the_guess_and_its_check_cross_the_ranks_as_plain_objects(monkeypatch):
+    sent: list[object] = []
+
+    def pickled(obj):  # as torch.distributed's broadcast_object_list sends it
+        sent.append(obj)
+        return pickle.loads(pickle.dumps(obj))
+
+    alone, _ = _fit("trace")  # one process
+    _ranks(monkeypatch, agreed=True, broadcast=pickled)  # rank 0 of two, its objects sent to itself
+    tuner, _ = _fit("trace")
+    assert [t.batch_size for t in tuner.trials] == [t.batch_size for t in alone.trials]
+    assert tuner.optimal_batch_size == alone.optimal_batch_size
+    assert len(sent) == 2  # the guess, then what its check left of it (checked beside its trial)
+    assert [type(obj).__name__ for obj in sent] == ["tuple", "Guess"]
+
+
+def test_another_rank_takes_rank_zeros_guess_and_rank_zeros_check_of_it(monkeypatch):
+    zeros = iter([(Guess(kept(75, 0.1), kept=True), True), Guess(kept(75, 0.1) - 1, kept=True)])
+    sent: list[object] = []
+
+    def from_rank_zero(obj):
+        sent.append(obj)
+        return next(zeros)
+
+    _ranks(monkeypatch, agreed=True, broadcast=from_rank_zero)
+    real = start_module.TracedStart._agreed
+
+    def as_rank_one(self, guess):
+        self._strategy.global_rank = 1
+        return real(self, guess)
+
+    monkeypatch.setattr(start_module.TracedStart, "_agreed", as_rank_one)
+    tuner, _ = _fit("trace")
+    # rank 0's check took its guess back: this rank does as rank 0 does, its own check unasked
+    assert [t.batch_size for t in tuner.trials] == [2, kept(75, 0.1), kept(75, 0.1) - 1]
+    assert sent[1] is None
 
 
 @pytest.mark.skipif(not can_fork(), reason="forks on Linux only")
