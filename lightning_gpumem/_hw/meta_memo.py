@@ -5,13 +5,13 @@ Why: most of torch's meta kernels are Python (``torch._refs``, ``torch._meta_reg
 0.03 ms. A training step repeats each signature many times (every layer, every step), so the trace on meta
 tensors (``trace.py``) asks the kernel once and makes the same empty outputs after that.
 
-A kernel on meta tensors sees metadata only: the same op with inputs of the same shapes, strides, dtypes
-and offsets, and the same other arguments, gives outputs of the same metadata (or raises the same error,
-never remembered). Remembered only where that can be redone by hand: a builtin op, every tensor argument on
-the meta device, outputs new tensors of their own (no view, nothing in place; or nothing at all, for the
-optimizers' ``_foreach_*_``/``_fused_*_`` updates), no ``out=``, and no op whose output shape depends on
-values or that changes its input's metadata. torch's fake tensors keep such a cache
-(``FakeTensorMode``'s dispatch cache) under the same rules.
+A kernel on meta tensors sees metadata only: the same op with inputs of the same shapes, strides, dtypes,
+offsets and conjugate/negative bits, the same other arguments and the same default dtype, gives outputs of
+the same metadata (or raises the same error, never remembered). Remembered only where that can be redone by
+hand: a builtin op, every tensor argument a strided meta tensor, outputs new strided tensors of their own (no
+view, nothing in place; or nothing at all, for the optimizers' ``_foreach_*_``/``_fused_*_`` updates), no
+``out=``, and no op whose output shape depends on values or that changes its input's metadata. torch's fake
+tensors keep such a cache (``FakeTensorMode``'s dispatch cache) under the same rules.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ class MetaMemo:
         if not self._may_remember(func) or "out" in kwargs:
             return func(*args, **kwargs)
         update = self._updates(func)
-        try:
-            key = (func, _key(args, not update), _key(kwargs, not update))
+        try:  # the default dtype: a factory's, an int tensor's true division or sigmoid
+            key = (func, torch.get_default_dtype(), _key(args, not update), _key(kwargs, not update))
         except _Unkeyable:
             return func(*args, **kwargs)
         known = self._known.get(key)
@@ -70,7 +70,10 @@ class MetaMemo:
             return _remake(known)
         out = func(*args, **kwargs)
         if known is None:
-            self._known[key] = _recipe(out, args, kwargs, void_ok=update)
+            try:
+                self._known[key] = _recipe(out, args, kwargs, void_ok=update)
+            except Exception:  # outputs it cannot read (a sparse tensor's storage): asked each time
+                self._known[key] = _BYPASS
         return out
 
     def _may_remember(self, func: Any) -> bool:
@@ -102,7 +105,8 @@ def _key(value: Any, values: bool = True) -> Any:
     if isinstance(value, Tensor):
         if value.device.type != "meta" or value.layout != torch.strided or type(value) not in _PLAIN:
             raise _Unkeyable
-        return (Tensor, tuple(value.shape), value.stride(), value.dtype, value.storage_offset())
+        shape, stride = tuple(value.shape), value.stride()
+        return (Tensor, shape, stride, value.dtype, value.storage_offset(), value.is_conj(), value.is_neg())
     if isinstance(value, float) and not values:
         return float
     if value is None or isinstance(value, _SCALARS):
@@ -127,7 +131,13 @@ def _recipe(out: Any, args: Any, kwargs: Any, void_ok: bool) -> Any:
         if tensor is None:
             made.append(None)
             continue
-        if not isinstance(tensor, Tensor) or type(tensor) is not Tensor or tensor.device.type != "meta":
+        if (
+            type(tensor) is not Tensor
+            or tensor.device.type != "meta"
+            or tensor.layout != torch.strided
+            or tensor.is_conj()
+            or tensor.is_neg()
+        ):
             return _BYPASS
         storage = tensor.untyped_storage()
         shape, stride = tuple(tensor.shape), tensor.stride()
@@ -136,7 +146,6 @@ def _recipe(out: Any, args: Any, kwargs: Any, void_ok: bool) -> Any:
             id(storage) in inputs
             or tensor.storage_offset() != 0
             or storage.nbytes() != fresh.untyped_storage().nbytes()
-            or tensor.layout != torch.strided
         ):
             return _BYPASS
         inputs.add(id(storage))  # two outputs of one storage: the second is not fresh

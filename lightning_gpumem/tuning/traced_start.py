@@ -35,7 +35,7 @@ from lightning_gpumem._hw.trace import Trace
 from lightning_gpumem.tuning.search import Guess
 from lightning_gpumem.tuning.search.model import Trial
 from lightning_gpumem.tuning.sources.affine import AffineStreams
-from lightning_gpumem.tuning.sources.traced import each, traced_guess
+from lightning_gpumem.tuning.sources.traced import Later, each, traced_guess
 from lightning_gpumem.tuning.traced_plan import traced_source
 from lightning_gpumem.tuning.trials.saved_run import rng_kept
 
@@ -92,13 +92,11 @@ class TracedStart:
             self._source = source
             sizes = traced_sizes(init_val, upper)
             forked = backward_forks() and self._fork(sizes)  # else traced here, before the trials
+            later: Later | None = self._later if forked else None  # the check beside the guess's trial
+            if getattr(trainer.strategy, "global_rank", 0) != 0:  # rank 0's check decides for every rank
+                later = _unasked
             self._guess = traced_guess(
-                source,
-                limit,
-                upper=upper,
-                init_val=init_val,
-                headroom=headroom,
-                later=self._later if forked else None,  # the check below beside the guess's trial
+                source, limit, upper=upper, init_val=init_val, headroom=headroom, later=later
             )
             if not forked:
                 for size in sizes:
@@ -150,6 +148,8 @@ class TracedStart:
         self._trial_seconds = trial.seconds
         try:  # a size not traced yet is traced here (the first trial went below `init_val`)
             guess = self._guess(trial)
+            if guess is not None and guess.settle is not None:
+                guess = dataclasses.replace(guess, settle=partial(self._settle, guess.settle))
             rank_zero_info(
                 f"BatchSizeTuner: the traced guess {None if guess is None else guess.size}"
                 f" in {time.perf_counter() - start:.1f} s."
@@ -160,6 +160,18 @@ class TracedStart:
             rank_zero_warn(
                 f"{_OWNER}: the traced guess failed ({type(error).__name__}: {error}); the search goes on"
                 " from its probe alone."
+            )
+            return None
+
+    def _settle(self, settle: Callable[[], Guess | None]) -> Guess | None:
+        """The guess the check below leaves; on an error ``None`` (taken back), with one warning."""
+        try:
+            return settle()
+        except Exception as error:  # never the tuning's end: the search goes on from its trials
+            self._failed = True
+            rank_zero_warn(
+                f"{_OWNER}: the check below the traced guess failed ({type(error).__name__}: {error}); the"
+                " guess is taken back and the search goes on from its trials."
             )
             return None
 
@@ -254,6 +266,13 @@ class TracedStart:
             return replayed if replayed is not None else each(run, sizes)
 
         return wait
+
+
+def _unasked(
+    run: Callable[[int], Trial], sizes: Sequence[int], replay_seconds: float
+) -> Callable[[], list[Trial]]:
+    """A check made only if it is waited for (another rank's: rank 0's decides): nothing started."""
+    return partial(each, run, sizes)
 
 
 def beside_workers(

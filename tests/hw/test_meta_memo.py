@@ -128,6 +128,46 @@ def test_an_error_is_raised_each_time_never_remembered():
     assert memo.hits == 0
 
 
+def test_the_default_dtype_and_a_tensors_conjugate_bit_are_part_of_the_signature():
+    memo = MetaMemo()
+    ints = meta(4, dtype=torch.int64)
+    before = memo(aten.div.Tensor, (ints, ints), {})
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        after = memo(aten.div.Tensor, (ints, ints), {})
+    finally:
+        torch.set_default_dtype(default)
+    assert (before.dtype, after.dtype) == (torch.float32, torch.float64)
+    plain = meta(3, dtype=torch.complex64)
+    conj = plain.conj()
+    assert memo(aten.resolve_conj.default, (conj,), {}) is not conj
+    assert memo(aten.resolve_conj.default, (plain,), {}) is plain  # the kernel's own answer: no copy
+    assert memo.hits == 0
+
+
+def test_a_sparse_output_is_asked_of_its_kernel_each_time_and_the_step_traces_on_meta_tensors(monkeypatch):
+    memo = MetaMemo()
+    indices, values = meta(1, 3, dtype=torch.int64), meta(3, 4)
+    args = (1, 1, [5, 4], indices, values)
+    kwargs = {"dtype": torch.float32, "layout": torch.sparse_coo, "device": torch.device("meta")}
+    for _ in range(2):
+        out = memo(aten._sparse_coo_tensor_with_dims_and_tensors.default, args, kwargs)
+        assert out.layout == torch.sparse_coo
+    assert memo.hits == 0
+    monkeypatch.setattr(_trace, "FakeTensorMode", None)  # meta tensors alone: no fallback
+    net = nn.Sequential(nn.Embedding(10, 8, sparse=True), nn.Linear(8, 2))
+    trace = trace_training(
+        net,
+        lambda ps: torch.optim.SGD(ps, lr=0.1),
+        lambda m, x: m(x).sum(),
+        torch.zeros(4, dtype=torch.long),
+        steps=2,
+        meta_first=True,
+    )
+    assert trace.cannot_trace is None
+
+
 def test_the_trace_on_meta_tensors_is_the_same_with_its_memo_as_without_it(monkeypatch):
     def run() -> _trace.Trace:
         encoder = nn.TransformerEncoder(

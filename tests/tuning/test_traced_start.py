@@ -20,6 +20,7 @@ from lightning_gpumem.tuning import tune as tune_module
 from lightning_gpumem.tuning.search import Guess
 from lightning_gpumem.tuning.search.model import Trial
 from lightning_gpumem.tuning.sources import traced
+from lightning_gpumem.tuning.sources.traced import CannotTrace
 from tests.helpers.fakes import kept
 from tests.helpers.models import OOMModel
 from tests.helpers.trainer import quiet_trainer
@@ -360,6 +361,40 @@ def test_another_rank_takes_rank_zeros_guess_and_rank_zeros_check_of_it(monkeypa
     # rank 0's check took its guess back: this rank does as rank 0 does, its own check unasked
     assert [t.batch_size for t in tuner.trials] == [2, kept(75, 0.1), kept(75, 0.1) - 1]
     assert sent[1] is None
+
+
+def test_a_check_that_fails_after_the_guesss_trial_warns_once_and_the_search_goes_on(monkeypatch):
+    def failing(self, run, sizes, replay_seconds):
+        def wait():
+            raise CannotTrace("cannot trace: some_op")
+
+        return wait
+
+    monkeypatch.setattr(start_module.TracedStart, "_later", failing)
+    monkeypatch.setattr(start_module, "backward_forks", lambda: True)
+    with pytest.warns(UserWarning, match=r"the check below the traced guess failed") as caught:
+        tuner, _ = _fit("trace")
+    assert sum("start='trace'" in str(w.message) for w in caught) == 1
+    assert tuner.optimal_batch_size is not None
+    guessed = tuner.trials[1].batch_size
+    assert tuner.optimal_batch_size < guessed  # its guess taken back: never kept on an unchecked trace
+
+
+def test_a_rank_other_than_zero_starts_no_check_of_its_own(monkeypatch):
+    zeros = iter([(Guess(kept(75, 0.1), kept=True), True), Guess(kept(75, 0.1), kept=True)])
+    _ranks(monkeypatch, agreed=True, broadcast=lambda obj: next(zeros))
+    ranked = start_module.TracedStart.__init__
+
+    def as_rank_one(self, trainer, *args, **kwargs):
+        monkeypatch.setattr(trainer.strategy, "global_rank", 1)
+        ranked(self, trainer, *args, **kwargs)
+
+    monkeypatch.setattr(start_module.TracedStart, "__init__", as_rank_one)
+    started: list[int] = []
+    monkeypatch.setattr(start_module, "ForkedMap", lambda *a, **k: started.append(1))
+    tuner, _ = _fit("trace")
+    assert [t.batch_size for t in tuner.trials] == [2, kept(75, 0.1)]
+    assert started == []  # rank 0's check decided; this rank forked none
 
 
 @pytest.mark.skipif(not can_fork(), reason="forks on Linux only")
