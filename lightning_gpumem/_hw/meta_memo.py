@@ -16,7 +16,7 @@ tensors keep such a cache (``FakeTensorMode``'s dispatch cache) under the same r
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -125,7 +125,7 @@ def _recipe(out: Any, args: Any, kwargs: Any, void_ok: bool) -> Any:
     if out is None or (not isinstance(out, Tensor) and not out):
         return ("void", type(out)) if void_ok else _BYPASS
     outputs = out if isinstance(out, (list, tuple)) else [out]
-    inputs = {id(t.untyped_storage()) for t in _tensors((args, kwargs))}
+    inputs = {id(t.untyped_storage()) for t in tensors_in((args, kwargs))}
     made: list[Any] = []
     for tensor in outputs:
         if tensor is None:
@@ -164,11 +164,13 @@ def _remake(recipe: Any) -> Any:
     return made[0] if kind == "one" else kind(made)
 
 
-def _tensors(value: Any) -> list[Tensor]:
+def tensors_in(value: Any) -> Iterator[Tensor]:
+    """The tensors in an op's arguments or outputs (tensors, lists and tuples of them, kwargs)."""
     if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in _tensors(item)]
-    return []
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensors_in(item)

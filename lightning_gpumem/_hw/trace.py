@@ -84,7 +84,7 @@ from lightning_gpumem._core.kernels import (
     reduce_recipes,
     scratch_bytes,
 )
-from lightning_gpumem._hw.meta_memo import MetaMemo
+from lightning_gpumem._hw.meta_memo import MetaMemo, tensors_in
 
 Step = Callable[[nn.Module, Any], Any]
 MakeOptimizer = Callable[[Iterable[nn.Parameter]], Optimizer]
@@ -439,19 +439,19 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         self._settle()
         self.ops.add(func)
-        states = [self._known(tensor) for tensor in _tensors((args, kwargs))]
+        states = [self._known(tensor) for tensor in tensors_in((args, kwargs))]
         try:
             out = self._memo(func, args, kwargs)  # on meta tensors, a signature's kernel runs once
         except _UNTRACEABLE as error:
             raise _CannotTrace(f"cannot trace: {_op_name(func)} {self._where()}") from error
         if func in _FROM_DATA:  # a tensor made from Python data (fake: a new one; real: the same)
-            for tensor in _tensors((args, out)):
+            for tensor in tensors_in((args, out)):
                 self._see(tensor, host=True)
             return out
         host = bool(states) and all(state == _HOST for state in states)
         if func is _EMBEDDING_BACKWARD and self.device is not None and not host:
             self._scratch(_embedding_recipes(args, kwargs), EMBEDDING_BACKWARD_ORDER, out)
-        for tensor in _tensors(out):
+        for tensor in tensors_in(out):
             self._see(tensor, host=host)
         if func is _ADD and self.phase == "backward" and not torch.is_grad_enabled():
             self._sum = self._gradient_sum(args, kwargs, out)
@@ -729,7 +729,7 @@ class _CudaPolicy(TorchFunctionMode):
     def _autocast(
         self, policy: str, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        floating = [tensor for tensor in _tensors((args, kwargs)) if tensor.is_floating_point()]
+        floating = [tensor for tensor in tensors_in((args, kwargs)) if tensor.is_floating_point()]
         if not floating:
             return args, kwargs
         if policy == _FP32_DTYPE:
@@ -1110,18 +1110,6 @@ def _loss(output: Any) -> Tensor:
             "a mapping with one under 'loss'."
         )
     return loss
-
-
-def _tensors(value: Any) -> Iterator[Tensor]:
-    """The tensors in an op's arguments or outputs (tensors, lists and tuples of them, kwargs)."""
-    if isinstance(value, Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
 
 
 def _storage(tensor: Tensor) -> torch.UntypedStorage | None:

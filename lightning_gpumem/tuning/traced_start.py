@@ -118,19 +118,18 @@ class TracedStart:
                     f"{_OWNER}: another rank has no traced guess; the search goes on from its probe alone."
                 )
             return None
-        if getattr(strategy, "world_size", 1) <= 1:
+        if guess is None or getattr(strategy, "world_size", 1) <= 1:
             return guess
         return self._agreed(guess)
 
-    def _agreed(self, guess: Guess | None) -> Guess | None:
+    def _agreed(self, guess: Guess) -> Guess:
         """Rank 0's guess on every rank, and rank 0's check of it: a closure is not sent, its result is."""
         strategy = self._strategy
-        plain = None if guess is None else dataclasses.replace(guess, settle=None)
-        checks = guess is not None and guess.settle is not None
-        agreed, checked = strategy.broadcast((plain, checks), src=0)
-        if agreed is None or not checked:
+        plain = dataclasses.replace(guess, settle=None)
+        agreed, checked = strategy.broadcast((plain, guess.settle is not None), src=0)
+        if not checked:
             return agreed
-        own = guess.settle if guess is not None and getattr(strategy, "global_rank", 0) == 0 else None
+        own = guess.settle if getattr(strategy, "global_rank", 0) == 0 else None
 
         def settle() -> Guess | None:  # every rank asks at once (the same search): rank 0's check for all
             settled: Guess | None = strategy.broadcast(None if own is None else own(), src=0)
@@ -254,7 +253,7 @@ class TracedStart:
         With one core, nothing runs beside the trial: the replays are made here when waited for.
         """
         if cores() < 2:
-            return partial(each, run, sizes)
+            return _unasked(run, sizes, replay_seconds)
         workers = beside_workers(
             len(sizes), replay_seconds, self._fork_seconds, self._trial_seconds, cores()
         )
@@ -271,7 +270,7 @@ class TracedStart:
 def _unasked(
     run: Callable[[int], Trial], sizes: Sequence[int], replay_seconds: float
 ) -> Callable[[], list[Trial]]:
-    """A check made only if it is waited for (another rank's: rank 0's decides): nothing started."""
+    """A check made here only if it is waited for (another rank's, or with one core): nothing started."""
     return partial(each, run, sizes)
 
 
