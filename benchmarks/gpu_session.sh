@@ -3,7 +3,7 @@
 # quote. Run from the repository root (the `run` tool's working directory); results go to $OUT (or ./gpu-out).
 #
 #   bash benchmarks/gpu_session.sh [PART]...   (default: tests monitor microbatch)
-#   PART: tests, monitor, microbatch, microbatch-gpt, microbatch-gpt-profile, profile, profile-trace, tuner, tuner-gpt, tuner-resnet,
+#   PART: tests, monitor, microbatch, microbatch-gpt, microbatch-gpt-profile, profile, profile-trace, snapshot, tuner, tuner-gpt, tuner-resnet,
 #         tuner-resnet-12, tuner-longval, plan, plan-expandable, tuner-predict, tuner-predict-12, tuner-42a, tuner-42b,
 #         tuner-42c, tuner-42-all, truth, token-budget, fidelity, fidelity-fit, ddp2
 #
@@ -43,6 +43,9 @@
 # TOKEN_SAMPLES, TOKEN_S; TOKEN_EXPANDABLE=1: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; TOKEN_SHAPE_MARGIN:
 # the tuner's shape_margin) -> token-budget-<attention>[-expandable][-margin<m>].json, .log.
 #
+# snapshot: ways of copying the weights to host memory, timed (benchmarks/snapshot_cost.py on SNAPSHOT_MODELS)
+# -> snapshot-cost.json, .log.
+#
 # profile-trace: benchmarks/profile_tuner.py --finder trace on each of PROFILE_MODELS ("gpt hf-gpt2" by default), one
 # process each, at 24 GiB, headroom 0.02 -> profile-trace.log (start="trace"'s stages).
 #
@@ -79,6 +82,8 @@ for part in "${parts[@]}"; do
     profile-trace) for model in ${PROFILE_MODELS:-gpt hf-gpt2}; do  # start="trace"'s stages, one process each
         HF_HUB_OFFLINE=1 timeout ${PROFILE_S:-120} python3 benchmarks/profile_tuner.py --finder trace --model "$model" \
         --budget-gib 24 --headroom 0.02 >> "$OUT/profile-trace.log" 2>&1; done ;;
+    snapshot) HF_HUB_OFFLINE=1 timeout ${SNAPSHOT_S:-120} python3 benchmarks/snapshot_cost.py --models ${SNAPSHOT_MODELS:-gpt,hf-gpt2} \
+      --json "$OUT/snapshot-cost.json" > "$OUT/snapshot-cost.log" 2>&1 ;;
     profile) timeout ${PROFILE_S:-120} python3 benchmarks/profile_monitor.py --default-only > "$OUT/profile-monitor.log" 2>&1 ;;
     tuner) timeout ${TUNER_S:-280} python3 benchmarks/tuner.py --models gpt,gpt-longval --budget-gib 24 --finders ours,binsearch \
       --headroom 0.05,0.02 --time-limit 265 --json "$OUT/tuner-24gib.json" > "$OUT/tuner-24gib.log" 2>&1;

@@ -14,6 +14,7 @@ the first stage's) of each stage, and the worker's own result; ``--json PATH`` a
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -56,12 +57,35 @@ STAGES = [  # (owner, attribute, label)
 ]
 
 
+# Python's garbage collections: seconds and count per generation, over the whole run
+GC: dict[str, list[float]] = {str(generation): [0.0, 0] for generation in range(3)}
+_gc_started: list[float] = []
+
+
+def _gc_watch(phase: str, info: dict[str, Any]) -> None:
+    if phase == "start":
+        _gc_started[:] = [time.perf_counter()]
+    elif _gc_started:
+        entry = GC[str(info.get("generation"))]
+        entry[0] += time.perf_counter() - _gc_started[0]
+        entry[1] += 1
+
+
+def gc_seconds() -> float:
+    """The seconds spent in garbage collections so far."""
+    return sum(seconds for seconds, _ in GC.values())
+
+
 def instrument(
-    seconds: dict[str, float], calls: dict[str, int], firsts: dict[str, float] | None = None
+    seconds: dict[str, float],
+    calls: dict[str, int],
+    firsts: dict[str, float] | None = None,
+    collected: dict[str, float] | None = None,
 ) -> None:
     """Wrap every stage of ``STAGES`` with a synchronised timer adding into ``seconds`` and ``calls``.
 
-    ``firsts``: each stage's first start (``time.perf_counter()``).
+    ``firsts``: each stage's first start (``time.perf_counter()``); ``collected``: each stage's seconds in
+    garbage collections.
     """
     for owner, name, label in STAGES:
         original = getattr(owner, name, None)
@@ -71,6 +95,7 @@ def instrument(
         def timed(*args: Any, _original: Any = original, _label: str = label, **kwargs: Any) -> Any:
             H.synchronize(torch.cuda.is_available())
             start = time.perf_counter()
+            collecting = gc_seconds()
             if firsts is not None:
                 firsts.setdefault(_label, start)
             try:
@@ -79,6 +104,8 @@ def instrument(
                 H.synchronize(torch.cuda.is_available())
                 seconds[_label] += time.perf_counter() - start
                 calls[_label] += 1
+                if collected is not None:
+                    collected[_label] = collected.get(_label, 0.0) + gc_seconds() - collecting
 
         setattr(owner, name, timed)
 
@@ -117,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     releases: list[dict[str, Any]] = []
     watch_releases(releases)
     firsts: dict[str, float] = {}
-    instrument(seconds, calls, firsts)
+    collected: dict[str, float] = {}
+    instrument(seconds, calls, firsts, collected)
+    gc.callbacks.append(_gc_watch)
     results: list[dict[str, Any]] = []
     emit = H.emit  # the worker's RESULT line, taken here instead of printed
     H.emit = results.append  # type: ignore[assignment]
@@ -133,11 +162,14 @@ def main(argv: list[str] | None = None) -> int:
         "search_seconds": worker.get("search_seconds"),
         "trial_seconds": [t["seconds"] for t in worker.get("tuner_trials") or []],
         "releases": releases,
+        "gc": {generation: {"seconds": round(t, 4), "count": n} for generation, (t, n) in GC.items()},
+        "gc_objects": len(gc.get_objects()),
         "stages": {
             label: {
                 "seconds": round(seconds[label], 4),
                 "calls": calls[label],
                 "first_start": round(firsts[label] - min(firsts.values()), 4) if label in firsts else None,
+                "gc_seconds": round(collected.get(label, 0.0), 4),
             }
             for _, _, label in STAGES
         },

@@ -81,3 +81,27 @@ def test_the_checkpoint_file_is_in_the_runs_directory_and_removed_after_the_tria
     assert "Restored all states from the checkpoint at " + str(root) in stderr  # under default_root_dir
     assert not list(root.glob(".gpumem_tuner_*"))
     assert not list(cwd.iterdir())
+
+
+def test_the_host_copy_of_tied_weights_is_made_once_and_restores_both_names():
+    import torch
+
+    from lightning_gpumem.tuning.trials.model_state import _copy_to_host
+
+    model = torch.nn.ModuleDict({"head": torch.nn.Linear(4, 6), "embed": torch.nn.Embedding(6, 4)})
+    model["embed"].weight = model["head"].weight  # tied, as GPT-2's embedding and head
+    halves = torch.arange(8.0)
+    state = model.state_dict()
+    copy = _copy_to_host({"model": state, "halves": [halves[:4], halves[4:]], "again": halves[:4]})
+    assert copy["model"]["head.weight"] is copy["model"]["embed.weight"]
+    assert copy["model"]["head.weight"].data_ptr() != state["head.weight"].data_ptr()
+    assert copy["again"] is copy["halves"][0]  # the same view of the same storage
+    assert copy["halves"][1] is not copy["halves"][0]  # views of other elements: copies of their own
+    assert copy["halves"][1].tolist() == [4.0, 5.0, 6.0, 7.0]
+    assert copy["model"]._metadata == state._metadata
+    expected = {key: value.clone() for key, value in state.items()}
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)
+    model.load_state_dict(copy["model"])
+    assert all(torch.equal(model.state_dict()[key], value) for key, value in expected.items())

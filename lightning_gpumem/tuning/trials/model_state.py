@@ -188,12 +188,23 @@ def _host_has_room(nbytes: int) -> bool:
     return available is not None and nbytes <= available // 2
 
 
-def _copy_to_host(obj: Any) -> Any:
-    """A deep copy with every tensor copied to host memory (containers rebuilt, other leaves deep-copied)."""
+def _copy_to_host(obj: Any, copies: dict[tuple[Any, ...], torch.Tensor] | None = None) -> Any:
+    """A deep copy with every tensor copied to host memory (containers rebuilt, other leaves deep-copied).
+
+    A tensor met again (tied weights: a state dict names one tensor under each of its names) is copied
+    once: ``copies`` holds the copies made, by what the tensor is a view of.
+    """
+    if copies is None:
+        copies = {}
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        key = _view_key(obj)
+        if key is None:
+            return obj.detach().to("cpu", copy=True)
+        if key not in copies:
+            copies[key] = obj.detach().to("cpu", copy=True)
+        return copies[key]
     if isinstance(obj, dict):
-        items = [(k, _copy_to_host(v)) for k, v in obj.items()]
+        items = [(k, _copy_to_host(v, copies)) for k, v in obj.items()]
         try:
             copy = type(obj)(items)  # OrderedDict, AttributeDict, ...
         except Exception:
@@ -202,7 +213,20 @@ def _copy_to_host(obj: Any) -> Any:
             copy._metadata = deepcopy(obj._metadata)  # type: ignore[attr-defined]
         return copy
     if isinstance(obj, list):
-        return [_copy_to_host(v) for v in obj]
+        return [_copy_to_host(v, copies) for v in obj]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_copy_to_host(v) for v in obj)
+        return tuple(_copy_to_host(v, copies) for v in obj)
     return deepcopy(obj)
+
+
+def _view_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
+    """What ``tensor`` is a view of, the same for every tensor of the same elements (``None``: not known)."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.layout != torch.strided:
+        return None
+    try:
+        pointer = tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # no storage to point at
+        return None
+    if pointer == 0:  # empty: nothing to share
+        return None
+    return (tensor.device, pointer, tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype)
