@@ -83,10 +83,16 @@ def test_the_checkpoint_file_is_in_the_runs_directory_and_removed_after_the_tria
     assert not list(cwd.iterdir())
 
 
-def test_the_host_copy_of_tied_weights_is_made_once_and_restores_both_names():
+@pytest.mark.parametrize("one_buffer", [False, True], ids=["each-its-own", "one-buffer"])
+def test_the_host_copy_of_tied_weights_is_made_once_and_restores_both_names(monkeypatch, one_buffer):
     import torch
 
+    from lightning_gpumem._hw import host_copy
     from lightning_gpumem.tuning.trials.model_state import _copy_to_host
+
+    if one_buffer:  # the CPU stands in for a device
+        monkeypatch.setattr(host_copy, "_sliceable", lambda tensor: tensor.is_contiguous())
+        monkeypatch.setattr(host_copy, "MIN_BYTES", 0)
 
     model = torch.nn.ModuleDict({"head": torch.nn.Linear(4, 6), "embed": torch.nn.Embedding(6, 4)})
     model["embed"].weight = model["head"].weight  # tied, as GPT-2's embedding and head
@@ -99,6 +105,8 @@ def test_the_host_copy_of_tied_weights_is_made_once_and_restores_both_names():
     assert copy["halves"][1] is not copy["halves"][0]  # views of other elements: copies of their own
     assert copy["halves"][1].tolist() == [4.0, 5.0, 6.0, 7.0]
     assert copy["model"]._metadata == state._metadata
+    buffers = {tensor.untyped_storage().data_ptr() for tensor in copy["model"].values()}
+    assert len(buffers) == (1 if one_buffer else 2)
     expected = {key: value.clone() for key, value in state.items()}
     with torch.no_grad():
         for parameter in model.parameters():

@@ -22,6 +22,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from lightning_gpumem._hw.host_copy import host_copies
 from lightning_gpumem._hw.probe import host_available_bytes
 
 
@@ -188,23 +189,34 @@ def _host_has_room(nbytes: int) -> bool:
     return available is not None and nbytes <= available // 2
 
 
-def _copy_to_host(obj: Any, copies: dict[tuple[Any, ...], torch.Tensor] | None = None) -> Any:
+def _copy_to_host(obj: Any) -> Any:
     """A deep copy with every tensor copied to host memory (containers rebuilt, other leaves deep-copied).
 
-    A tensor met again (tied weights: a state dict names one tensor under each of its names) is copied
-    once: ``copies`` holds the copies made, by what the tensor is a view of.
+    The tensors are copied together (``_hw/host_copy.py``: one buffer, its pages touched in parallel), and
+    a tensor met again (tied weights: a state dict names one tensor under each of its names) once.
     """
-    if copies is None:
-        copies = {}
+    found: dict[tuple[Any, ...], torch.Tensor] = {}
+    _gather(obj, found)
+    copies = dict(zip(found, host_copies(list(found.values())), strict=True))
+    return _rebuilt(obj, copies)
+
+
+def _gather(obj: Any, found: dict[tuple[Any, ...], torch.Tensor]) -> None:
     if isinstance(obj, torch.Tensor):
-        key = _view_key(obj)
-        if key is None:
-            return obj.detach().to("cpu", copy=True)
-        if key not in copies:
-            copies[key] = obj.detach().to("cpu", copy=True)
-        return copies[key]
+        found.setdefault(_key(obj), obj)
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            _gather(value, found)
+    elif isinstance(obj, list) or (isinstance(obj, tuple) and not hasattr(obj, "_fields")):
+        for value in obj:
+            _gather(value, found)
+
+
+def _rebuilt(obj: Any, copies: dict[tuple[Any, ...], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return copies[_key(obj)]
     if isinstance(obj, dict):
-        items = [(k, _copy_to_host(v, copies)) for k, v in obj.items()]
+        items = [(k, _rebuilt(v, copies)) for k, v in obj.items()]
         try:
             copy = type(obj)(items)  # OrderedDict, AttributeDict, ...
         except Exception:
@@ -213,10 +225,15 @@ def _copy_to_host(obj: Any, copies: dict[tuple[Any, ...], torch.Tensor] | None =
             copy._metadata = deepcopy(obj._metadata)  # type: ignore[attr-defined]
         return copy
     if isinstance(obj, list):
-        return [_copy_to_host(v, copies) for v in obj]
+        return [_rebuilt(v, copies) for v in obj]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_copy_to_host(v, copies) for v in obj)
+        return tuple(_rebuilt(v, copies) for v in obj)
     return deepcopy(obj)
+
+
+def _key(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """One copy per key: the same for tensors of the same elements, else the object's own."""
+    return _view_key(tensor) or ("object", id(tensor))
 
 
 def _view_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
