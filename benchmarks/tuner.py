@@ -31,7 +31,7 @@ workload and a budget ``B`` (``--budget-gib``, default 24 GiB):
      repository root, the working directory and ``''`` from ``sys.path`` and puts ``DIR`` first; if the package it
      then imports is not under ``DIR``, the finder's status is ``error``;
    * ``trace``, ``previous-trace``: ``BatchSizeTuner(budget=B, headroom=H, start="trace")`` of this package / of the
-     previous copy.
+     previous copy; ``previous-default``: the previous copy's ``BatchSizeTuner(budget=B, headroom=H)``, as ``default``.
 
    ``H`` is the first ``--headroom`` value (default 0.05); further values (``--headroom 0.05,0.02``) run the guiding
    tuner (the first of ``default``, ``predict``, ``ours``, ``previous-predict``, ``previous-search`` asked for; it
@@ -127,6 +127,7 @@ FINDERS = (
     "predict",
     "previous-search",
     "previous-predict",
+    "previous-default",
     "default",
     "previous-trace",
     "trace",
@@ -141,6 +142,7 @@ TUNER_FINDERS: dict[str, tuple[str, str | None]] = {
     "ours": ("current", "search"),
     "previous-predict": ("previous", "predict"),
     "previous-search": ("previous", "search"),
+    "previous-default": ("previous", None),  # the previous copy's default: no `method`, no `start`
     "trace": ("current", None),  # BatchSizeTuner(start="trace"): the step traced first
     "previous-trace": ("previous", None),  # the same, of the previous copy
 }
