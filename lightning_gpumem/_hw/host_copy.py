@@ -23,6 +23,9 @@ ALIGN = 64
 MIN_BYTES = 64 * 2**20
 # the most threads touching pages: more contend for the process's memory map
 MAX_THREADS = 8
+# the most pages one thread touches in one call: more, and ``zero_`` would start threads of its own inside it
+# (ATen splits a loop over more than 32,768 elements among its intra-op threads)
+PIECE_PAGES = 2**14
 
 
 def host_copies(tensors: Sequence[torch.Tensor], min_bytes: int | None = None) -> list[torch.Tensor]:
@@ -39,7 +42,7 @@ def host_copies(tensors: Sequence[torch.Tensor], min_bytes: int | None = None) -
     offsets, total = _layout([tensors[index] for index in sliced])
     copies: list[torch.Tensor | None] = [None] * len(tensors)
     if total >= min_bytes:
-        buffer = torch.empty(total, dtype=torch.uint8)
+        buffer = torch.empty(total, dtype=torch.uint8, device="cpu")  # whatever the default device
         touch_pages(buffer)
         for index, offset in zip(sliced, offsets, strict=True):
             tensor = tensors[index].detach()
@@ -55,23 +58,33 @@ def host_copies(tensors: Sequence[torch.Tensor], min_bytes: int | None = None) -
 def touch_pages(buffer: torch.Tensor, threads: int | None = None) -> None:
     """Write one byte of every page of the 1-D byte ``buffer``, from up to ``threads`` threads at once.
 
-    ``None``: the CPUs this process may run on, at most :data:`MAX_THREADS`.
+    ``None``: the CPUs this process may run on, at most :data:`MAX_THREADS`. The pages are shared out in
+    pieces of at most :data:`PIECE_PAGES`; the buffer's last byte is written too (its start need not be a
+    page's).
     """
     if threads is None:
         threads = min(MAX_THREADS, _cpus())
-    share = -(-buffer.numel() // max(1, threads))  # each thread's bytes, whole pages
-    step = max(PAGE, -(-share // PAGE) * PAGE)
-    chunks = [buffer[start : start + step] for start in range(0, buffer.numel(), step)]
-    if len(chunks) <= 1:
-        buffer[::PAGE].zero_()
+    if buffer.numel() == 0:
         return
-    with ThreadPoolExecutor(len(chunks)) as pool:
-        list(pool.map(lambda chunk: chunk[::PAGE].zero_(), chunks))
+    share = -(-buffer.numel() // max(1, threads))  # each thread's bytes, whole pages
+    step = min(PIECE_PAGES * PAGE, max(PAGE, -(-share // PAGE) * PAGE))
+    pieces = [buffer[start : start + step] for start in range(0, buffer.numel(), step)]
+    workers = min(len(pieces), max(1, threads))
+    if workers <= 1:
+        for piece in pieces:
+            piece[::PAGE].zero_()
+    else:
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(lambda piece: piece[::PAGE].zero_(), pieces))
+    buffer[-1:].zero_()
 
 
 def _sliceable(tensor: torch.Tensor) -> bool:
     return (
         type(tensor) in (torch.Tensor, torch.nn.Parameter)
+        and not tensor.is_nested
+        and not tensor.is_conj()
+        and not tensor.is_neg()
         and tensor.device.type not in ("cpu", "meta")
         and tensor.layout == torch.strided
         and tensor.is_contiguous()

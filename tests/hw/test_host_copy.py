@@ -82,9 +82,11 @@ def test_touching_pages_writes_one_byte_of_every_page_from_the_threads_asked(mon
     touch_pages(buffer, threads=threads)
     written = (buffer == 0).nonzero().flatten().tolist()
     assert {offset // PAGE for offset in written} == set(range(-(-size // PAGE)))
-    assert len(written) <= -(-size // PAGE) + threads  # a byte a page (a chunk's start may share one)
+    assert len(written) <= -(-size // PAGE) + 1  # a byte a page, and the last one
+    assert written[-1] == size - 1  # the buffer's start need not be a page's: its last byte is written
     assert len(used) <= threads
-    assert len(chunks) == min(threads, -(-size // PAGE))  # as many chunks as threads, pages allowing
+    # as many pieces as threads, pages allowing (and the last byte's write)
+    assert len(chunks) == min(threads, -(-size // PAGE)) + 1
 
 
 def test_the_threads_are_the_cpus_the_process_may_use_at_most_eight(monkeypatch):
@@ -111,3 +113,41 @@ def test_device_tensors_copy_into_one_host_buffer_with_their_values():
     big = torch.randn(64 * 2**20 // 4 + 3, device="cuda")  # over the threshold: the buffer path by default
     (copy,) = host_copies([big])
     assert torch.equal(copy, big.cpu())
+
+
+def test_a_thread_touches_pieces_small_enough_that_zero_starts_no_threads_of_its_own(monkeypatch):
+    assert host_copy.PIECE_PAGES <= 32768  # ATen's grain size: a piece's strided write runs in one thread
+    monkeypatch.setattr(host_copy, "PIECE_PAGES", 4)
+    buffer = torch.full((4 * 10 * PAGE,), 7, dtype=torch.uint8)
+    pieces: list[int] = []
+    zero = torch.Tensor.zero_
+
+    def counting(tensor: torch.Tensor) -> torch.Tensor:
+        pieces.append(tensor.numel())
+        return zero(tensor)
+
+    monkeypatch.setattr(torch.Tensor, "zero_", counting)
+    touch_pages(buffer, threads=2)
+    assert pieces[:-1] == [4] * 10  # ten pieces of four pages, from two threads
+    assert int((buffer[::PAGE] == 0).sum()) == 40
+
+
+def test_the_buffer_is_in_host_memory_whatever_the_default_device(monkeypatch):
+    monkeypatch.setattr(host_copy, "_sliceable", lambda t: t.is_contiguous() and t.numel() > 0)
+    tensors = [torch.arange(6.0), torch.ones(3, dtype=torch.int32)]
+    with torch.device("meta"):  # as `torch.set_default_device("cuda")` would put it on the GPU
+        copies = host_copies(tensors, min_bytes=0)
+    assert [copy.device.type for copy in copies] == ["cpu", "cpu"]
+    assert torch.equal(copies[0], tensors[0])
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_conjugate_negative_and_nested_tensors_are_copied_on_their_own_as_they_are():
+    base = torch.randn(4, dtype=torch.complex64)
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    tensors = [base, base.conj(), torch._neg_view(base), nested]
+    assert not any(host_copy._sliceable(tensor) for tensor in tensors)
+    copies = host_copies(tensors, min_bytes=0)
+    assert torch.equal(copies[1].resolve_conj(), base.conj().resolve_conj())
+    assert torch.equal(copies[2].resolve_neg(), -base)
+    assert copies[3].is_nested

@@ -113,3 +113,36 @@ def test_the_host_copy_of_tied_weights_is_made_once_and_restores_both_names(monk
             parameter.add_(1.0)
     model.load_state_dict(copy["model"])
     assert all(torch.equal(model.state_dict()[key], value) for key, value in expected.items())
+
+
+def test_a_conjugate_view_of_a_weight_is_not_taken_for_the_weight_and_both_restore_exactly():
+    import torch
+
+    from lightning_gpumem.tuning.trials.model_state import _copy_to_host
+
+    class Complex(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))
+            self.register_buffer("wc", self.w.detach().conj())  # the same storage, the conjugate values
+
+    model = Complex()
+    expected = model.w.detach().clone()
+    copy = _copy_to_host(model.state_dict())
+    assert copy["w"] is not copy["wc"]
+    with torch.no_grad():
+        model.w.add_(1.0)
+    model.load_state_dict(copy)
+    assert torch.equal(model.w.detach(), expected)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_a_nested_tensor_in_a_state_is_copied_as_before():
+    import torch
+
+    from lightning_gpumem.tuning.trials.model_state import _copy_to_host
+
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.zeros(3)])
+    copy = _copy_to_host({"state": {0: {"nested": nested}}})
+    assert copy["state"][0]["nested"].is_nested
+    assert [t.tolist() for t in copy["state"][0]["nested"].unbind()] == [[1.0, 1.0], [0.0, 0.0, 0.0]]

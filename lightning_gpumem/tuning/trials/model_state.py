@@ -240,6 +240,9 @@ def _view_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
     """What ``tensor`` is a view of, the same for every tensor of the same elements (``None``: not known)."""
     if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.layout != torch.strided:
         return None
+    # nested: no plain geometry; conjugate or negative views: not their storage's values
+    if tensor.is_nested or tensor.is_conj() or tensor.is_neg():
+        return None
     try:
         pointer = tensor.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # no storage to point at

@@ -135,6 +135,7 @@ class TrialSession:
             join_workers(self._stopping)  # no trial's worker outlives the session
             saved.restore(trainer, self._state, self.owner)
         finally:
+            self._state = None  # the host copy of the weights: not kept past the trials
             size, accumulation = self.chosen if self.chosen is not None and exc[0] is None else self.original
             apply_batch_size(
                 trainer,
