@@ -110,13 +110,42 @@ def test_scalars_are_told_apart_by_type_and_value():
     assert (scaled.shape[-1], doubled.shape[-1], memo.hits) == (8, 12, 0)  # a float that sets a shape
 
 
-def test_an_optimizers_update_runs_once_per_signature_whatever_its_step_sizes():
+def test_an_optimizers_update_is_never_asked_and_returns_nothing_whatever_its_step_sizes():
     memo = MetaMemo()
     params = [meta(3), meta(5)]
-    memo(aten._foreach_add_.ScalarList, (params, [0.1, 0.2]), {})
-    assert memo(aten._foreach_add_.ScalarList, (params, [0.3, 0.4]), {}) is None
+    asked: list[str] = []
+
+    class Counted:  # the op, its calls counted
+        def __init__(self, op: torch._ops.OpOverload) -> None:
+            self.op, self.tags, self.namespace = op, op.tags, op.namespace
+
+        def name(self) -> str:
+            return self.op.name()
+
+        def __call__(self, *args: object, **kwargs: object) -> object:
+            asked.append(self.name())
+            return self.op(*args, **kwargs)
+
+    update = Counted(aten._foreach_add_.ScalarList)
+    assert memo(update, (params, [0.1, 0.2]), {}) is None
+    assert memo(update, (params, [0.3, 0.4]), {}) is None
     assert memo.hits == 1
+    assert asked == []  # neither call ran the kernel
     assert [p.shape for p in params] == [(3,), (5,)]
+    square = Counted(aten._foreach_sqrt.default)  # not in place: its outputs are the kernel's, once
+    roots = memo(square, (params,), {})
+    again = memo(square, (params,), {})
+    assert asked == ["aten::_foreach_sqrt"]
+    assert [r.shape for r in roots] == [r.shape for r in again] == [(3,), (5,)]
+
+
+@pytest.mark.parametrize("name", sorted(n for n in dir(aten) if n.startswith(("_foreach_", "_fused_"))))
+def test_every_update_the_memo_skips_returns_nothing(name):
+    packet = getattr(aten, name)
+    for overload in packet.overloads():
+        op = getattr(packet, overload)
+        if MetaMemo()._updates(op):
+            assert len(op._schema.returns) == 0, f"{op} returns something"
 
 
 def test_an_error_is_raised_each_time_never_remembered():
