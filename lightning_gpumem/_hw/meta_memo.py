@@ -13,8 +13,8 @@ view, nothing in place; or nothing at all, for the optimizers' ``_foreach_*_``/`
 ``out=``, and no op whose output shape depends on values or that changes its input's metadata. torch's fake
 tensors keep such a cache (``FakeTensorMode``'s dispatch cache) under the same rules.
 
-The optimizers' updates are not asked at all: on meta tensors they do nothing a trace sees (no output; an in-
-place elementwise op keeps its tensors' shapes; the version counters are bumped above this dispatch), and
+The optimizers' updates are not asked at all: on meta tensors they do nothing a trace sees (no output; an
+in-place elementwise op keeps its tensors' shapes; the version counters are bumped above this dispatch), and
 their meta kernels loop over every parameter in Python (AdamW's first step: 12-28% of the trace of three
 transformers on 2 cores, ``benchmarks/memo_updates.py``). What is lost is their check of the arguments: a
 step whose update would raise on the GPU (a dtype it cannot cast to) traces as if it ran.
