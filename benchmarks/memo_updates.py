@@ -52,7 +52,7 @@ def asked(self: Any, func: Any, args: Any, kwargs: Any) -> Any:
     out = func(*args, **kwargs)
     if known is None:
         try:
-            self._known[key] = memo_module._recipe(out, args, kwargs, void_ok=update)
+            self._known[key] = memo_module._VOID if update else memo_module._recipe(out, args, kwargs)
         except Exception:
             self._known[key] = memo_module._BYPASS
     return out

@@ -10,11 +10,12 @@ process already has. No page-locked memory: pinning the same bytes took longer t
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+from lightning_gpumem._core.forked import cores
 
 PAGE = 4096
 # slices of the buffer start at multiples of this (any dtype's size divides it)
@@ -63,14 +64,14 @@ def touch_pages(buffer: torch.Tensor, threads: int | None = None) -> None:
     page's).
     """
     if threads is None:
-        threads = min(MAX_THREADS, _cpus())
+        threads = min(MAX_THREADS, cores())
     if buffer.numel() == 0:
         return
     share = -(-buffer.numel() // max(1, threads))  # each thread's bytes, whole pages
     step = min(PIECE_PAGES * PAGE, max(PAGE, -(-share // PAGE) * PAGE))
     pieces = [buffer[start : start + step] for start in range(0, buffer.numel(), step)]
     workers = min(len(pieces), max(1, threads))
-    if workers <= 1:
+    if workers <= 1:  # no thread started for one
         for piece in pieces:
             piece[::PAGE].zero_()
     else:
@@ -79,24 +80,30 @@ def touch_pages(buffer: torch.Tensor, threads: int | None = None) -> None:
     buffer[-1:].zero_()
 
 
-def _sliceable(tensor: torch.Tensor) -> bool:
+def plain(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is its storage's elements as they lie.
+
+    A dense tensor, no subclass, nothing nested, no conjugate or negative bit.
+    """
     return (
         type(tensor) in (torch.Tensor, torch.nn.Parameter)
+        and tensor.layout == torch.strided
         and not tensor.is_nested
         and not tensor.is_conj()
         and not tensor.is_neg()
-        and tensor.device.type not in ("cpu", "meta")
-        and tensor.layout == torch.strided
-        and tensor.is_contiguous()
-        and not tensor.dtype.is_complex
-        and not _quantized(tensor)
-        and tensor.element_size() <= ALIGN
-        and tensor.numel() > 0
     )
 
 
-def _quantized(tensor: torch.Tensor) -> bool:
-    return bool(getattr(tensor, "is_quantized", False))
+def _sliceable(tensor: torch.Tensor) -> bool:
+    return (
+        plain(tensor)
+        and tensor.device.type not in ("cpu", "meta")
+        and tensor.is_contiguous()
+        and not tensor.dtype.is_complex
+        and not tensor.is_quantized
+        and tensor.element_size() <= ALIGN
+        and tensor.numel() > 0
+    )
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -110,10 +117,3 @@ def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
         offsets.append(total)
         total += -(-_nbytes(tensor) // ALIGN) * ALIGN
     return offsets, total
-
-
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1

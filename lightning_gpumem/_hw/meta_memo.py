@@ -39,7 +39,7 @@ _SCALARS = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torc
 _UPDATES = ("foreach_", "fused_")
 _PLAIN = (Tensor, torch.nn.Parameter)  # not a subclass whose ops may do more
 _BYPASS = object()  # a signature whose outputs cannot be redone by hand
-_VOID = ("void", type(None))  # the recipe of an op that returns nothing
+_VOID = ("void",)  # the recipe of an op that returns nothing
 
 
 class _Unkeyable(Exception):
@@ -81,7 +81,7 @@ class MetaMemo:
         out = func(*args, **kwargs)
         if known is None:
             try:
-                self._known[key] = _recipe(out, args, kwargs, void_ok=update)
+                self._known[key] = _recipe(out, args, kwargs)
             except Exception:  # outputs it cannot read (a sparse tensor's storage): asked each time
                 self._known[key] = _BYPASS
         return out
@@ -128,12 +128,10 @@ def _key(value: Any, values: bool = True) -> Any:
     raise _Unkeyable
 
 
-def _recipe(out: Any, args: Any, kwargs: Any, void_ok: bool) -> Any:
+def _recipe(out: Any, args: Any, kwargs: Any) -> Any:
     """What :func:`_remake` needs to make outputs like ``out``; :data:`_BYPASS` where it cannot."""
-    if out is not None and type(out) not in (list, tuple, Tensor):
+    if out is None or type(out) not in (list, tuple, Tensor) or (not isinstance(out, Tensor) and not out):
         return _BYPASS
-    if out is None or (not isinstance(out, Tensor) and not out):
-        return ("void", type(out)) if void_ok else _BYPASS
     outputs = out if isinstance(out, (list, tuple)) else [out]
     inputs = {id(t.untyped_storage()) for t in tensors_in((args, kwargs))}
     made: list[Any] = []
@@ -166,7 +164,7 @@ def _recipe(out: Any, args: Any, kwargs: Any, void_ok: bool) -> Any:
 def _remake(recipe: Any) -> Any:
     kind = recipe[0]
     if kind == "void":
-        return None if recipe[1] is type(None) else recipe[1]()
+        return None
     made = [
         None if spec is None else torch.empty_strided(spec[0], spec[1], dtype=spec[2], device="meta")
         for spec in recipe[1]

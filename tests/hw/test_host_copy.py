@@ -90,7 +90,7 @@ def test_touching_pages_writes_one_byte_of_every_page_from_the_threads_asked(mon
 
 
 def test_the_threads_are_the_cpus_the_process_may_use_at_most_eight(monkeypatch):
-    monkeypatch.setattr(host_copy, "_cpus", lambda: 32)
+    monkeypatch.setattr(host_copy, "cores", lambda: 32)
     sizes: list[int] = []
     original = host_copy.ThreadPoolExecutor
 

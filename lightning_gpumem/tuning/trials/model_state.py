@@ -22,7 +22,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_gpumem._hw.host_copy import host_copies
+from lightning_gpumem._hw.host_copy import host_copies, plain
 from lightning_gpumem._hw.probe import host_available_bytes
 
 
@@ -238,10 +238,7 @@ def _key(tensor: torch.Tensor) -> tuple[Any, ...]:
 
 def _view_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
     """What ``tensor`` is a view of, the same for every tensor of the same elements (``None``: not known)."""
-    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.layout != torch.strided:
-        return None
-    # nested: no plain geometry; conjugate or negative views: not their storage's values
-    if tensor.is_nested or tensor.is_conj() or tensor.is_neg():
+    if not plain(tensor):
         return None
     try:
         pointer = tensor.untyped_storage().data_ptr()
