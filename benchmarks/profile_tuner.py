@@ -29,6 +29,7 @@ import _harness as H
 import tuner as bench
 
 from lightning_gpumem._hw import allocator as allocator_module
+from lightning_gpumem._hw import host_copy as _host_copy
 from lightning_gpumem.tuning import traced_start as _traced
 from lightning_gpumem.tuning.trials import bench as bench_module
 from lightning_gpumem.tuning.trials import measure as measure_module
@@ -38,6 +39,7 @@ from lightning_gpumem.tuning.trials import session as _session
 STAGES = [  # (owner, attribute, label)
     (_session.TrialSession, "__enter__", "session enter (snapshot)"),
     (_state.ModelState, "__init__", "  of which: state snapshot"),
+    (_host_copy, "touch_pages", "    of which: the host buffer's pages touched"),
     (_session.TrialSession, "__exit__", "session exit (restore, apply)"),
     (_state.ModelState, "restore", "  of which: state restore"),
     (_session.TrialSession, "prepare", "trial prepare"),
@@ -53,7 +55,8 @@ STAGES = [  # (owner, attribute, label)
     (_traced.TracedStart, "_fork", "  of which: the traces' forks"),
     (_traced.TracedStart, "_local", "trace: the guess (the wait for the traces included)"),
     (_traced.TracedStart, "_join", "  of which: the wait for the traces"),
-    (_traced.TracedStart, "_replays", "  of which: the check's replays"),
+    (_traced.TracedStart, "_later", "  of which: the check's forks (beside the guess's trial)"),
+    (_traced.TracedStart, "_settle", "trace: the wait for the check (after the guess's trial)"),
 ]
 
 
