@@ -74,8 +74,9 @@ workload and a budget ``B`` (``--budget-gib``, default 24 GiB):
    a failure but marks the result *uncertain*; a size that passed above one that failed is reported as
    non-monotone.
 3. **Output.** A Markdown table per workload on stdout (finder | batch size | fraction of true max | trials | OOMs |
-   search s | 50-step fit + val) and the line ``true max = N (k candidate processes, s seconds)``; progress lines on
-   stderr; ``--json PATH`` writes every number (rewritten after each workload, so a cut-off run keeps what it had).
+   search s | N-step fit + val, N from ``--fit-steps``) and the line ``true max = N (k candidate processes,
+   s seconds)``; progress lines on stderr; ``--json PATH`` writes every number (rewritten after each workload,
+   so a cut-off run keeps what it had).
 
 On a GPU, one process runs a plain training step of the first workload at batch size 1 before any finder: the
 first process on a machine loads the CUDA libraries from disk, a cost that would otherwise fall on whichever finder
@@ -885,10 +886,12 @@ def _table(model: str, w: M.Workload, entry: dict[str, Any], budget_bytes: int, 
     param_text = ""
     if params:
         param_text = f", {params / 1e6:.1f}M parameters" if params >= 1e6 else f", {params:,} parameters"
+    steps = next((r["fit_steps"] for r in entry["finders"].values() if r.get("fit_steps")), None)
+    fit = f"{steps}-step fit" if steps else "fit"  # the fit after the search, as --fit-steps set it
     lines = [
         f"### {model}: {M.describe(w)}{param_text} ({budget})",
         "",
-        "| finder | batch size | fraction of true max | trials | OOMs | search s | 50-step fit + val |",
+        f"| finder | batch size | fraction of true max | trials | OOMs | search s | {fit} + val |",
         "|---|---|---|---|---|---|---|",
     ]
     for finder in [*FINDERS, *(k for k in entry["finders"] if k not in FINDERS)]:
